@@ -1,0 +1,95 @@
+#include "eplb/placement_io.hpp"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "eplb/atomic_file.hpp"
+
+namespace fulcrum::eplb {
+
+nlohmann::json placement_to_json(const Placement& placement, const LoadMatrix* loads) {
+  nlohmann::json doc;
+  doc["num_gpus"] = placement.topology.num_gpus;
+  doc["num_nodes"] = placement.topology.num_nodes;
+  doc["num_physical_experts"] = placement.num_physical_experts();
+  doc["num_logical_experts"] = placement.num_logical_experts;
+  auto& map = doc["physical_to_logical_map"] = nlohmann::json::array();
+  for (int l = 0; l < placement.num_layers; ++l) {
+    auto layer = placement.layer(l);
+    map.push_back(std::vector<int32_t>(layer.begin(), layer.end()));
+  }
+  if (loads != nullptr) {
+    auto& counts = doc["logical_count"] = nlohmann::json::array();
+    for (int l = 0; l < loads->num_layers; ++l) {
+      auto layer = loads->layer(l);
+      counts.push_back(std::vector<double>(layer.begin(), layer.end()));
+    }
+  }
+  return doc;
+}
+
+namespace {
+
+int int_field(const nlohmann::json& doc, const char* key, int fallback, const std::string& origin) {
+  if (!doc.contains(key)) return fallback;
+  FULCRUM_CHECK(doc[key].is_number_integer(), "{}: \"{}\" must be an integer, got {}", origin, key, doc[key].dump());
+  return doc[key].get<int>();
+}
+
+}  // namespace
+
+Placement parse_placement_json(const std::string& text, const std::string& origin) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error(fmt::format("{}: invalid JSON at byte {}", origin, e.byte));
+  }
+  FULCRUM_CHECK(doc.is_object() && doc.contains("physical_to_logical_map"),
+                "{}: expected an object with \"physical_to_logical_map\"", origin);
+  const auto& map = doc["physical_to_logical_map"];
+  FULCRUM_CHECK(map.is_array() && !map.empty() && map[0].is_array() && !map[0].empty(),
+                "{}: physical_to_logical_map must be a non-empty [layers][slots] array", origin);
+  Topology topo;
+  topo.num_physical_experts = static_cast<int>(map[0].size());
+  topo.num_gpus = int_field(doc, "num_gpus", 1, origin);
+  topo.num_nodes = int_field(doc, "num_nodes", 1, origin);
+  int max_id = -1;
+  std::vector<int32_t> flat;
+  for (size_t l = 0; l < map.size(); ++l) {
+    FULCRUM_CHECK(map[l].is_array() && map[l].size() == map[0].size(),
+                  "{}: physical_to_logical_map[{}] has {} slots, expected {}", origin, l,
+                  map[l].is_array() ? map[l].size() : 0, map[0].size());
+    for (size_t s = 0; s < map[l].size(); ++s) {
+      FULCRUM_CHECK(map[l][s].is_number_integer(), "{}: physical_to_logical_map[{}][{}] is not an integer: {}",
+                    origin, l, s, map[l][s].dump());
+      flat.push_back(map[l][s].get<int32_t>());
+      max_id = std::max(max_id, flat.back());
+    }
+  }
+  int num_logical = max_id + 1;
+  if (doc.contains("logical_count") && doc["logical_count"].is_array() && !doc["logical_count"].empty() &&
+      doc["logical_count"][0].is_array()) {
+    num_logical = static_cast<int>(doc["logical_count"][0].size());
+  }
+  num_logical = int_field(doc, "num_logical_experts", num_logical, origin);
+  Placement placement(topo, static_cast<int>(map.size()), num_logical);
+  FULCRUM_CHECK(static_cast<int>(map[0].size()) == placement.num_physical_experts(), "{}: inconsistent slot count",
+                origin);
+  placement.physical_to_logical_map = std::move(flat);
+  try {
+    placement.validate();
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: {}", origin, e.what()));
+  }
+  return placement;
+}
+
+Placement read_placement_file(const std::string& path) { return parse_placement_json(read_text_file(path), path); }
+
+void write_placement_file(const std::string& path, const Placement& placement, const LoadMatrix* loads) {
+  write_file_atomically(path, placement_to_json(placement, loads).dump() + "\n");
+}
+
+}  // namespace fulcrum::eplb
