@@ -2,8 +2,11 @@
 // Paths to the shared golden data and real loads, and small helpers the tests share.
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "eplb/error.hpp"
 
 namespace fulcrum::test {
 
@@ -27,6 +30,16 @@ inline std::vector<std::string> golden_eplb_files() {
   }
   std::sort(files.begin(), files.end());
   return files;
+}
+
+// The message of the fulcrum::Error that `f` throws, or "" when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace fulcrum::test

@@ -6,9 +6,8 @@
 #include <fstream>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 
 namespace fulcrum::eplb {
 namespace {
@@ -28,20 +27,6 @@ double parse_load_value(std::string_view field, const std::string& where) {
   FULCRUM_CHECK(std::isfinite(value), "{}: load '{}' is not finite", where, field);
   FULCRUM_CHECK(value >= 0.0, "{}: load {} is negative", where, value);
   return value;
-}
-
-// Line number (1-based) of a byte offset, for JSON syntax errors.
-size_t line_of_offset(const std::string& text, size_t offset) {
-  offset = std::min(offset, text.size());
-  return 1 + static_cast<size_t>(std::count(text.begin(), text.begin() + static_cast<long>(offset), '\n'));
-}
-
-nlohmann::json parse_json(const std::string& text, const std::string& origin) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error(fmt::format("{}:{}: invalid JSON (byte {})", origin, line_of_offset(text, e.byte), e.byte));
-  }
 }
 
 // One [L][E] JSON array into a matrix; `path` names it in errors.
@@ -108,7 +93,7 @@ LoadMatrix parse_loads_csv(const std::string& text, const std::string& origin) {
 }
 
 std::vector<LoadMatrix> parse_load_windows_json(const std::string& text, const std::string& origin) {
-  const nlohmann::json doc = parse_json(text, origin);
+  const nlohmann::json doc = parse_json_text(text, origin);
   FULCRUM_CHECK(doc.is_object() && doc.contains("logical_count"), "{}: expected an object with \"logical_count\"",
                 origin);
   const auto& counts = doc["logical_count"];

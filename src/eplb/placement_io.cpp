@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "eplb/atomic_file.hpp"
+#include "eplb/json_text.hpp"
 
 namespace fulcrum::eplb {
 
@@ -40,12 +41,7 @@ int int_field(const nlohmann::json& doc, const char* key, int fallback, const st
 }  // namespace
 
 Placement parse_placement_json(const std::string& text, const std::string& origin) {
-  nlohmann::json doc;
-  try {
-    doc = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error(fmt::format("{}: invalid JSON at byte {}", origin, e.byte));
-  }
+  const nlohmann::json doc = parse_json_text(text, origin);
   FULCRUM_CHECK(doc.is_object() && doc.contains("physical_to_logical_map"),
                 "{}: expected an object with \"physical_to_logical_map\"", origin);
   const auto& map = doc["physical_to_logical_map"];
