@@ -9,6 +9,7 @@
 #include "cli/commands.hpp"
 #include "cli/topology_flags.hpp"
 #include "eplb/metrics.hpp"
+#include "eplb/migration_plan.hpp"
 #include "eplb/placement_io.hpp"
 
 namespace fulcrum::cli {
@@ -40,6 +41,8 @@ void run_plan(const PlanFlags& flags) {
   const eplb::PlacementReport report = eplb::evaluate_placement(placement, loads);
 
   if (!flags.output_file.empty()) eplb::write_placement_file(flags.output_file, placement, &loads);
+  std::unique_ptr<eplb::MigrationPlan> migration;
+  if (current) migration = std::make_unique<eplb::MigrationPlan>(eplb::plan_migration(*current, placement));
 
   if (flags.json) {
     nlohmann::json out;
@@ -54,7 +57,13 @@ void run_plan(const PlanFlags& flags) {
     out["balancedness_per_layer"] = report.balancedness_per_layer;
     out["lower_bound_balancedness_mean"] = report.lower_bound_balancedness_mean;
     out["plan_seconds"] = plan_seconds;
-    if (current) out["experts_moved"] = eplb::experts_moved(*current, placement);
+    if (migration) {
+      out["experts_moved"] = migration->num_transfers();
+      out["migration"] = {{"local_copies", migration->num_local},
+                          {"intra_node_transfers", migration->num_intra_node},
+                          {"inter_node_transfers", migration->num_inter_node},
+                          {"max_received_per_gpu_layer", migration->max_received_per_gpu_layer}};
+    }
     if (!flags.output_file.empty()) out["output"] = flags.output_file;
     std::printf("%s\n", out.dump().c_str());
     return;
@@ -65,7 +74,10 @@ void run_plan(const PlanFlags& flags) {
              placement.topology.num_nodes);
   fmt::print("balancedness         mean {:.4f}  min {:.4f}  (lower bound allows {:.4f})\n", report.balancedness_mean,
              report.balancedness_min, report.lower_bound_balancedness_mean);
-  if (current) fmt::print("experts moved        {}\n", eplb::experts_moved(*current, placement));
+  if (migration) {
+    fmt::print("experts moved        {} ({} local copies, {} within a node, {} across nodes)\n",
+               migration->num_transfers(), migration->num_local, migration->num_intra_node, migration->num_inter_node);
+  }
   fmt::print("plan time            {:.3f} ms\n", plan_seconds * 1e3);
   if (!flags.output_file.empty()) fmt::print("placement written to {}\n", flags.output_file);
 }
