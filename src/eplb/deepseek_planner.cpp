@@ -5,8 +5,9 @@
 // Like the reference, loads are float32 and per-pack sums are accumulated in float32: a float64 port
 // orders near-equal packs differently on at least one golden case.
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <numeric>
-#include <queue>
 
 #include "eplb/planner.hpp"
 
@@ -18,6 +19,18 @@ struct Packing {
   std::vector<int> rank_in_pack;  // [num_items]
 };
 
+// Orderable keys: a non-negative float's bit pattern orders like the float, so (value, index) pairs pack
+// into one integer and heaps/sorts compare integers (several times faster than comparing pairs).
+uint64_t key_ascending(float value, int idx) {
+  return (static_cast<uint64_t>(std::bit_cast<uint32_t>(value)) << 32) | static_cast<uint32_t>(idx);
+}
+// Larger value first; on equal values the lower index first.
+uint64_t key_descending(float value, int idx) {
+  return (static_cast<uint64_t>(std::bit_cast<uint32_t>(value)) << 32) | (0xffffffffu - static_cast<uint32_t>(idx));
+}
+int idx_of_ascending(uint64_t key) { return static_cast<int>(key & 0xffffffffu); }
+int idx_of_descending(uint64_t key) { return static_cast<int>(0xffffffffu - (key & 0xffffffffu)); }
+
 // Items (weights) into num_packs packs of equal item count; heaviest first into the lightest pack with room.
 // Equal weights keep index order; equal pack sums pick the lowest pack index.
 Packing balanced_packing(const std::vector<float>& weight, int num_packs) {
@@ -28,19 +41,27 @@ Packing balanced_packing(const std::vector<float>& weight, int num_packs) {
     std::iota(packing.pack_idx.begin(), packing.pack_idx.end(), 0);
     return packing;
   }
-  std::vector<int> order(num_items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return weight[a] > weight[b]; });
+  std::vector<uint64_t> order(num_items);
+  for (int i = 0; i < num_items; ++i) order[i] = key_descending(weight[i], i);
+  std::sort(order.begin(), order.end(), std::greater<>());
+  // The lightest pack with room, lowest index on ties: a tournament tree of (sum, index) keys whose root is
+  // the minimum; a full pack's key is the maximum. One update costs log2(packs) integer mins.
+  int num_leaves = 1;
+  while (num_leaves < num_packs) num_leaves *= 2;
+  std::vector<uint64_t> tree(2 * static_cast<size_t>(num_leaves), UINT64_MAX);
+  for (int p = 0; p < num_packs; ++p) tree[num_leaves + p] = key_ascending(0.0f, p);
+  for (int i = num_leaves - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
   std::vector<float> pack_weight(num_packs, 0.0f);
   std::vector<int> pack_items(num_packs, 0);
-  for (int item : order) {
-    int best = -1;
-    for (int p = 0; p < num_packs; ++p) {
-      if (pack_items[p] < items_per_pack && (best < 0 || pack_weight[p] < pack_weight[best])) best = p;
-    }
+  for (uint64_t item_key : order) {
+    const int item = idx_of_descending(item_key);
+    const int best = idx_of_ascending(tree[1]);
     packing.pack_idx[item] = best;
     packing.rank_in_pack[item] = pack_items[best]++;
     pack_weight[best] += weight[item];
+    int node = num_leaves + best;
+    tree[node] = pack_items[best] < items_per_pack ? key_ascending(pack_weight[best], best) : UINT64_MAX;
+    for (node /= 2; node >= 1; node /= 2) tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
   }
   return packing;
 }
@@ -53,18 +74,16 @@ void replicate_experts(const std::vector<float>& weight, int num_physical, std::
   slot_to_expert.resize(num_physical);
   std::iota(slot_to_expert.begin(), slot_to_expert.begin() + num_experts, 0);
   counts.assign(num_experts, 1);
-  // Max-heap on (load per replica, then lower index first).
-  auto less = [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
-    return a.first < b.first || (a.first == b.first && a.second > b.second);
-  };
-  std::priority_queue<std::pair<float, int>, std::vector<std::pair<float, int>>, decltype(less)> heap(less);
-  for (int e = 0; e < num_experts; ++e) heap.emplace(weight[e], e);
+  std::vector<uint64_t> heap(num_experts);  // max-heap on load per replica
+  for (int e = 0; e < num_experts; ++e) heap[e] = key_descending(weight[e], e);
+  std::make_heap(heap.begin(), heap.end());
   for (int slot = num_experts; slot < num_physical; ++slot) {
-    const int e = heap.top().second;
-    heap.pop();
+    std::pop_heap(heap.begin(), heap.end());
+    const int e = idx_of_descending(heap.back());
     slot_to_expert[slot] = e;
     ++counts[e];
-    heap.emplace(weight[e] / static_cast<float>(counts[e]), e);
+    heap.back() = key_descending(weight[e] / static_cast<float>(counts[e]), e);
+    std::push_heap(heap.begin(), heap.end());
   }
 }
 
