@@ -97,11 +97,12 @@ struct BalancedDispatch {
 };
 
 // Splits a batch's tokens over replicas with the smallest possible max GPU load (exact, integer tokens):
-// binary search on the max load L between a lower bound max(max fixed load, ceil(W/G)) and a greedy
-// water-filling upper bound, feasibility by max-flow (experts -> GPUs holding them -> capacity L - fixed
-// load); only experts on two or more GPUs enter the flow. Each source GPU's tokens then go to its local
-// replica first, then to same-node replicas, then to the rest. Built once per layer map; split() reuses
-// scratch buffers so it can run every forward pass.
+// from the lower bound L = max(max fixed load, ceil(W/G)), a max-flow (experts -> GPUs holding them ->
+// capacity L - fixed load) either routes all tokens or its min cut raises L to a proven bound, and the
+// flow continues; only experts on two or more GPUs enter the flow. Each source GPU's tokens then go to its local
+// replica first (all sources, before any spill), then to same-node replicas, then to the rest.
+// A (source, slot) pair appears in at most one route: a pass moves on only once a share or a source is
+// spent. Built once per layer map; split() reuses scratch buffers so it can run every forward pass.
 class BalancedSplitter {
  public:
   BalancedSplitter(std::span<const int32_t> layer_map, int num_logical_experts, const Topology& topo);
@@ -113,10 +114,10 @@ class BalancedSplitter {
   int num_logical_experts() const { return num_experts_; }
 
  private:
-  bool feasible(int64_t max_load);  // max-flow at capacity max_load; leaves the flow in edge_residual_
+  // Smallest max GPU load >= lower that routes every flexible token; leaves that flow in edge_residual_.
+  int64_t min_max_load(int64_t lower);
   int64_t augment(int node, int64_t limit);
 
-  Topology topo_;
   int num_gpus_ = 0;
   int num_experts_ = 0;
   ReplicaIndex replicas_;
@@ -124,6 +125,7 @@ class BalancedSplitter {
   // (expert, GPU) pair: pair_slots_[pair_slot_offsets_[pair] ..].
   std::vector<int32_t> expert_gpu_offsets_, expert_gpus_, pair_slot_offsets_, pair_slots_;
   std::vector<int32_t> flexible_experts_;  // experts on >= 2 GPUs
+  std::vector<int32_t> gpu_node_;          // node of each GPU, without a division per lookup
 
   // Flow network: node 0 source, 1..F flexible experts, F+1..F+G GPUs, F+G+1 sink. Edge pairs (fwd, rev).
   // Edge 2k is forward, 2k+1 its reverse; node_edges_[node_edge_offsets_[v] ..] lists the edges leaving v.
@@ -133,7 +135,7 @@ class BalancedSplitter {
   std::vector<int32_t> level_, next_edge_, bfs_queue_;
 
   // Scratch reused by split().
-  std::vector<int64_t> expert_tokens_, fixed_load_, pair_tokens_, pair_left_;
+  std::vector<int64_t> expert_tokens_, fixed_load_, pair_tokens_, pair_left_, source_left_;
 };
 
 }  // namespace fulcrum::eplb

@@ -1,8 +1,9 @@
 // Balanced dispatch: per batch, split each expert's tokens over its replicas to minimize the max GPU load.
 // Only the total per expert matters for GPU loads (any source may use any replica), so the split is a
 // transportation problem: experts on one GPU are fixed load there; experts on >= 2 GPUs ("flexible") flow
-// into their GPUs. Binary search on the max load L with a Dinic max-flow feasibility test is exact for
-// integer tokens; the greedy water-filling bound keeps the search short (often zero flows are needed).
+// into their GPUs, each GPU taking at most L minus its fixed load. Starting from a lower bound on L, a
+// Dinic max-flow either routes everything (L is optimal) or its min cut proves a higher bound; L rises to
+// it and the same flow continues. Exact for integer tokens, usually one or two rounds.
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -13,7 +14,7 @@ namespace fulcrum::eplb {
 
 BalancedSplitter::BalancedSplitter(std::span<const int32_t> layer_map, int num_logical_experts,
                                    const Topology& topo)
-    : topo_(topo), num_gpus_(topo.num_gpus), num_experts_(num_logical_experts),
+    : num_gpus_(topo.num_gpus), num_experts_(num_logical_experts),
       replicas_(layer_map, num_logical_experts, topo) {
   // Distinct GPUs per expert (slots ascending, so GPUs ascending) and the slots of each (expert, GPU) pair.
   expert_gpu_offsets_.push_back(0);
@@ -63,6 +64,7 @@ BalancedSplitter::BalancedSplitter(std::span<const int32_t> layer_map, int num_l
   }
   edge_cap_.assign(edge_to_.size(), 0);
   edge_residual_.assign(edge_to_.size(), 0);
+  for (int g = 0; g < num_gpus_; ++g) gpu_node_.push_back(topo.node_of_gpu(g));
   level_.resize(num_nodes);
   next_edge_.resize(num_nodes);
   bfs_queue_.resize(num_nodes);
@@ -85,25 +87,25 @@ int64_t BalancedSplitter::augment(int node, int64_t limit) {
   return 0;
 }
 
-bool BalancedSplitter::feasible(int64_t max_load) {
+int64_t BalancedSplitter::min_max_load(int64_t lower) {
   const int num_flexible = static_cast<int>(flexible_experts_.size());
   const int num_edges_half = static_cast<int>(edge_to_.size()) / 2;
+  const int gpu_edge_half = num_edges_half - num_gpus_;  // first GPU -> sink edge pair
   int64_t needed = 0;
+  std::fill(edge_cap_.begin(), edge_cap_.end(), 0);
   for (int i = 0; i < num_flexible; ++i) {
     const int64_t t = expert_tokens_[flexible_experts_[i]];
     edge_cap_[2 * i] = t;
     needed += t;
   }
-  for (int k = num_flexible; k < num_edges_half - num_gpus_; ++k) edge_cap_[2 * k] = std::numeric_limits<int64_t>::max() / 4;
-  for (int g = 0; g < num_gpus_; ++g) {
-    const int64_t room = max_load - fixed_load_[g];
-    if (room < 0) return false;
-    edge_cap_[2 * (num_edges_half - num_gpus_ + g)] = room;
-  }
+  for (int k = num_flexible; k < gpu_edge_half; ++k) edge_cap_[2 * k] = std::numeric_limits<int64_t>::max() / 4;
+  for (int g = 0; g < num_gpus_; ++g) edge_cap_[2 * (gpu_edge_half + g)] = lower - fixed_load_[g];
   std::copy(edge_cap_.begin(), edge_cap_.end(), edge_residual_.begin());
   const int num_nodes = static_cast<int>(level_.size());
-  int64_t flow = 0;
-  while (flow < needed) {
+  const int first_gpu_node = 1 + num_flexible;
+  int64_t max_load = lower, flow = 0;
+  while (true) {
+    // Dinic phase: BFS levels from the source; augment along them until blocked.
     std::fill(level_.begin(), level_.end(), -1);
     int head = 0, tail = 0;
     bfs_queue_[tail++] = 0;
@@ -118,11 +120,24 @@ bool BalancedSplitter::feasible(int64_t max_load) {
         }
       }
     }
-    if (level_[num_nodes - 1] < 0) break;
-    std::copy(node_edge_offsets_.begin(), node_edge_offsets_.end() - 1, next_edge_.begin());
-    while (const int64_t pushed = augment(0, needed - flow)) flow += pushed;
+    if (level_[num_nodes - 1] >= 0) {
+      std::copy(node_edge_offsets_.begin(), node_edge_offsets_.end() - 1, next_edge_.begin());
+      while (const int64_t pushed = augment(0, needed - flow)) flow += pushed;
+      continue;
+    }
+    if (flow == needed) return max_load;
+    // Max flow at this level falls short. The min cut's GPUs S (reachable from the source) must absorb
+    // the deficit: any feasible level is >= max_load + ceil(deficit / |S|). Raising every GPU's room by
+    // that keeps the current flow valid, so the search only ever continues, never restarts.
+    int num_cut_gpus = 0;
+    for (int g = 0; g < num_gpus_; ++g) num_cut_gpus += level_[first_gpu_node + g] >= 0 ? 1 : 0;
+    const int64_t raise = (needed - flow + num_cut_gpus - 1) / num_cut_gpus;
+    max_load += raise;
+    for (int g = 0; g < num_gpus_; ++g) {
+      edge_cap_[2 * (gpu_edge_half + g)] += raise;
+      edge_residual_[2 * (gpu_edge_half + g)] += raise;
+    }
   }
-  return flow == needed;
 }
 
 void BalancedSplitter::split(std::span<const int64_t> tokens, BalancedDispatch& out) {
@@ -150,67 +165,31 @@ void BalancedSplitter::split(std::span<const int64_t> tokens, BalancedDispatch& 
   int64_t lower = (total + num_gpus_ - 1) / num_gpus_;
   for (int64_t f : fixed_load_) lower = std::max(lower, f);
 
-  // Upper bound: greedy water-filling of flexible experts, heaviest first, over their GPUs.
+  // Exact min-max split of the flexible experts; the flow on each expert -> GPU edge is that pair's share.
+  min_max_load(lower);
+  for (int e : flexible_experts_) {
+    for (int p = expert_gpu_offsets_[e]; p < expert_gpu_offsets_[e + 1]; ++p) {
+      pair_tokens_[p] = edge_cap_[pair_edge_[p]] - edge_residual_[pair_edge_[p]];
+    }
+  }
   std::vector<int64_t>& load = out.gpu_loads;
-  load.assign(fixed_load_.begin(), fixed_load_.end());
-  std::vector<int32_t> order(flexible_experts_);
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    return expert_tokens_[a] > expert_tokens_[b] || (expert_tokens_[a] == expert_tokens_[b] && a < b);
-  });
-  for (int e : order) {
-    const int first = expert_gpu_offsets_[e], count = expert_gpu_offsets_[e + 1] - first;
-    // Raise the lowest GPUs of this expert to a common level: find how many reach it, then the level.
-    int64_t left = expert_tokens_[e];
-    while (left > 0) {
-      int64_t low = std::numeric_limits<int64_t>::max(), second = low;
-      int num_low = 0;
-      for (int p = first; p < first + count; ++p) {
-        const int64_t l = load[expert_gpus_[p]];
-        if (l < low) { second = low; low = l; num_low = 1; }
-        else if (l == low) ++num_low;
-        else if (l < second) second = l;
-      }
-      // Fill the num_low lowest GPUs up to `second` (or spend everything), round-robin for the remainder.
-      const int64_t room = second == std::numeric_limits<int64_t>::max() ? left : (second - low) * num_low;
-      const int64_t give = std::min(left, room);
-      const int64_t each = give / num_low;
-      int64_t extra = give % num_low;
-      for (int p = first; p < first + count; ++p) {
-        const int gpu = expert_gpus_[p];
-        if (load[gpu] != low) continue;
-        const int64_t amount = each + (extra > 0 ? 1 : 0);
-        if (extra > 0) --extra;
-        load[gpu] += amount;
-        pair_tokens_[p] += amount;
-      }
-      left -= give;
-    }
-  }
-  int64_t upper = *std::max_element(load.begin(), load.end());
-
-  // Exact: smallest feasible max load in [lower, upper]; the flow of the best feasible L gives the split.
-  while (lower < upper) {
-    const int64_t mid = lower + (upper - lower) / 2;
-    if (!feasible(mid)) { lower = mid + 1; continue; }
-    upper = mid;
-    for (int e : flexible_experts_) {
-      for (int p = expert_gpu_offsets_[e]; p < expert_gpu_offsets_[e + 1]; ++p) {
-        pair_tokens_[p] = edge_cap_[pair_edge_[p]] - edge_residual_[pair_edge_[p]];
-      }
-    }
-  }
   load.assign(num_gpus_, 0);
   for (int e = 0; e < num_experts_; ++e) {
     for (int p = expert_gpu_offsets_[e]; p < expert_gpu_offsets_[e + 1]; ++p) load[expert_gpus_[p]] += pair_tokens_[p];
   }
   out.max_gpu_load = *std::max_element(load.begin(), load.end());
 
-  // Routes: each source's tokens to its local replica first, then same node, then anywhere.
+  // Routes: every source's tokens to its local replica first, then same node, then anywhere.
   out.expert_route_offsets.assign(num_experts_ + 1, 0);
   out.routes.clear();
   pair_left_.assign(pair_tokens_.begin(), pair_tokens_.end());
+  source_left_.resize(num_gpus_);
   auto emit = [&](int src, int p, int64_t count) {
     const int first_slot = pair_slot_offsets_[p], num_slots = pair_slot_offsets_[p + 1] - first_slot;
+    if (num_slots == 1) {
+      out.routes.push_back({src, pair_slots_[first_slot], count});
+      return;
+    }
     for (int s = 0; s < num_slots; ++s) {  // several replicas on one GPU share its tokens evenly
       const int64_t part = count / num_slots + (s < count % num_slots ? 1 : 0);
       if (part > 0) out.routes.push_back({src, pair_slots_[first_slot + s], part});
@@ -218,15 +197,29 @@ void BalancedSplitter::split(std::span<const int64_t> tokens, BalancedDispatch& 
   };
   for (int e = 0; e < num_experts_; ++e) {
     const int first = expert_gpu_offsets_[e], last = expert_gpu_offsets_[e + 1];
-    for (int src = 0; src < num_gpus_; ++src) {
-      int64_t left = tokens[static_cast<size_t>(src) * num_experts_ + e];
-      if (left == 0) continue;
-      const int src_node = topo_.node_of_gpu(src);
-      for (int pass = 0; pass < 3 && left > 0; ++pass) {
+    if (last - first == 1) {  // one GPU: every source goes there
+      for (int src = 0; src < num_gpus_; ++src) {
+        const int64_t count = tokens[static_cast<size_t>(src) * num_experts_ + e];
+        if (count > 0) emit(src, first, count);
+      }
+      out.expert_route_offsets[e + 1] = static_cast<int32_t>(out.routes.size());
+      continue;
+    }
+    for (int src = 0; src < num_gpus_; ++src) source_left_[src] = tokens[static_cast<size_t>(src) * num_experts_ + e];
+    // All sources take their local share before anyone spills onto another GPU's share.
+    for (int p = first; p < last; ++p) {
+      const int src = expert_gpus_[p];
+      const int64_t take = std::min(source_left_[src], pair_left_[p]);
+      if (take == 0) continue;
+      pair_left_[p] -= take;
+      source_left_[src] -= take;
+      emit(src, p, take);
+    }
+    for (int pass = 1; pass < 3; ++pass) {  // 1: same node, 2: anywhere
+      for (int src = 0; src < num_gpus_; ++src) {
+        int64_t& left = source_left_[src];
         for (int p = first; p < last && left > 0; ++p) {
-          const int gpu = expert_gpus_[p];
-          const bool wanted = pass == 0 ? gpu == src : pass == 1 ? topo_.node_of_gpu(gpu) == src_node : true;
-          if (!wanted || pair_left_[p] == 0) continue;
+          if (pair_left_[p] == 0 || (pass == 1 && gpu_node_[expert_gpus_[p]] != gpu_node_[src])) continue;
           const int64_t take = std::min(left, pair_left_[p]);
           pair_left_[p] -= take;
           left -= take;
