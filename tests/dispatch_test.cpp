@@ -232,6 +232,12 @@ TEST(BalancedDispatch, RejectsWrongShapes) {
   BalancedSplitter splitter(full, 6, topo);
   BalancedDispatch out;
   EXPECT_THROW(splitter.split(std::vector<int64_t>(7, 1), out), Error);
+  std::vector<int64_t> tokens(18, 1);
+  tokens[4] = -1;
+  EXPECT_THROW(splitter.split(tokens, out), Error);
+  splitter.split(std::vector<int64_t>(18, 0), out);  // an empty batch is fine
+  EXPECT_EQ(out.max_gpu_load, 0);
+  EXPECT_TRUE(out.routes.empty());
 }
 
 }  // namespace

@@ -146,15 +146,19 @@ void BalancedSplitter::split(std::span<const int64_t> tokens, BalancedDispatch& 
                 num_experts_);
   // Tokens per expert, fixed load of single-GPU experts, lower bound on the max load.
   expert_tokens_.assign(num_experts_, 0);
+  int64_t min_count = 0;
   for (int g = 0; g < num_gpus_; ++g) {
     const int64_t* row = tokens.data() + static_cast<size_t>(g) * num_experts_;
-    for (int e = 0; e < num_experts_; ++e) expert_tokens_[e] += row[e];
+    for (int e = 0; e < num_experts_; ++e) {
+      expert_tokens_[e] += row[e];
+      min_count = std::min(min_count, row[e]);
+    }
   }
+  FULCRUM_CHECK(min_count >= 0, "balanced split got a negative token count ({})", min_count);
   fixed_load_.assign(num_gpus_, 0);
   pair_tokens_.assign(expert_gpus_.size(), 0);
   int64_t total = 0;
   for (int e = 0; e < num_experts_; ++e) {
-    FULCRUM_CHECK(expert_tokens_[e] >= 0, "negative token count for expert {}", e);
     total += expert_tokens_[e];
     const int p = expert_gpu_offsets_[e];
     if (expert_gpu_offsets_[e + 1] - p == 1) {
