@@ -122,6 +122,37 @@ TEST_F(CliTest, BadPlacementsAndFlagsGiveOneLineErrors) {
   expect_one_line_error(run("replan"), "unknown command 'replan'");
 }
 
+TEST_F(CliTest, SimulateReplaysAWindowTraceAsJson) {
+  // Three windows of 2 layers x 4 experts: a hot expert that moves from 2 to 3. The trivial placement
+  // (slots 0..5 hold experts 0 1 2 3 0 1) has one replica of expert 2.
+  const std::string trace = write("trace.json", R"({"logical_count": [
+      [[1, 1, 9, 1], [1, 1, 9, 1]], [[1, 1, 9, 1], [1, 1, 9, 1]], [[1, 1, 1, 9], [1, 1, 1, 9]]]})");
+  const RunResult r = run("simulate --trace " + trace +
+                          " --gpus 2 --physical-experts 6 --rebalance-every 1 --algorithm deepseek --dispatch balanced --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(doc["balancedness_per_window"].size(), 3u);
+  EXPECT_EQ(doc["rebalance_windows"], nlohmann::json::parse("[1, 2]"));
+  EXPECT_EQ(doc["experts_moved"].size(), 2u);
+  const auto& per_window = doc["balancedness_per_window"];
+  // Window 1 runs a plan made from window 0 (same loads): better than window 0's trivial placement.
+  EXPECT_GT(per_window[1].get<double>(), per_window[0].get<double>());
+  EXPECT_DOUBLE_EQ(doc["balancedness_min"].get<double>(),
+                   std::min({per_window[0].get<double>(), per_window[1].get<double>(), per_window[2].get<double>()}));
+}
+
+TEST_F(CliTest, SimulateRejectsBadInput) {
+  const std::string trace = write("t.csv", "1,2,3,4\n");
+  const std::string common = " --gpus 2 --physical-experts 4 --algorithm deepseek";
+  expect_one_line_error(run("simulate --trace " + trace + common + " --rebalance-every 1 --dispatch sideways"), "sideways");
+  expect_one_line_error(run("simulate --trace " + trace + common + " --rebalance-every 0"), "--rebalance-every");
+  expect_one_line_error(run("simulate --trace " + write("bad.csv", "1,2,3,inf\n") + common + " --rebalance-every 1"),
+                        "bad.csv:1 column 4");
+  expect_one_line_error(run("simulate --trace " + trace + " --trace " + write("other.csv", "1,2,3\n") + common +
+                            " --rebalance-every 1"),
+                        "");
+}
+
 TEST_F(CliTest, DemoPrintsTheTableAndWritesTheHeatmap) {
   const std::string svg = (dir_ / "heat.svg").string();
   const RunResult r = run("demo --heatmap " + svg);

@@ -11,7 +11,7 @@ void register_demo_command(CLI::App& app);
 inline void register_commands(CLI::App& app) {
   register_demo_command(app);
   register_plan_command(app);
-  // register_simulate_command(app);
+  register_simulate_command(app);
 }
 
 }  // namespace fulcrum::cli

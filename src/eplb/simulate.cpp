@@ -187,8 +187,9 @@ void validate(const std::vector<LoadMatrix>& windows, const SimulateOptions& opt
   FULCRUM_CHECK(options.rebalance_every >= 1, "rebalance_every must be >= 1 window, got {}", options.rebalance_every);
   FULCRUM_CHECK(options.batch_tokens >= 0, "batch_tokens must be >= 0 (0 = expected loads), got {}", options.batch_tokens);
   FULCRUM_CHECK(options.batches_per_window >= 1, "batches_per_window must be >= 1, got {}", options.batches_per_window);
-  FULCRUM_CHECK(options.top_k >= 1 && options.top_k <= num_experts, "top_k must be in [1, {}] (the experts), got {}",
-                num_experts, options.top_k);
+  // top_k only shapes sampled batches; expected loads already count every chosen expert.
+  FULCRUM_CHECK(options.batch_tokens == 0 || (options.top_k >= 1 && options.top_k <= num_experts),
+                "--top-k must be in [1, {}] (the experts), got {}", num_experts, options.top_k);
 }
 
 }  // namespace
