@@ -8,76 +8,17 @@
 
 #include "eplb/metrics.hpp"
 #include "eplb/planner.hpp"
+#include "eplb/token_sampling.hpp"
 
 namespace fulcrum::eplb {
 namespace {
 
 constexpr double kTokensPerUnitLoad = 1e6;  // expected-loads mode: integer tokens for the balanced splitter
 
-// Walker/Vose alias table: O(1) draws proportional to non-negative weights.
-class AliasTable {
- public:
-  explicit AliasTable(std::span<const double> weight) : prob_(weight.size()), alias_(weight.size()) {
-    const int n = static_cast<int>(weight.size());
-    const double total = std::accumulate(weight.begin(), weight.end(), 0.0);
-    std::vector<double> scaled(n);
-    std::vector<int> small, large;
-    for (int i = 0; i < n; ++i) {
-      scaled[i] = weight[i] * n / total;
-      (scaled[i] < 1.0 ? small : large).push_back(i);
-    }
-    while (!small.empty() && !large.empty()) {
-      const int s = small.back(), l = large.back();
-      small.pop_back();
-      prob_[s] = scaled[s];
-      alias_[s] = l;
-      scaled[l] -= 1.0 - scaled[s];
-      if (scaled[l] < 1.0) { large.pop_back(); small.push_back(l); }
-    }
-    for (int i : large) { prob_[i] = 1.0; alias_[i] = i; }
-    for (int i : small) { prob_[i] = 1.0; alias_[i] = i; }  // rounding leftovers
-  }
-  int draw(SplitMix64& rng) const {
-    const int i = static_cast<int>(rng.below(static_cast<uint32_t>(prob_.size())));
-    return rng.uniform() < prob_[i] ? i : alias_[i];
-  }
-
- private:
-  std::vector<double> prob_;
-  std::vector<int> alias_;
-};
-
 uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c, uint64_t stream) {
   SplitMix64 rng(seed ^ (a * 0x100000001b3ULL) ^ (b << 20) ^ (c << 40) ^ (stream << 60));
   rng.next();
   return rng.next();
-}
-
-// Draws top_k distinct experts, sequentially without replacement proportional to `weight`: redraw on a
-// duplicate (exactly the conditional law), falling back to a scan of the remaining weight when unlucky.
-void draw_token_experts(const AliasTable& table, std::span<const double> weight, int top_k, SplitMix64& rng,
-                        std::vector<int>& chosen) {
-  chosen.clear();
-  while (static_cast<int>(chosen.size()) < top_k) {
-    int expert_idx = -1;
-    for (int attempt = 0; attempt < 32 && expert_idx < 0; ++attempt) {
-      const int e = table.draw(rng);
-      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) expert_idx = e;
-    }
-    if (expert_idx < 0) {
-      double remaining = 0.0;
-      for (size_t e = 0; e < weight.size(); ++e) {
-        if (std::find(chosen.begin(), chosen.end(), static_cast<int>(e)) == chosen.end()) remaining += weight[e];
-      }
-      double target = rng.uniform() * remaining;
-      for (size_t e = 0; e < weight.size(); ++e) {
-        if (weight[e] <= 0.0 || std::find(chosen.begin(), chosen.end(), static_cast<int>(e)) != chosen.end()) continue;
-        expert_idx = static_cast<int>(e);
-        if ((target -= weight[e]) < 0.0) break;
-      }
-    }
-    chosen.push_back(expert_idx);
-  }
 }
 
 // Expected-loads balancedness of one layer.
@@ -127,7 +68,7 @@ double batch_layer_balancedness(std::span<const double> expert_load, std::span<c
   FULCRUM_CHECK(num_positive >= options.top_k,
                 "window {} layer {} has {} experts with positive load; sampling top_k = {} distinct needs that many",
                 window_idx, layer_idx, num_positive, options.top_k);
-  const AliasTable table(expert_load);
+  const std::vector<double> pi = inclusion_probabilities(expert_load, options.top_k);
   StaticDispatchTable static_table;
   if (options.dispatch == DispatchAlgorithm::kStatic) static_table = build_static_dispatch(layer_map, num_experts, topo);
   std::optional<BalancedSplitter> splitter;
@@ -140,6 +81,7 @@ double batch_layer_balancedness(std::span<const double> expert_load, std::span<c
   double sum = 0.0;
   for (int batch_idx = 0; batch_idx < options.batches_per_window; ++batch_idx) {
     SplitMix64 token_rng(mix_seed(options.seed, window_idx, layer_idx, batch_idx, 0));
+    const TokenSampler sampler(pi, options.top_k, token_rng);
     std::optional<DynamicDispatcher> dynamic;
     if (options.dispatch == DispatchAlgorithm::kDynamic) {
       dynamic.emplace(layer_map, num_experts, topo, mix_seed(options.seed, window_idx, layer_idx, batch_idx, 1));
@@ -148,7 +90,7 @@ double batch_layer_balancedness(std::span<const double> expert_load, std::span<c
     std::fill(loads.begin(), loads.end(), 0.0);
     for (int64_t token_idx = 0; token_idx < options.batch_tokens; ++token_idx) {
       const int src = static_cast<int>(token_idx % num_gpus);
-      draw_token_experts(table, expert_load, options.top_k, token_rng, chosen);
+      sampler.draw(token_rng, chosen);
       for (int e : chosen) {
         if (dynamic) loads[topo.gpu_of_slot(dynamic->pick(e))] += 1.0;
         else ++tokens[static_cast<size_t>(src) * num_experts + e];

@@ -16,8 +16,8 @@
 //      balanced runs BalancedSplitter on integer tokens: load x 1e6 rounded per expert, spread over the
 //      source GPUs as evenly as integers allow (the remainder to the sources starting at expert_idx % G).
 //    * batch_tokens == T > 0: the window is replayed as batches_per_window batches of T tokens per layer;
-//      each token draws top_k distinct experts, sequentially without replacement with probability
-//      proportional to the window's layer load; source GPU = token index % G; GPU loads are the actual
+//      each token draws top_k distinct experts by systematic sampling with inclusion probabilities
+//      top_k * load / W (token_sampling.hpp), so a batch reproduces the window's load profile; source GPU = token index % G; GPU loads are the actual
 //      token counts under the dispatch. Window value = mean over batches and layers. Token draws depend
 //      only on (seed, window, layer, batch), so every dispatch algorithm sees the same tokens for a seed.
 //  - balancedness_mean = mean over windows; balancedness_min = the worst window.
