@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <thread>
 
 #include "eplb/error.hpp"
@@ -134,11 +135,12 @@ class InProcessCommunicator final : public Communicator {
                     std::span<const int64_t> recv_counts) override {
     FULCRUM_CHECK(static_cast<int>(recv_counts.size()) == size() && recv_counts[rank_] == static_cast<int64_t>(send.size()),
                   "all_gather_v: counts do not match this rank's {} bytes", send.size());
+    FULCRUM_CHECK(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}) <= static_cast<int64_t>(recv.size()),
+                  "all_gather_v: recv buffer of {} bytes is too small", recv.size());
     group_->in[rank_] = send.data();
     sync();
     size_t offset = 0;
     for (int r = 0; r < size(); ++r) {
-      FULCRUM_CHECK(offset + recv_counts[r] <= recv.size(), "all_gather_v: recv buffer too small");
       if (recv_counts[r] > 0) std::memcpy(recv.data() + offset, group_->in[r], recv_counts[r]);
       offset += recv_counts[r];
     }
@@ -162,20 +164,27 @@ class InProcessCommunicator final : public Communicator {
                     std::span<const int64_t> recv_counts) override {
     FULCRUM_CHECK(static_cast<int>(send_counts.size()) == size() && static_cast<int>(recv_counts.size()) == size(),
                   "all_to_all_v: counts must have one entry per rank ({})", size());
+    FULCRUM_CHECK(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}) <= static_cast<int64_t>(recv.size()),
+                  "all_to_all_v: recv buffer of {} bytes is too small", recv.size());
     group_->in[rank_] = send.data();
     group_->counts[rank_] = send_counts.data();
     sync();
+    // Other ranks read this rank's buffers until the second sync: report a mismatch only after it.
+    std::string mismatch;
     size_t recv_offset = 0;
     for (int r = 0; r < size(); ++r) {
       const int64_t* their_counts = group_->counts[r];
       const int64_t offset = std::accumulate(their_counts, their_counts + rank_, int64_t{0});
-      FULCRUM_CHECK(their_counts[rank_] == recv_counts[r], "all_to_all_v: rank {} sends {} bytes to rank {}, which expects {}",
-                    r, their_counts[rank_], rank_, recv_counts[r]);
-      FULCRUM_CHECK(recv_offset + recv_counts[r] <= recv.size(), "all_to_all_v: recv buffer too small");
-      if (recv_counts[r] > 0) std::memcpy(recv.data() + recv_offset, group_->in[r] + offset, recv_counts[r]);
+      if (their_counts[rank_] != recv_counts[r]) {
+        mismatch = fmt::format("all_to_all_v: rank {} sends {} bytes to rank {}, which expects {}", r,
+                               their_counts[rank_], rank_, recv_counts[r]);
+      } else if (recv_counts[r] > 0) {
+        std::memcpy(recv.data() + recv_offset, group_->in[r] + offset, recv_counts[r]);
+      }
       recv_offset += recv_counts[r];
     }
     sync();
+    if (!mismatch.empty()) throw Error(mismatch);
   }
 
   void broadcast(std::span<std::byte> data, int root) override {
