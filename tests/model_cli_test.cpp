@@ -33,7 +33,10 @@ CliRun run_cli(const TempDir& dir, const std::string& args) {
 
 std::string joined(const std::vector<int64_t>& ids) {
   std::string text;
-  for (const int64_t id : ids) text += (text.empty() ? "" : " ") + std::to_string(id);
+  for (const int64_t id : ids) {
+    if (!text.empty()) text += ' ';
+    text += std::to_string(id);
+  }
   return text;
 }
 

@@ -125,6 +125,8 @@ TEST(ModelConfig, InvalidValuesNameKeyAndFile) {
       {[](json& c) { c.erase("rope_parameters"); }, "'rope_theta'"},
       {[](json& c) { c["mlp_only_layers"] = json::array({9}); }, "'mlp_only_layers'"},
       {[](json& c) { c["hidden_size"] = "64"; }, "'hidden_size'"},
+      {[](json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }, "'rope_scaling'"},
+      {[](json& c) { c["attention_bias"] = true; }, "'attention_bias'"},
   };
   for (const auto& [edit, key] : cases) {
     const std::string message = error_after(edit);

@@ -85,12 +85,13 @@ int read_num_experts(const ConfigReader& reader) {
 // rope_theta (hub) or rope_parameters.rope_theta with rope_type "default" (newer transformers).
 double read_rope_theta(const ConfigReader& reader, const json& root) {
   const std::string& origin = reader.origin();
-  if (reader.has("rope_scaling")) {
+  if (reader.has("rope_scaling")) {  // hub convention: null, or an object whose type must be "default"
     const json& scaling = root.at("rope_scaling");
-    const std::string type = scaling.is_object() && scaling.contains("rope_type") ? scaling["rope_type"].dump()
-                             : scaling.is_object() && scaling.contains("type")    ? scaling["type"].dump()
-                                                                                   : scaling.dump();
-    FULCRUM_CHECK(type == "\"default\"", "{}: key 'rope_scaling': unsupported rope type {}", origin, type);
+    const char* type_key = scaling.is_object() && scaling.contains("rope_type") ? "rope_type" : "type";
+    const bool is_default = scaling.is_object() && scaling.contains(type_key) && scaling[type_key].is_string() &&
+                            scaling[type_key].get<std::string>() == "default";
+    FULCRUM_CHECK(is_default, "{}: key 'rope_scaling': unsupported rope scaling {} (only rope_type \"default\")",
+                  origin, scaling.dump());
   }
   std::optional<double> theta;
   if (reader.has("rope_parameters")) {

@@ -118,7 +118,10 @@ int64_t TensorInfo::numel() const {
 
 std::string shape_text(std::span<const int64_t> shape) {
   std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(shape[i]);
+  }
   return text + "]";
 }
 
