@@ -200,7 +200,11 @@ Tensor Qwen3MoeModel::moe_block(Layer& layer, const Tensor& x, const ForwardHook
   // Each logical expert's first replica computes all its tokens.
   std::vector<int32_t> first_slot(static_cast<size_t>(config_.num_experts), -1);  // [num_experts]
   for (int32_t slot_idx = static_cast<int32_t>(layer.physical_to_logical.size()) - 1; slot_idx >= 0; --slot_idx) {
-    first_slot[layer.physical_to_logical[slot_idx]] = slot_idx;
+    const int32_t expert_idx = layer.physical_to_logical[slot_idx];
+    FULCRUM_CHECK(expert_idx >= 0 && expert_idx < config_.num_experts,
+                  "layer {}: physical slot {} holds logical expert {}, outside [0, {})", layer.layer_idx, slot_idx,
+                  expert_idx, config_.num_experts);
+    first_slot[expert_idx] = slot_idx;
   }
   // Entry t * top_k + j: token t's j-th expert in ascending logical-expert order (HF sums in that order).
   const auto num_entries = static_cast<size_t>(num_tokens * top_k);
