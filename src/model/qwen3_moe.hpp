@@ -1,0 +1,123 @@
+#pragma once
+// Qwen3-MoE decoder, written once against model::Backend. One object is one pipeline stage: it owns
+// decoder layers [start_layer, end_layer); layers outside the range do not exist here (no weights, no
+// expert slots, no descriptors). The first stage also owns the embedding, the last the final norm and
+// LM head.
+//
+// Routed experts live in PHYSICAL SLOTS. Each MoE layer holds
+//   gate_up [num_slots, 2 * moe_intermediate_size, hidden_size]  (rows [0, I): gate_proj, [I, 2I): up_proj)
+//   down    [num_slots, hidden_size, moe_intermediate_size]
+// and a physical_to_logical map [num_slots] (one layer of an eplb::Placement). Loading fills every slot
+// from the checkpoint tensors of the logical expert it holds; replication and migration write slots.
+// The descriptors of these tensors (expert_slot_views) exist from construction, before any weight is
+// read: they are the one contract through which EPLB records, plans and migrates.
+//
+// NOTES: a token routed to logical expert e is computed once, by e's FIRST replica (lowest slot index).
+// Per-token outputs are combined in ascending logical-expert order (as HF's expert loop does), so logits
+// do not depend on the placement at all.
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "eplb/placement.hpp"
+#include "model/backend.hpp"
+#include "model/qwen3_config.hpp"
+#include "model/safetensors.hpp"
+
+namespace fulcrum::model {
+
+struct StageRange {
+  int start_layer = 0;
+  int end_layer = -1;  // exclusive; -1: through the last layer
+};
+
+// The expert-slot tensors of one MoE layer this stage owns.
+struct ExpertSlotView {
+  int layer_idx = 0;        // decoder layer index
+  int moe_layer_idx = 0;    // ordinal among all MoE layers of the model: the row of an eplb::Placement
+  int num_slots = 0;        // physical slots on this stage
+  int num_logical_experts = 0;
+  Tensor gate_up;           // [num_slots, 2 * moe_intermediate_size, hidden_size]
+  Tensor down;              // [num_slots, hidden_size, moe_intermediate_size]
+  std::span<int32_t> physical_to_logical;  // [num_slots]; write it together with the slots it describes
+};
+
+// One sequence's key/value cache for the layers of a stage.
+struct KvCache {
+  int64_t capacity = 0;     // positions it can hold
+  int64_t num_tokens = 0;   // positions filled so far (= position of the next token)
+  std::vector<Tensor> k;    // per owned layer: [capacity, num_key_value_heads, head_dim]
+  std::vector<Tensor> v;    // per owned layer: [capacity, num_key_value_heads, head_dim]
+};
+
+// One sequence of a batch: new tokens, appended after what its cache already holds.
+struct SequenceInput {
+  std::span<const int32_t> token_ids;
+  KvCache* cache = nullptr;
+};
+
+struct ForwardHooks {
+  // Called per owned MoE layer with router logits [num_tokens, num_experts] (all sequences' tokens in
+  // batch order) and the routing decision.
+  std::function<void(int layer_idx, const Tensor& router_logits, const RouterChoice& choice)> on_router;
+};
+
+class Qwen3MoeModel {
+ public:
+  // `placement` (optional) gives the physical slots of every MoE layer of the model; without it the
+  // trivial placement (num_slots = num_experts, slot s holds expert s, one GPU) is used. The backend
+  // must outlive the model. Slot tensors are allocated (zeroed) here; no weight is read.
+  Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, StageRange stage = {},
+                const eplb::Placement* placement = nullptr);
+  ~Qwen3MoeModel();
+  Qwen3MoeModel(const Qwen3MoeModel&) = delete;
+  Qwen3MoeModel& operator=(const Qwen3MoeModel&) = delete;
+
+  const Qwen3MoeConfig& config() const { return config_; }
+  int start_layer() const { return start_layer_; }
+  int end_layer() const { return end_layer_; }
+  bool owns_layer(int layer_idx) const { return layer_idx >= start_layer_ && layer_idx < end_layer_; }
+  bool is_first_stage() const { return start_layer_ == 0; }
+  bool is_last_stage() const { return end_layer_ == config_.num_hidden_layers; }
+
+  // One view per owned MoE layer, ascending layer index. Valid from construction on.
+  std::vector<ExpertSlotView> expert_slot_views();
+
+  // Reads this stage's weights. Every expected tensor must be present with its exact shape; a tensor
+  // that belongs to no layer of this model is an error; tensors of other stages' layers are skipped.
+  // With tie_word_embeddings, a stored lm_head.weight is accepted and ignored.
+  void load_weights(Checkpoint& checkpoint);
+
+  KvCache create_kv_cache(int64_t capacity);
+
+  // Whole-model step (the stage must own every layer): logits [num_new_tokens, vocab_size] per sequence.
+  std::vector<Tensor> forward(std::span<const SequenceInput> batch, const ForwardHooks& hooks = {});
+
+  // Stage pieces. embed: first stage only. run_layers: hidden [num_tokens, hidden_size] through the owned
+  // layers (advances no cache counter; see commit_tokens). lm_head: last stage only.
+  Tensor embed(std::span<const SequenceInput> batch);
+  Tensor run_layers(const Tensor& hidden, std::span<const SequenceInput> batch, const ForwardHooks& hooks = {});
+  Tensor lm_head(const Tensor& hidden);
+  static void commit_tokens(std::span<const SequenceInput> batch);
+
+ private:
+  struct Layer;
+
+  Tensor attention_block(Layer& layer, size_t local_idx, const Tensor& x, std::span<const SequenceInput> batch,
+                         std::span<const int32_t> positions);
+  Tensor moe_block(Layer& layer, const Tensor& x, const ForwardHooks& hooks);
+  Tensor dense_mlp_block(Layer& layer, const Tensor& x);
+  void load_layer(Layer& layer, Checkpoint& checkpoint);
+
+  Qwen3MoeConfig config_;
+  Backend& backend_;
+  int start_layer_ = 0;
+  int end_layer_ = 0;
+  std::vector<std::unique_ptr<Layer>> layers_;  // [end_layer - start_layer]
+  Tensor embed_tokens_;                          // [vocab_size, hidden_size], first stage
+  Tensor norm_;                                  // [hidden_size], last stage
+  Tensor lm_head_;                               // [vocab_size, hidden_size], last stage (the embedding when tied)
+};
+
+}  // namespace fulcrum::model

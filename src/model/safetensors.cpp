@@ -1,0 +1,352 @@
+#include "model/safetensors.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "eplb/atomic_file.hpp"
+#include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
+
+static_assert(std::endian::native == std::endian::little, "safetensors reading assumes a little-endian host");
+
+namespace fulcrum::model {
+namespace {
+
+using nlohmann::json;
+
+// A header larger than this is refused before it is parsed (real checkpoints stay far below).
+constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+
+bool parse_dtype(const std::string& text, Dtype* dtype) {
+  static const std::map<std::string, Dtype> kDtypes = {{"F32", Dtype::kF32}, {"F16", Dtype::kF16},
+                                                       {"BF16", Dtype::kBF16}, {"I64", Dtype::kI64},
+                                                       {"I32", Dtype::kI32}};
+  const auto it = kDtypes.find(text);
+  if (it == kDtypes.end()) return false;
+  *dtype = it->second;
+  return true;
+}
+
+float bf16_to_f32(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+float f16_to_f32(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1f;
+  uint32_t mantissa = bits & 0x3ff;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));  // inf / nan
+  if (exponent != 0) return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  if (mantissa == 0) return std::bit_cast<float>(sign);  // signed zero
+  // Subnormal half: value = mantissa * 2^-24, exact in fp32.
+  const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+  return sign ? -magnitude : magnitude;
+}
+
+// Validates one header entry and returns it; `origin` is "file: tensor 'name'".
+TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data_size, const std::string& origin) {
+  FULCRUM_CHECK(entry.is_object(), "{}: header entry must be an object", origin);
+  TensorInfo info;
+  info.name = name;
+  FULCRUM_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), "{}: missing or non-string dtype", origin);
+  const std::string dtype = entry["dtype"].get<std::string>();
+  FULCRUM_CHECK(parse_dtype(dtype, &info.dtype), "{}: unknown or unsupported dtype '{}'", origin, dtype);
+  FULCRUM_CHECK(entry.contains("shape") && entry["shape"].is_array(), "{}: missing or non-list shape", origin);
+  uint64_t numel = 1;
+  for (const json& dim : entry["shape"]) {
+    FULCRUM_CHECK(dim.is_number_unsigned(), "{}: shape entry {} is not a non-negative integer", origin, dim.dump());
+    const uint64_t d = dim.get<uint64_t>();
+    FULCRUM_CHECK(d <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) &&
+                      (d == 0 || numel <= std::numeric_limits<uint64_t>::max() / 16 / d),
+                  "{}: shape {} is too large", origin, entry["shape"].dump());
+    numel *= d;
+    info.shape.push_back(static_cast<int64_t>(d));
+  }
+  const json& offsets = entry.contains("data_offsets") ? entry["data_offsets"] : json();
+  FULCRUM_CHECK(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
+                    offsets[1].is_number_unsigned(),
+                "{}: data_offsets must be [begin, end] of non-negative integers", origin);
+  info.data_begin = offsets[0].get<uint64_t>();
+  info.data_end = offsets[1].get<uint64_t>();
+  FULCRUM_CHECK(info.data_begin <= info.data_end && info.data_end <= data_size,
+                "{}: data_offsets [{}, {}] out of range of the {}-byte data section", origin, info.data_begin,
+                info.data_end, data_size);
+  const uint64_t expected_bytes = numel * dtype_size(info.dtype);
+  FULCRUM_CHECK(info.data_end - info.data_begin == expected_bytes,
+                "{}: data_offsets span {} bytes but shape {} of {} needs {}", origin, info.data_end - info.data_begin,
+                entry["shape"].dump(), dtype, expected_bytes);
+  return info;
+}
+
+}  // namespace
+
+size_t dtype_size(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32: return 4;
+    case Dtype::kF16: return 2;
+    case Dtype::kBF16: return 2;
+    case Dtype::kI64: return 8;
+    case Dtype::kI32: return 4;
+  }
+  return 0;
+}
+
+const char* dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32: return "F32";
+    case Dtype::kF16: return "F16";
+    case Dtype::kBF16: return "BF16";
+    case Dtype::kI64: return "I64";
+    case Dtype::kI32: return "I32";
+  }
+  return "?";
+}
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_text(std::span<const int64_t> shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  return text + "]";
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  FULCRUM_CHECK(fd >= 0, "{}: cannot open safetensors file: {}", path, std::strerror(errno));
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw Error(fmt::format("{}: not a regular file", path));
+  }
+  file_size_ = static_cast<size_t>(st.st_size);
+  if (file_size_ < 8) {
+    ::close(fd);
+    throw Error(fmt::format("{}: truncated file ({} bytes, the header length alone needs 8)", path, file_size_));
+  }
+  void* mapped = ::mmap(nullptr, file_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  FULCRUM_CHECK(mapped != MAP_FAILED, "{}: mmap failed: {}", path, std::strerror(errno));
+  mapped_ = static_cast<const uint8_t*>(mapped);
+  try {
+    uint64_t header_size = 0;
+    std::memcpy(&header_size, mapped_, 8);
+    FULCRUM_CHECK(header_size <= kMaxHeaderBytes && header_size <= file_size_ - 8,
+                  "{}: header length {} goes beyond the file ({} bytes)", path, header_size, file_size_);
+    data_ = mapped_ + 8 + header_size;
+    const uint64_t data_size = file_size_ - 8 - header_size;
+    const std::string header_text(reinterpret_cast<const char*>(mapped_ + 8), header_size);
+    const json header = eplb::parse_json_text(header_text, path + ": header");
+    FULCRUM_CHECK(header.is_object(), "{}: header must be a JSON object", path);
+    for (const auto& [name, entry] : header.items()) {
+      if (name == "__metadata__") {
+        FULCRUM_CHECK(entry.is_object(), "{}: __metadata__ must be an object", path);
+        for (const auto& [key, value] : entry.items()) {
+          FULCRUM_CHECK(value.is_string(), "{}: __metadata__ value of '{}' must be a string", path, key);
+          metadata_[key] = value.get<std::string>();
+        }
+        continue;
+      }
+      tensors_[name] = parse_entry(name, entry, data_size, fmt::format("{}: tensor '{}'", path, name));
+    }
+    // No two tensors may share bytes.
+    std::vector<const TensorInfo*> by_offset;
+    for (const auto& [name, info] : tensors_) by_offset.push_back(&info);
+    std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
+      return a->data_begin != b->data_begin ? a->data_begin < b->data_begin : a->data_end < b->data_end;
+    });
+    const TensorInfo* furthest = nullptr;  // the non-empty tensor seen so far that ends last
+    for (const TensorInfo* cur : by_offset) {
+      if (cur->data_begin == cur->data_end) continue;
+      FULCRUM_CHECK(furthest == nullptr || cur->data_begin >= furthest->data_end,
+                    "{}: tensor '{}' (bytes [{}, {})) overlaps tensor '{}' (bytes [{}, {}))", path, cur->name,
+                    cur->data_begin, cur->data_end, furthest->name, furthest->data_begin, furthest->data_end);
+      if (furthest == nullptr || cur->data_end > furthest->data_end) furthest = cur;
+    }
+  } catch (const nlohmann::json::exception& e) {
+    ::munmap(const_cast<uint8_t*>(mapped_), file_size_);
+    throw Error(fmt::format("{}: malformed header: {}", path, e.what()));
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(mapped_), file_size_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (mapped_ != nullptr) ::munmap(const_cast<uint8_t*>(mapped_), file_size_);
+}
+
+const TensorInfo& SafetensorsFile::info(const std::string& name) const {
+  const auto it = tensors_.find(name);
+  FULCRUM_CHECK(it != tensors_.end(), "{}: missing tensor '{}'", path_, name);
+  return it->second;
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, info] : tensors_) names.push_back(name);
+  return names;
+}
+
+void SafetensorsFile::read_f32_into(const std::string& name, std::span<float> out) const {
+  const TensorInfo& t = info(name);
+  const auto numel = static_cast<size_t>(t.numel());
+  FULCRUM_CHECK(out.size() == numel, "{}: tensor '{}' has {} values, destination holds {}", path_, name, numel,
+                out.size());
+  const uint8_t* src = data_ + t.data_begin;
+  switch (t.dtype) {
+    case Dtype::kF32:
+      if (numel > 0) std::memcpy(out.data(), src, numel * 4);
+      return;
+    case Dtype::kBF16:
+    case Dtype::kF16:
+      for (size_t i = 0; i < numel; ++i) {
+        uint16_t bits = 0;
+        std::memcpy(&bits, src + 2 * i, 2);
+        out[i] = t.dtype == Dtype::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+      }
+      return;
+    default:
+      throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected F32, BF16 or F16", path_, name,
+                              dtype_name(t.dtype)));
+  }
+}
+
+HostTensor SafetensorsFile::read_f32(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  HostTensor tensor{t.shape, std::vector<float>(static_cast<size_t>(t.numel()))};
+  read_f32_into(name, tensor.data);
+  return tensor;
+}
+
+std::vector<int64_t> SafetensorsFile::read_i64(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  const auto numel = static_cast<size_t>(t.numel());
+  std::vector<int64_t> values(numel);
+  const uint8_t* src = data_ + t.data_begin;
+  FULCRUM_CHECK(t.dtype == Dtype::kI64 || t.dtype == Dtype::kI32, "{}: tensor '{}' has dtype {}, expected I64 or I32",
+                path_, name, dtype_name(t.dtype));
+  for (size_t i = 0; i < numel; ++i) {
+    if (t.dtype == Dtype::kI64) {
+      std::memcpy(&values[i], src + 8 * i, 8);
+    } else {
+      int32_t v = 0;
+      std::memcpy(&v, src + 4 * i, 4);
+      values[i] = v;
+    }
+  }
+  return values;
+}
+
+Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
+  namespace fs = std::filesystem;
+  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  if (!fs::exists(index_path)) {
+    shards_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / "model.safetensors").string()));
+    for (const std::string& name : shards_.back()->names()) file_of_[name] = shards_.back().get();
+    return;
+  }
+  std::ifstream in(index_path, std::ios::binary);
+  FULCRUM_CHECK(in.good(), "{}: cannot open", index_path.string());
+  std::stringstream text;
+  text << in.rdbuf();
+  const json index = eplb::parse_json_text(text.str(), index_path.string());
+  FULCRUM_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+                "{}: missing key 'weight_map'", index_path.string());
+  std::map<std::string, const SafetensorsFile*> shard_by_file;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    FULCRUM_CHECK(file.is_string(), "{}: weight_map entry of '{}' must be a file name", index_path.string(), name);
+    const std::string shard_name = file.get<std::string>();
+    FULCRUM_CHECK(shard_name.find('/') == std::string::npos && shard_name != ".." && !shard_name.empty(),
+                  "{}: weight_map entry of '{}' must be a file in the same folder, got '{}'", index_path.string(),
+                  name, shard_name);
+    auto it = shard_by_file.find(shard_name);
+    if (it == shard_by_file.end()) {
+      shards_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / shard_name).string()));
+      it = shard_by_file.emplace(shard_name, shards_.back().get()).first;
+    }
+    FULCRUM_CHECK(it->second->contains(name), "{}: missing tensor '{}' (listed in {})", it->second->path(), name,
+                  index_path.string());
+    file_of_[name] = it->second;
+  }
+  for (const auto& shard : shards_) {
+    for (const std::string& name : shard->names()) {
+      FULCRUM_CHECK(file_of_.count(name) != 0 && file_of_[name] == shard.get(),
+                    "{}: tensor '{}' is not listed for this shard in {}", shard->path(), name, index_path.string());
+    }
+  }
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, file] : file_of_) names.push_back(name);
+  return names;
+}
+
+const std::string& Checkpoint::file_of(const std::string& name) const {
+  const auto it = file_of_.find(name);
+  FULCRUM_CHECK(it != file_of_.end(), "{}: missing tensor '{}'", dir_, name);
+  return it->second->path();
+}
+
+const TensorInfo& Checkpoint::info(const std::string& name) const {
+  const auto it = file_of_.find(name);
+  FULCRUM_CHECK(it != file_of_.end(), "{}: missing tensor '{}'", dir_, name);
+  return it->second->info(name);
+}
+
+void Checkpoint::read_f32_into(const std::string& name, std::span<const int64_t> expected_shape,
+                               std::span<float> out) {
+  const TensorInfo& t = info(name);
+  FULCRUM_CHECK(std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end()),
+                "{}: tensor '{}' has shape {}, expected {}", file_of(name), name, shape_text(t.shape),
+                shape_text(expected_shape));
+  file_of_.at(name)->read_f32_into(name, out);
+}
+
+void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    FULCRUM_CHECK(name != "__metadata__" && !name.empty(), "{}: invalid tensor name '{}'", path, name);
+    int64_t numel = 1;
+    for (const int64_t d : tensor.shape) {
+      FULCRUM_CHECK(d >= 0, "{}: tensor '{}' has negative dimension in shape {}", path, name, shape_text(tensor.shape));
+      numel *= d;
+    }
+    FULCRUM_CHECK(static_cast<size_t>(numel) == tensor.data.size(), "{}: tensor '{}' has shape {} but {} values",
+                  path, name, shape_text(tensor.shape), tensor.data.size());
+    const uint64_t bytes = static_cast<uint64_t>(numel) * 4;
+    header[name] = {{"dtype", "F32"}, {"shape", tensor.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string header_text = header.dump();
+  header_text.append((8 - header_text.size() % 8) % 8, ' ');  // data section starts 8-byte aligned
+  std::string contents(8, '\0');
+  const uint64_t header_size = header_text.size();
+  std::memcpy(contents.data(), &header_size, 8);
+  contents += header_text;
+  contents.reserve(contents.size() + offset);
+  for (const auto& [name, tensor] : tensors) {
+    contents.append(reinterpret_cast<const char*>(tensor.data.data()), tensor.data.size() * 4);
+  }
+  write_file_atomically(path, contents);
+}
+
+}  // namespace fulcrum::model

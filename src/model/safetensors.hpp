@@ -1,0 +1,96 @@
+#pragma once
+// Safetensors checkpoints: a read-only memory map of one file, sharded checkpoints through
+// model.safetensors.index.json, and a writer for fp32 dumps.
+//
+// File layout: [u64 little-endian N][N bytes of JSON header][data]. The header maps each tensor name to
+// {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the data section), plus an optional
+// "__metadata__" object of strings. Every problem is a one-line fulcrum::Error naming the file and tensor.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace fulcrum::model {
+
+enum class Dtype { kF32, kF16, kBF16, kI64, kI32 };
+
+// Bytes per element of `dtype`.
+size_t dtype_size(Dtype dtype);
+const char* dtype_name(Dtype dtype);
+
+struct TensorInfo {
+  std::string name;
+  Dtype dtype = Dtype::kF32;
+  std::vector<int64_t> shape;
+  uint64_t data_begin = 0;  // offset into the data section
+  uint64_t data_end = 0;
+
+  int64_t numel() const;
+};
+
+// A host fp32 tensor, row-major: what the writer takes and what readers return.
+struct HostTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;  // [prod(shape)]
+};
+
+std::string shape_text(std::span<const int64_t> shape);
+
+// One .safetensors file, mapped read-only for the lifetime of the object. The header is fully validated
+// at open: sizes, dtypes, offsets in range, no overlap, byte count = numel x dtype size.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
+  const TensorInfo& info(const std::string& name) const;  // throws "missing tensor"
+  std::vector<std::string> names() const;                  // sorted
+
+  // Converts a float tensor (F32, BF16, F16) to fp32 into `out`, which must hold numel() values.
+  void read_f32_into(const std::string& name, std::span<float> out) const;
+  HostTensor read_f32(const std::string& name) const;
+  // Integer tensors (I64, I32), e.g. token ids of golden data.
+  std::vector<int64_t> read_i64(const std::string& name) const;
+
+ private:
+  std::string path_;
+  const uint8_t* mapped_ = nullptr;
+  size_t file_size_ = 0;
+  const uint8_t* data_ = nullptr;  // start of the data section
+  std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// A checkpoint folder: model.safetensors.index.json (weight_map: name -> shard file) when present, else
+// model.safetensors. Records which tensors were read, so a loader can reject unexpected ones.
+class Checkpoint {
+ public:
+  explicit Checkpoint(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  bool contains(const std::string& name) const { return file_of_.count(name) != 0; }
+  std::vector<std::string> names() const;  // sorted
+  const TensorInfo& info(const std::string& name) const;
+  // Reads `name` as fp32 into `out`; its shape must equal `expected_shape` (else "wrong shape" error).
+  void read_f32_into(const std::string& name, std::span<const int64_t> expected_shape, std::span<float> out);
+  // Where a tensor lives, for messages: "dir/model-00001-of-00002.safetensors".
+  const std::string& file_of(const std::string& name) const;
+
+ private:
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> shards_;
+  std::map<std::string, const SafetensorsFile*> file_of_;
+};
+
+// Writes fp32 tensors (sorted by name, 8-byte aligned data) atomically through write_file_atomically.
+void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace fulcrum::model
