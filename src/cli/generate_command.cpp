@@ -77,9 +77,9 @@ void run_generate(const GenerateFlags& flags) {
     if (flags.init_expert_location != "trivial") {
       placement = std::make_unique<eplb::Placement>(eplb::read_placement_file(flags.init_expert_location));
     }
-    fmt::print("# layout: {}\n", layout.describe());
     result = engine::generate_in_process(flags.model_dir, config, layout, placement.get(), options, prompts,
                                          flags.max_new_tokens);
+    fmt::print("# layout: {}\n", layout.describe());
     where = fmt::format("{} x {} in-process ranks", backend.name(), layout.world_size());
   } else {
     model::Qwen3MoeModel qwen(config, backend);
