@@ -76,6 +76,40 @@ TEST(EnginePlacement, RandomPlacementsSwappedBetweenPassesKeepTheLogits) {
   std::printf("[ layout   ] 200 random placements on EP 2/4: max |logit diff| %.3g\n", worst);
 }
 
+// The migration seam: a rank writes its slots through expert_slot_views, then every rank commits the same
+// new map (here each EP rank swaps its first two slots, weights and map entries).
+TEST(EnginePlacement, CommitAfterSlotsWrittenInPlace) {
+  const Fixture& f = fixture(k128e);
+  engine::ParallelFlags flags;
+  flags.tp = 2, flags.ep = 2, flags.num_redundant_experts = 2;
+  const engine::ParallelLayout layout(flags, f.config);
+  const eplb::Placement placement = planned_placement(k128e, 130, 2);
+  float diff = -1;
+  comm::run_in_process(2, [&](int rank, comm::Communicator& world) {
+    backend::CpuBackend cpu;
+    engine::RankEngine engine(f.config, layout, world, cpu, &placement, {});
+    model::Checkpoint checkpoint(golden_model_dir(k128e));
+    engine.load_weights(checkpoint);
+    for (const model::ExpertSlotView& view : engine.model().expert_slot_views()) {
+      for (const model::Tensor& slots : {view.gate_up, view.down}) {
+        const model::Tensor first = cpu.zeros(slots.index(0).shape());
+        cpu.copy(first, slots.index(0));
+        cpu.copy(slots.index(0), slots.index(1));
+        cpu.copy(slots.index(1), first);
+      }
+      std::vector<int32_t> map(view.layer_map.begin(), view.layer_map.end());
+      for (int ep_rank = 0; ep_rank < 2; ++ep_rank) std::swap(map[ep_rank * 65], map[ep_rank * 65 + 1]);
+      engine.commit_layer_placement(view.moe_layer_idx, map);
+    }
+    engine.reset(std::vector<int64_t>(3, 16));
+    PassLogits logits;
+    for (const auto& pass : schedule()) logits.push_back(engine.forward(pass));
+    if (rank == 0) diff = max_logit_diff(logits, f.reference);
+  });
+  EXPECT_GE(diff, 0.0f);
+  EXPECT_LE(diff, 1e-5f);
+}
+
 // (pass, MoE layer, source) -> (experts, slots), from every rank's hook.
 using Records = std::map<std::tuple<uint64_t, int, int>, std::pair<std::vector<int32_t>, std::vector<int32_t>>>;
 

@@ -118,13 +118,23 @@ std::vector<model::HostTensor> RankEngine::forward(const std::vector<std::vector
   return out;
 }
 
-void RankEngine::replace_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map,
-                                         model::Checkpoint& checkpoint) {
+int RankEngine::owned_moe_layer(int moe_layer_idx) const {
   const std::vector<int> moe_layers = config_.moe_layer_indices();
   FULCRUM_CHECK(moe_layer_idx >= 0 && moe_layer_idx < static_cast<int>(moe_layers.size()),
                 "MoE layer {} does not exist (the model has {})", moe_layer_idx, moe_layers.size());
   const int layer_idx = moe_layers[static_cast<size_t>(moe_layer_idx)];
-  if (model_->owns_layer(layer_idx)) model_->replace_layer_map(layer_idx, layer_map, checkpoint);
+  return model_->owns_layer(layer_idx) ? layer_idx : -1;
+}
+
+void RankEngine::replace_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map,
+                                         model::Checkpoint& checkpoint) {
+  const int layer_idx = owned_moe_layer(moe_layer_idx);
+  if (layer_idx >= 0) model_->replace_layer_map(layer_idx, layer_map, checkpoint);
+}
+
+void RankEngine::commit_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map) {
+  const int layer_idx = owned_moe_layer(moe_layer_idx);
+  if (layer_idx >= 0) model_->set_layer_map(layer_idx, layer_map);
 }
 
 }  // namespace fulcrum::engine

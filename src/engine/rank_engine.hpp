@@ -20,11 +20,15 @@ namespace fulcrum::engine {
 
 class RankEngine {
  public:
-  // `world`: all tp x pp ranks (rank = world rank). `placement`: every MoE layer of the model, P slots,
-  // topology {P, ep, 1}. Builds the groups with Communicator::split and the model shard (no weight read).
+  // `world`: all tp x pp ranks (rank = world rank). `placement`: every MoE layer of the model, P slots
+  // (null: trivial); its topology is set to {P, ep, 1}. Builds the groups with Communicator::split (the
+  // stage's tp group, which is also the MoE exchange group, the attention TP group and the pipeline group)
+  // and the model shard (no weight read). config, layout, world and backend must outlive the engine.
   RankEngine(const model::Qwen3MoeConfig& config, const ParallelLayout& layout, comm::Communicator& world,
              model::Backend& backend, const eplb::Placement* placement, EngineOptions options);
   ~RankEngine();
+  RankEngine(const RankEngine&) = delete;
+  RankEngine& operator=(const RankEngine&) = delete;
 
   const RankCoords& coords() const { return coords_; }
   model::Qwen3MoeModel& model() { return *model_; }
@@ -41,6 +45,9 @@ class RankEngine {
   // Replaces MoE layer `moe_layer_idx`'s slot map between forward passes (every rank, the same map):
   // ranks whose stage owns it re-read their changed slots from `checkpoint`; the others have nothing to do.
   void replace_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map, model::Checkpoint& checkpoint);
+  // The same switch when the caller has already written this rank's changed slots (model().expert_slot_views(),
+  // e.g. a migration from peers): only the map changes. Replica choice follows the new map on the next pass.
+  void commit_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map);
 
  private:
   const model::Qwen3MoeConfig& config_;
@@ -52,6 +59,8 @@ class RankEngine {
   std::unique_ptr<StageParallelOps> ops_;
   std::unique_ptr<model::Qwen3MoeModel> model_;
   std::vector<int> my_sequences_;          // indices of the sequences of this rank's attention-DP group
+  int owned_moe_layer(int moe_layer_idx) const;  // decoder index, or -1 when another stage owns it
+
   std::vector<model::KvCache> caches_;     // [my_sequences_.size()]
   int num_sequences_ = 0;
   uint64_t pass_idx_ = 0;
