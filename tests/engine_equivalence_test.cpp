@@ -70,7 +70,9 @@ TEST_P(EngineEquivalence, AllBackendsAlgorithmsAndPlacementsMatchSingleRank) {
         const float diff = max_logit_diff(logits, f.reference);
         EXPECT_LE(diff, kTolerance) << layout_case.what << ", " << backend << ", " << eplb::to_string(algorithm)
                                     << (planned ? ", planned" : ", trivial");
-        if (run_flags.tp == 1) EXPECT_EQ(diff, 0.0f) << layout_case.what;  // no partial sums anywhere
+        if (run_flags.tp == 1) {
+          EXPECT_EQ(diff, 0.0f) << layout_case.what;  // no partial sums anywhere
+        }
         worst = std::max(worst, diff);
       }
     }

@@ -157,7 +157,9 @@ TEST(EnginePlacement, RoutingHookSeesEveryTokenOnceAndBackendsAgreeOnReplicas) {
           const auto map = placement.layer(moe_layer);
           const bool has_local = std::find(map.begin() + ep_rank * 34, map.begin() + (ep_rank + 1) * 34,
                                            value.first[i]) != map.begin() + (ep_rank + 1) * 34;
-          if (has_local) EXPECT_EQ(value.second[i] / 34, ep_rank);
+          if (has_local) {
+            EXPECT_EQ(value.second[i] / 34, ep_rank);
+          }
         }
       }
     }
