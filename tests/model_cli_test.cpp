@@ -14,23 +14,6 @@
 namespace fulcrum::test {
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-CliRun run_cli(const TempDir& dir, const std::string& args) {
-  const std::string cmd = std::string(FULCRUM_CLI_PATH) + " " + args + " >" + dir.file("out.txt") + " 2>" + dir.file("err.txt");
-  const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir.file("out.txt")), slurp(dir.file("err.txt"))};
-}
-
 std::string joined(const std::vector<int64_t>& ids) {
   std::string text;
   for (const int64_t id : ids) {

@@ -1,8 +1,11 @@
 #pragma once
 // Helpers shared by the model tests: temporary folders and the golden Hugging Face fixtures.
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -31,6 +34,24 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+struct CliRun {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Runs the fulcrum binary with `args` (shell words), stdout and stderr captured in `dir`.
+inline CliRun run_cli(const TempDir& dir, const std::string& args) {
+  const std::string cmd = std::string(FULCRUM_CLI_PATH) + " " + args + " >" + dir.file("out.txt") + " 2>" + dir.file("err.txt");
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir.file("out.txt")), slurp(dir.file("err.txt"))};
+}
 
 inline std::string golden_model_dir(const std::string& name) { return shared_path("golden/hf/" + name); }
 

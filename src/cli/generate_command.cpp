@@ -8,7 +8,9 @@
 
 #include "backend/cpu/cpu_backend.hpp"
 #include "cli/commands.hpp"
+#include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
+#include "eplb/placement_io.hpp"
 #include "model/generate.hpp"
 
 namespace fulcrum::cli {
@@ -21,6 +23,17 @@ struct GenerateFlags {
   int max_new_tokens = 16;
   bool greedy = true;
   std::string dump_logits_file;
+  // Parallel engine (in-process ranks); SGLang's flag names.
+  engine::ParallelFlags parallel;
+  std::string moe_a2a_backend = "allgather";
+  std::string dispatch_algorithm = "static";
+  std::string init_expert_location = "trivial";
+
+  bool uses_engine() const {
+    return parallel.tp != 1 || parallel.dp != 1 || parallel.ep != 1 || parallel.pp != 1 || parallel.enable_dp_attention ||
+           parallel.num_redundant_experts != 0 || moe_a2a_backend != "allgather" || dispatch_algorithm != "static" ||
+           init_expert_location != "trivial";
+  }
 };
 
 std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, int vocab_size) {
@@ -52,12 +65,28 @@ void run_generate(const GenerateFlags& flags) {
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
 
   backend::CpuBackend backend;
-  model::Qwen3MoeModel qwen(config, backend);
-  model::Checkpoint checkpoint(flags.model_dir);
-  qwen.load_weights(checkpoint);
-
   const auto start = std::chrono::steady_clock::now();
-  const model::GenerateResult result = model::generate_greedy(qwen, backend, prompts, flags.max_new_tokens);
+  model::GenerateResult result;
+  std::string where = backend.name();
+  if (flags.uses_engine()) {
+    const engine::ParallelLayout layout(flags.parallel, config);
+    engine::EngineOptions options;
+    options.moe_a2a_backend = flags.moe_a2a_backend;
+    options.dispatch_algorithm = eplb::parse_dispatch_algorithm(flags.dispatch_algorithm);
+    std::unique_ptr<eplb::Placement> placement;
+    if (flags.init_expert_location != "trivial") {
+      placement = std::make_unique<eplb::Placement>(eplb::read_placement_file(flags.init_expert_location));
+    }
+    result = engine::generate_in_process(flags.model_dir, config, layout, placement.get(), options, prompts,
+                                         flags.max_new_tokens);
+    fmt::print("# layout: {}\n", layout.describe());
+    where = fmt::format("{} x {} in-process ranks", backend.name(), layout.world_size());
+  } else {
+    model::Qwen3MoeModel qwen(config, backend);
+    model::Checkpoint checkpoint(flags.model_dir);
+    qwen.load_weights(checkpoint);
+    result = model::generate_greedy(qwen, backend, prompts, flags.max_new_tokens);
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   if (!flags.dump_logits_file.empty()) {
@@ -73,7 +102,7 @@ void run_generate(const GenerateFlags& flags) {
     fmt::print("seq{}: {}\n", i, fmt::join(result.new_tokens[i], " "));
   }
   fmt::print("# {} sequences, {} tokens in {:.3f} s on {}, prompt logits checksum {:.6f}\n", prompts.size(), num_tokens,
-             seconds, backend.name(), checksum);
+             seconds, where, checksum);
   if (!flags.dump_logits_file.empty()) fmt::print("# prompt logits written to {}\n", flags.dump_logits_file);
 }
 
@@ -91,6 +120,25 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--max-new-tokens", flags->max_new_tokens, "Tokens to generate per sequence")->capture_default_str();
   cmd->add_flag("--greedy", flags->greedy, "Greedy decoding (argmax, lowest id on ties); the only decoding mode");
   cmd->add_option("--dump-logits", flags->dump_logits_file, "Write prompt logits seq{i}.logits [T][V] (safetensors)");
+  cmd->add_option("--tp", flags->parallel.tp, "Ranks per pipeline stage (tensor parallel)")->capture_default_str();
+  cmd->add_option("--dp", flags->parallel.dp, "Attention data-parallel groups (with --enable-dp-attention)")
+      ->capture_default_str();
+  cmd->add_flag("--enable-dp-attention", flags->parallel.enable_dp_attention,
+                "Attention as --dp groups of --tp/--dp ranks, each with its own sequences");
+  cmd->add_option("--ep", flags->parallel.ep, "Expert-parallel ranks per stage (divides --tp)")->capture_default_str();
+  cmd->add_option("--pp", flags->parallel.pp, "Pipeline stages")->capture_default_str();
+  cmd->add_option("--moe-a2a-backend", flags->moe_a2a_backend, "Token dispatch: allgather | alltoall")
+      ->check(CLI::IsMember({"allgather", "alltoall"}))
+      ->capture_default_str();
+  cmd->add_option("--ep-dispatch-algorithm", flags->dispatch_algorithm, "Replica choice: static | dynamic | balanced")
+      ->check(CLI::IsMember({"static", "dynamic", "balanced"}))
+      ->capture_default_str();
+  cmd->add_option("--ep-num-redundant-experts", flags->parallel.num_redundant_experts,
+                  "Redundant expert slots per MoE layer (P = num_experts + R, divisible by --ep)")
+      ->capture_default_str();
+  cmd->add_option("--init-expert-location", flags->init_expert_location,
+                  "'trivial' or a placement JSON file (physical_to_logical_map [MoE layers][P])")
+      ->capture_default_str();
   cmd->callback([flags] { run_generate(*flags); });
 }
 

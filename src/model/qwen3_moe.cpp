@@ -8,9 +8,50 @@
 
 namespace fulcrum::model {
 
+namespace {
+
+// Checks that `shard` divides this config evenly (the engine's layout refuses such layouts earlier, with flags).
+void check_shard(const Qwen3MoeConfig& config, const ShardSpec& shard, int num_physical_experts) {
+  const int a = shard.attn_tp_size;
+  FULCRUM_CHECK(a >= 1 && shard.attn_tp_rank >= 0 && shard.attn_tp_rank < a, "attention TP rank {} of {}",
+                shard.attn_tp_rank, a);
+  FULCRUM_CHECK(config.num_attention_heads % a == 0, "num_attention_heads {} is not divisible by attention TP size {}",
+                config.num_attention_heads, a);
+  const int kv = config.num_key_value_heads;
+  FULCRUM_CHECK(kv >= a ? kv % a == 0 : a % kv == 0,
+                "num_key_value_heads {} can be neither sharded nor evenly replicated over attention TP size {}", kv, a);
+  FULCRUM_CHECK(shard.ep_size >= 1 && shard.ep_rank >= 0 && shard.ep_rank < shard.ep_size &&
+                    shard.moe_tp_size >= 1 && shard.moe_tp_rank >= 0 && shard.moe_tp_rank < shard.moe_tp_size,
+                "EP rank {} of {}, expert TP rank {} of {}", shard.ep_rank, shard.ep_size, shard.moe_tp_rank,
+                shard.moe_tp_size);
+  if (!config.moe_layer_indices().empty()) {
+    FULCRUM_CHECK(num_physical_experts % shard.ep_size == 0, "{} physical experts are not divisible by EP size {}",
+                  num_physical_experts, shard.ep_size);
+    FULCRUM_CHECK(config.moe_intermediate_size % shard.moe_tp_size == 0,
+                  "moe_intermediate_size {} is not divisible by {} ranks per EP rank", config.moe_intermediate_size,
+                  shard.moe_tp_size);
+  }
+  if (config.moe_layer_indices().size() < static_cast<size_t>(config.num_hidden_layers)) {
+    FULCRUM_CHECK(config.intermediate_size % a == 0, "intermediate_size {} is not divisible by attention TP size {}",
+                  config.intermediate_size, a);
+  }
+}
+
+}  // namespace
+
+Tensor expert_mlp(Backend& backend, const Tensor& xs, const Tensor& gate_up, const Tensor& down) {
+  const Tensor h = backend.matmul(xs, gate_up);  // [n, 2w]
+  const Tensor act = backend.silu_mul(h);        // [n, w]
+  return backend.matmul(act, down);              // [n, hidden_size]
+}
+
+int Qwen3MoeModel::num_local_kv_heads() const {
+  return std::max(1, config_.num_key_value_heads / parallel_.shard.attn_tp_size);
+}
+
 Qwen3MoeModel::Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, StageRange stage,
-                             const eplb::Placement* placement)
-    : config_(config), backend_(backend) {
+                             const eplb::Placement* placement, const ModelParallel& parallel)
+    : config_(config), backend_(backend), parallel_(parallel) {
   start_layer_ = stage.start_layer;
   end_layer_ = stage.end_layer < 0 ? config.num_hidden_layers : stage.end_layer;
   FULCRUM_CHECK(start_layer_ >= 0 && start_layer_ < end_layer_ && end_layer_ <= config.num_hidden_layers,
@@ -29,10 +70,15 @@ Qwen3MoeModel::Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, Sta
                   placement->num_layers, placement->num_logical_experts, num_moe_layers, config.num_experts);
     placement->validate();
   }
+  const ShardSpec& shard = parallel_.shard;
+  check_shard(config, shard, placement != nullptr ? placement->num_physical_experts() : 0);
+  FULCRUM_CHECK(parallel_.ops != nullptr || (shard.attn_tp_size == 1 && shard.ep_size == 1 && shard.moe_tp_size == 1),
+                "a sharded model needs ParallelOps");
 
   const int64_t hidden = config.hidden_size, head_dim = config.head_dim;
-  const int64_t q_width = int64_t{config.num_attention_heads} * head_dim;
-  const int64_t kv_width = int64_t{config.num_key_value_heads} * head_dim;
+  const int64_t q_width = int64_t{num_local_heads()} * head_dim;       // this rank's query heads
+  const int64_t kv_width = int64_t{num_local_kv_heads()} * head_dim;   // this rank's kv heads
+  const int64_t mlp_width = config.intermediate_size / shard.attn_tp_size;
   for (int layer_idx = start_layer_; layer_idx < end_layer_; ++layer_idx) {
     auto layer = std::make_unique<Layer>();
     layer->layer_idx = layer_idx;
@@ -46,16 +92,16 @@ Qwen3MoeModel::Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, Sta
     layer->q_norm = backend_.zeros({head_dim});
     layer->k_norm = backend_.zeros({head_dim});
     if (layer->is_moe()) {
-      const int64_t num_slots = placement->num_physical_experts();
-      const int64_t width = config.moe_intermediate_size;
+      const int64_t num_slots = placement->num_physical_experts() / shard.ep_size;  // this rank's slots
+      const int64_t width = config.moe_intermediate_size / shard.moe_tp_size;
       layer->router = backend_.zeros({config.num_experts, hidden});
       layer->experts_gate_up = backend_.zeros({num_slots, 2 * width, hidden});
       layer->experts_down = backend_.zeros({num_slots, hidden, width});
       const auto map = placement->layer(layer->moe_layer_idx);
       layer->physical_to_logical.assign(map.begin(), map.end());
     } else {
-      layer->mlp_gate_up = backend_.zeros({2 * int64_t{config.intermediate_size}, hidden});
-      layer->mlp_down = backend_.zeros({hidden, config.intermediate_size});
+      layer->mlp_gate_up = backend_.zeros({2 * mlp_width, hidden});
+      layer->mlp_down = backend_.zeros({hidden, mlp_width});
     }
     layers_.push_back(std::move(layer));
   }
@@ -69,14 +115,20 @@ Qwen3MoeModel::Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, Sta
 
 Qwen3MoeModel::~Qwen3MoeModel() = default;
 
+ExpertSlotView Qwen3MoeModel::slot_view(Layer& layer) {
+  const auto num_slots = static_cast<int>(layer.experts_gate_up.dim(0));
+  const int slot_begin = parallel_.shard.ep_rank * num_slots;
+  std::span<int32_t> map(layer.physical_to_logical);
+  return ExpertSlotView{layer.layer_idx,     layer.moe_layer_idx,   num_slots,
+                        slot_begin,          static_cast<int>(map.size()), config_.num_experts,
+                        layer.experts_gate_up, layer.experts_down,  map.subspan(slot_begin, num_slots),
+                        map};
+}
+
 std::vector<ExpertSlotView> Qwen3MoeModel::expert_slot_views() {
   std::vector<ExpertSlotView> views;
   for (const auto& layer : layers_) {
-    if (!layer->is_moe()) continue;
-    views.push_back(ExpertSlotView{layer->layer_idx, layer->moe_layer_idx,
-                                   static_cast<int>(layer->physical_to_logical.size()), config_.num_experts,
-                                   layer->experts_gate_up, layer->experts_down,
-                                   std::span<int32_t>(layer->physical_to_logical)});
+    if (layer->is_moe()) views.push_back(slot_view(*layer));
   }
   return views;
 }
@@ -86,8 +138,8 @@ KvCache Qwen3MoeModel::create_kv_cache(int64_t capacity) {
   KvCache cache;
   cache.capacity = capacity;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    cache.k.push_back(backend_.zeros({capacity, config_.num_key_value_heads, config_.head_dim}));
-    cache.v.push_back(backend_.zeros({capacity, config_.num_key_value_heads, config_.head_dim}));
+    cache.k.push_back(backend_.zeros({capacity, num_local_kv_heads(), config_.head_dim}));
+    cache.v.push_back(backend_.zeros({capacity, num_local_kv_heads(), config_.head_dim}));
   }
   return cache;
 }
@@ -158,7 +210,7 @@ std::vector<Tensor> Qwen3MoeModel::forward(std::span<const SequenceInput> batch,
 Tensor Qwen3MoeModel::attention_block(Layer& layer, size_t local_idx, const Tensor& x,
                                       std::span<const SequenceInput> batch, std::span<const int32_t> positions) {
   const int64_t num_tokens = x.dim(0), head_dim = config_.head_dim;
-  const int64_t num_heads = config_.num_attention_heads, num_kv_heads = config_.num_key_value_heads;
+  const int64_t num_heads = num_local_heads(), num_kv_heads = num_local_kv_heads();  // this rank's shard
   // q/k RMSNorm over each head, before RoPE.
   Tensor q = backend_.matmul(x, layer.q_proj).reshape({num_tokens, num_heads, head_dim});
   q = backend_.rms_norm(q, layer.q_norm, config_.rms_norm_eps);     // [num_tokens, num_heads, head_dim]
@@ -181,13 +233,17 @@ Tensor Qwen3MoeModel::attention_block(Layer& layer, size_t local_idx, const Tens
     backend_.copy(out.rows(offset, count), attn);
     offset += count;
   }
-  return backend_.matmul(out, layer.o_proj);  // [num_tokens, hidden_size]
+  const Tensor projected = backend_.matmul(out, layer.o_proj);  // [num_tokens, hidden_size], partial over heads
+  if (parallel_.shard.attn_tp_size > 1) parallel_.ops->all_reduce_attention(projected);
+  return projected;
 }
 
 Tensor Qwen3MoeModel::dense_mlp_block(Layer& layer, const Tensor& x) {
-  const Tensor gate_up = backend_.matmul(x, layer.mlp_gate_up);  // [num_tokens, 2 * intermediate_size]
-  const Tensor act = backend_.silu_mul(gate_up);                 // [num_tokens, intermediate_size]
-  return backend_.matmul(act, layer.mlp_down);                   // [num_tokens, hidden_size]
+  const Tensor gate_up = backend_.matmul(x, layer.mlp_gate_up);  // [num_tokens, 2 * intermediate_size / A]
+  const Tensor act = backend_.silu_mul(gate_up);                 // [num_tokens, intermediate_size / A]
+  const Tensor out = backend_.matmul(act, layer.mlp_down);       // [num_tokens, hidden_size], partial over A
+  if (parallel_.shard.attn_tp_size > 1) parallel_.ops->all_reduce_attention(out);
+  return out;
 }
 
 Tensor Qwen3MoeModel::moe_block(Layer& layer, const Tensor& x, const ForwardHooks& hooks) {
@@ -196,6 +252,7 @@ Tensor Qwen3MoeModel::moe_block(Layer& layer, const Tensor& x, const ForwardHook
   const Tensor router_logits = backend_.matmul(x, layer.router);  // [num_tokens, num_experts]
   const RouterChoice choice = backend_.route(router_logits, top_k, config_.norm_topk_prob);
   if (hooks.on_router) hooks.on_router(layer.layer_idx, router_logits, choice);
+  if (parallel_.ops != nullptr) return parallel_.ops->moe_experts(slot_view(layer), x, choice);
 
   // Each logical expert's first replica computes all its tokens.
   std::vector<int32_t> first_slot(static_cast<size_t>(config_.num_experts), -1);  // [num_experts]
@@ -230,9 +287,8 @@ Tensor Qwen3MoeModel::moe_block(Layer& layer, const Tensor& x, const ForwardHook
   for (size_t slot_idx = 0; slot_idx < slot_tokens.size(); ++slot_idx) {
     if (slot_tokens[slot_idx].empty()) continue;
     const Tensor xs = backend_.gather_rows(x, slot_tokens[slot_idx]);  // [n, hidden_size]
-    const Tensor gate_up = backend_.matmul(xs, layer.experts_gate_up.index(static_cast<int64_t>(slot_idx)));  // [n, 2I]
-    const Tensor act = backend_.silu_mul(gate_up);                                                          // [n, I]
-    const Tensor ys = backend_.matmul(act, layer.experts_down.index(static_cast<int64_t>(slot_idx)));  // [n, hidden]
+    const auto slot = static_cast<int64_t>(slot_idx);
+    const Tensor ys = expert_mlp(backend_, xs, layer.experts_gate_up.index(slot), layer.experts_down.index(slot));
     backend_.scatter_rows(expert_out, ys, slot_entries[slot_idx]);
   }
   return backend_.weighted_sum(expert_out, entry_weights, top_k);  // [num_tokens, hidden_size]

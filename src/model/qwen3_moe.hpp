@@ -12,9 +12,10 @@
 // The descriptors of these tensors (expert_slot_views) exist from construction, before any weight is
 // read: they are the one contract through which EPLB records, plans and migrates.
 //
-// NOTES: a token routed to logical expert e is computed once, by e's FIRST replica (lowest slot index).
-// Per-token outputs are combined in ascending logical-expert order (as HF's expert loop does), so logits
-// do not depend on the placement at all.
+// NOTES: on one rank, a token routed to logical expert e is computed once, by e's FIRST replica (lowest
+// slot index); with a ModelParallel, the engine (ParallelOps::moe_experts) chooses replicas and exchanges
+// tokens. Per-token outputs are combined in ascending logical-expert order (as HF's expert loop does), so
+// logits do not depend on the placement at all.
 #include <functional>
 #include <memory>
 #include <span>
@@ -22,6 +23,7 @@
 
 #include "eplb/placement.hpp"
 #include "model/backend.hpp"
+#include "model/model_parallel.hpp"
 #include "model/qwen3_config.hpp"
 #include "model/safetensors.hpp"
 
@@ -32,15 +34,20 @@ struct StageRange {
   int end_layer = -1;  // exclusive; -1: through the last layer
 };
 
-// The expert-slot tensors of one MoE layer this stage owns.
+// The expert-slot tensors of one MoE layer this stage owns, as held by this rank. With expert parallelism
+// a rank holds the global slots [slot_begin, slot_begin + num_slots) of the layer's num_physical_experts,
+// each sliced to w = moe_intermediate_size / moe_tp_size columns of the intermediate dimension.
 struct ExpertSlotView {
   int layer_idx = 0;        // decoder layer index
   int moe_layer_idx = 0;    // ordinal among all MoE layers of the model: the row of an eplb::Placement
-  int num_slots = 0;        // physical slots on this stage
+  int num_slots = 0;        // physical slots on this rank
+  int slot_begin = 0;       // global index of local slot 0
+  int num_physical_experts = 0;  // slots of the layer over all EP ranks
   int num_logical_experts = 0;
-  Tensor gate_up;           // [num_slots, 2 * moe_intermediate_size, hidden_size]
-  Tensor down;              // [num_slots, hidden_size, moe_intermediate_size]
-  std::span<int32_t> physical_to_logical;  // [num_slots]; write it together with the slots it describes
+  Tensor gate_up;           // [num_slots, 2 * w, hidden_size]
+  Tensor down;              // [num_slots, hidden_size, w]
+  std::span<int32_t> physical_to_logical;  // [num_slots]: this rank's part of layer_map; write it with its slots
+  std::span<const int32_t> layer_map;      // [num_physical_experts]: the whole layer (every rank keeps a copy)
 };
 
 // One sequence's key/value cache for the layers of a stage.
@@ -66,10 +73,11 @@ struct ForwardHooks {
 class Qwen3MoeModel {
  public:
   // `placement` (optional) gives the physical slots of every MoE layer of the model; without it the
-  // trivial placement (num_slots = num_experts, slot s holds expert s, one GPU) is used. The backend
-  // must outlive the model. Slot tensors are allocated (zeroed) here; no weight is read.
+  // trivial placement (num_slots = num_experts, slot s holds expert s, one GPU) is used. `parallel`
+  // (optional) makes this object one rank's shard (see model_parallel.hpp). The backend must outlive the
+  // model. Slot tensors are allocated (zeroed) here; no weight is read.
   Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, StageRange stage = {},
-                const eplb::Placement* placement = nullptr);
+                const eplb::Placement* placement = nullptr, const ModelParallel& parallel = {});
   ~Qwen3MoeModel();
   Qwen3MoeModel(const Qwen3MoeModel&) = delete;
   Qwen3MoeModel& operator=(const Qwen3MoeModel&) = delete;
@@ -81,8 +89,20 @@ class Qwen3MoeModel {
   bool is_first_stage() const { return start_layer_ == 0; }
   bool is_last_stage() const { return end_layer_ == config_.num_hidden_layers; }
 
+  const ShardSpec& shard() const { return parallel_.shard; }
+  int num_local_heads() const { return config_.num_attention_heads / parallel_.shard.attn_tp_size; }
+  int num_local_kv_heads() const;
+
   // One view per owned MoE layer, ascending layer index. Valid from construction on.
   std::vector<ExpertSlotView> expert_slot_views();
+
+  // Replaces the slot map of owned MoE layer `layer_idx` (decoder index) by `layer_map` [num_physical_experts]
+  // between forward passes: slots of this rank whose logical expert changes are re-read from `checkpoint`
+  // (only this rank's slice), then the map is switched. Every rank must pass the same map.
+  void replace_layer_map(int layer_idx, std::span<const int32_t> layer_map, Checkpoint& checkpoint);
+  // Switches the map only: the caller has already written this rank's changed slots (expert_slot_views),
+  // e.g. by migrating them from peers. Validated like replace_layer_map.
+  void set_layer_map(int layer_idx, std::span<const int32_t> layer_map);
 
   // Reads this stage's weights. Every expected tensor must be present with its exact shape; a tensor
   // that belongs to no layer of this model is an error; tensors of other stages' layers are skipped.
@@ -109,9 +129,13 @@ class Qwen3MoeModel {
   Tensor moe_block(Layer& layer, const Tensor& x, const ForwardHooks& hooks);
   Tensor dense_mlp_block(Layer& layer, const Tensor& x);
   void load_layer(Layer& layer, Checkpoint& checkpoint);
+  void load_expert_slot(Layer& layer, Checkpoint& checkpoint, int local_slot, int expert_idx);
+  ExpertSlotView slot_view(Layer& layer);
+  Layer& checked_moe_layer(int layer_idx, std::span<const int32_t> layer_map);
 
   Qwen3MoeConfig config_;
   Backend& backend_;
+  ModelParallel parallel_;
   int start_layer_ = 0;
   int end_layer_ = 0;
   std::vector<std::unique_ptr<Layer>> layers_;  // [end_layer - start_layer]

@@ -226,6 +226,43 @@ void SafetensorsFile::read_f32_into(const std::string& name, std::span<float> ou
   }
 }
 
+void SafetensorsFile::read_f32_block_into(const std::string& name, int64_t row_begin, int64_t num_rows,
+                                          int64_t col_begin, int64_t num_cols, std::span<float> out) const {
+  const TensorInfo& t = info(name);
+  FULCRUM_CHECK(t.shape.size() == 1 || t.shape.size() == 2, "{}: tensor '{}' has shape {}, a block read needs 1-D or 2-D",
+                path_, name, shape_text(t.shape));
+  const int64_t rows = t.shape.size() == 2 ? t.shape[0] : 1;
+  const int64_t cols = t.shape.back();
+  FULCRUM_CHECK(row_begin >= 0 && num_rows >= 0 && row_begin + num_rows <= rows && col_begin >= 0 && num_cols >= 0 &&
+                    col_begin + num_cols <= cols,
+                "{}: block rows [{}, {}) x cols [{}, {}) is outside tensor '{}' of shape {}", path_, row_begin,
+                row_begin + num_rows, col_begin, col_begin + num_cols, name, shape_text(t.shape));
+  FULCRUM_CHECK(static_cast<int64_t>(out.size()) == num_rows * num_cols,
+                "{}: block of tensor '{}' has {} values, destination holds {}", path_, name, num_rows * num_cols,
+                out.size());
+  const uint8_t* src = data_ + t.data_begin;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t first = (row_begin + r) * cols + col_begin;  // element index in the tensor
+    float* dst = out.data() + r * num_cols;
+    switch (t.dtype) {
+      case Dtype::kF32:
+        if (num_cols > 0) std::memcpy(dst, src + 4 * first, static_cast<size_t>(num_cols) * 4);
+        break;
+      case Dtype::kBF16:
+      case Dtype::kF16:
+        for (int64_t i = 0; i < num_cols; ++i) {
+          uint16_t bits = 0;
+          std::memcpy(&bits, src + 2 * (first + i), 2);
+          dst[i] = t.dtype == Dtype::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+        }
+        break;
+      default:
+        throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected F32, BF16 or F16", path_, name,
+                                dtype_name(t.dtype)));
+    }
+  }
+}
+
 HostTensor SafetensorsFile::read_f32(const std::string& name) const {
   const TensorInfo& t = info(name);
   HostTensor tensor{t.shape, std::vector<float>(static_cast<size_t>(t.numel()))};
@@ -347,6 +384,16 @@ void write_safetensors(const std::string& path, const std::map<std::string, Host
     contents.append(reinterpret_cast<const char*>(tensor.data.data()), tensor.data.size() * 4);
   }
   write_file_atomically(path, contents);
+}
+
+void Checkpoint::read_f32_block_into(const std::string& name, std::span<const int64_t> expected_shape,
+                                     int64_t row_begin, int64_t num_rows, int64_t col_begin, int64_t num_cols,
+                                     std::span<float> out) {
+  const TensorInfo& t = info(name);
+  FULCRUM_CHECK(std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end()),
+                "{}: tensor '{}' has shape {}, expected {}", file_of(name), name, shape_text(t.shape),
+                shape_text(expected_shape));
+  file_of_.at(name)->read_f32_block_into(name, row_begin, num_rows, col_begin, num_cols, out);
 }
 
 }  // namespace fulcrum::model

@@ -55,6 +55,11 @@ class SafetensorsFile {
 
   // Converts a float tensor (F32, BF16, F16) to fp32 into `out`, which must hold numel() values.
   void read_f32_into(const std::string& name, std::span<float> out) const;
+  // Block [row_begin, row_begin + num_rows) x [col_begin, col_begin + num_cols) of a 2-D float tensor (a
+  // 1-D tensor is one row), converted to fp32 into `out` (num_rows * num_cols values, row-major). Reads
+  // only those elements: what a tensor-parallel rank loads of a sharded weight.
+  void read_f32_block_into(const std::string& name, int64_t row_begin, int64_t num_rows, int64_t col_begin,
+                           int64_t num_cols, std::span<float> out) const;
   HostTensor read_f32(const std::string& name) const;
   // Integer tensors (I64, I32), e.g. token ids of golden data.
   std::vector<int64_t> read_i64(const std::string& name) const;
@@ -80,6 +85,10 @@ class Checkpoint {
   const TensorInfo& info(const std::string& name) const;
   // Reads `name` as fp32 into `out`; its shape must equal `expected_shape` (else "wrong shape" error).
   void read_f32_into(const std::string& name, std::span<const int64_t> expected_shape, std::span<float> out);
+  // The block rows [row_begin, +num_rows) x cols [col_begin, +num_cols) of a tensor of shape `expected_shape`
+  // (2-D, or 1-D as one row); shape checked as above.
+  void read_f32_block_into(const std::string& name, std::span<const int64_t> expected_shape, int64_t row_begin,
+                           int64_t num_rows, int64_t col_begin, int64_t num_cols, std::span<float> out);
   // Where a tensor lives, for messages: "dir/model-00001-of-00002.safetensors".
   const std::string& file_of(const std::string& name) const;
 

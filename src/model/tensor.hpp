@@ -32,8 +32,12 @@ class Tensor {
     for (const int64_t d : shape_) n *= d;
     return n;
   }
-  // Elements of one dim-0 entry.
-  int64_t row_numel() const { return rank() == 0 ? 1 : (dim(0) == 0 ? 0 : numel() / dim(0)); }
+  // Elements of one dim-0 entry (the product of the other dims, also when there are no rows).
+  int64_t row_numel() const {
+    int64_t n = 1;
+    for (size_t axis = 1; axis < shape_.size(); ++axis) n *= shape_[axis];
+    return n;
+  }
 
   // Entries [begin, begin + count) along dim 0: same rank.
   Tensor rows(int64_t begin, int64_t count) const {

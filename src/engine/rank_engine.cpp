@@ -1,0 +1,140 @@
+#include "engine/rank_engine.hpp"
+
+#include <numeric>
+
+#include "eplb/error.hpp"
+
+namespace fulcrum::engine {
+namespace {
+
+// The placement the engine runs: the given one (checked against the layout), or the trivial one over P slots.
+eplb::Placement engine_placement(const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                 const eplb::Placement* given) {
+  const int num_moe_layers = static_cast<int>(config.moe_layer_indices().size());
+  const eplb::Topology topo{layout.num_physical_experts(), layout.ep(), 1};
+  if (given == nullptr) return eplb::trivial_placement(topo, num_moe_layers, config.num_experts);
+  FULCRUM_CHECK(given->num_layers == num_moe_layers && given->num_logical_experts == config.num_experts &&
+                    given->num_physical_experts() == layout.num_physical_experts(),
+                "the placement has {} layers x {} slots of {} experts; this model and layout need {} MoE layers x {} "
+                "slots of {} experts",
+                given->num_layers, given->num_physical_experts(), given->num_logical_experts, num_moe_layers,
+                layout.num_physical_experts(), config.num_experts);
+  eplb::Placement placement = *given;
+  placement.topology = topo;  // slots live on EP ranks as the layout says, whatever GPU count planned them
+  placement.validate();
+  return placement;
+}
+
+}  // namespace
+
+RankEngine::RankEngine(const model::Qwen3MoeConfig& config, const ParallelLayout& layout, comm::Communicator& world,
+                       model::Backend& backend, const eplb::Placement* placement, EngineOptions options)
+    : config_(config), layout_(layout), coords_(layout.coords(world.rank())), backend_(backend),
+      options_(std::move(options)) {
+  FULCRUM_CHECK(world.size() == layout.world_size(), "the world has {} ranks, the layout needs {} ({})", world.size(),
+                layout.world_size(), layout.describe());
+  stage_ = world.split(coords_.pp_rank, coords_.tp_rank);
+  attn_tp_ = world.split(coords_.pp_rank * layout.attn_dp_size() + coords_.attn_dp_rank, coords_.attn_tp_rank);
+  pp_ = world.split(coords_.tp_rank, coords_.pp_rank);
+  ops_ = std::make_unique<StageParallelOps>(layout, coords_, config, *stage_, *attn_tp_, backend, options_);
+  const bool has_moe = !config.moe_layer_indices().empty();
+  const eplb::Placement slots = has_moe ? engine_placement(config, layout, placement) : eplb::Placement{};
+  model_ = std::make_unique<model::Qwen3MoeModel>(config, backend, layout.stage(coords_.pp_rank),
+                                                  has_moe ? &slots : nullptr,
+                                                  model::ModelParallel{layout.shard(coords_.world_rank), ops_.get()});
+}
+
+RankEngine::~RankEngine() = default;
+
+void RankEngine::load_weights(model::Checkpoint& checkpoint) { model_->load_weights(checkpoint); }
+
+void RankEngine::reset(const std::vector<int64_t>& capacities) {
+  num_sequences_ = static_cast<int>(capacities.size());
+  my_sequences_.clear();
+  caches_.clear();
+  for (int i = 0; i < num_sequences_; ++i) {
+    if (layout_.dp_group_of_sequence(i) != coords_.attn_dp_rank) continue;
+    my_sequences_.push_back(i);
+    caches_.push_back(model_->create_kv_cache(capacities[static_cast<size_t>(i)]));
+  }
+}
+
+std::vector<model::HostTensor> RankEngine::forward(const std::vector<std::vector<int32_t>>& new_tokens) {
+  FULCRUM_CHECK(static_cast<int>(new_tokens.size()) == num_sequences_, "forward: {} sequences, reset() made room for {}",
+                new_tokens.size(), num_sequences_);
+  ops_->begin_pass(pass_idx_++);
+  std::vector<model::SequenceInput> batch;
+  int64_t num_tokens = 0;  // this rank's attention-DP group
+  for (size_t k = 0; k < my_sequences_.size(); ++k) {
+    batch.push_back(model::SequenceInput{new_tokens[static_cast<size_t>(my_sequences_[k])], &caches_[k]});
+    num_tokens += static_cast<int64_t>(batch.back().token_ids.size());
+  }
+  const int64_t hidden_size = config_.hidden_size, vocab_size = config_.vocab_size;
+  model::Tensor hidden;  // [num_tokens, hidden_size]
+  if (model_->is_first_stage()) {
+    hidden = model_->embed(batch);
+  } else {
+    std::vector<float> host(static_cast<size_t>(num_tokens * hidden_size));
+    pp_->recv(comm::writable_bytes_of(std::span<float>(host)), coords_.pp_rank - 1);
+    hidden = backend_.zeros({num_tokens, hidden_size});
+    backend_.upload(hidden, host);
+  }
+  hidden = model_->run_layers(hidden, batch);
+  model::Qwen3MoeModel::commit_tokens(batch);
+  if (!model_->is_last_stage()) {
+    const std::vector<float> host = backend_.download(hidden);
+    pp_->send(comm::bytes_of(std::span<const float>(host)), coords_.pp_rank + 1);
+  }
+
+  // Every sequence's logits to every rank: gathered over the last stage (one rank per DP group gives its
+  // group's), then broadcast down the pipeline. Order: DP group 0's sequences, group 1's, ...
+  const int num_groups = layout_.attn_dp_size(), group_size = layout_.attn_tp_size();
+  std::vector<int64_t> group_tokens(static_cast<size_t>(num_groups), 0);
+  for (int i = 0; i < num_sequences_; ++i) {
+    group_tokens[layout_.dp_group_of_sequence(i)] += static_cast<int64_t>(new_tokens[static_cast<size_t>(i)].size());
+  }
+  const int64_t total = std::accumulate(group_tokens.begin(), group_tokens.end(), int64_t{0});
+  std::vector<float> all(static_cast<size_t>(total * vocab_size));  // [total tokens, vocab_size]
+  if (model_->is_last_stage()) {
+    const std::vector<float> logits = backend_.download(model_->lm_head(hidden));  // [num_tokens, vocab_size]
+    const bool contributes = coords_.attn_tp_rank == 0;
+    std::vector<int64_t> bytes(static_cast<size_t>(layout_.tp()), 0);
+    for (int g = 0; g < num_groups; ++g) bytes[g * group_size] = group_tokens[g] * vocab_size * int64_t{sizeof(float)};
+    stage_->all_gather_v(comm::bytes_of(std::span<const float>(logits).first(contributes ? logits.size() : 0)),
+                         comm::writable_bytes_of(std::span<float>(all)), bytes);
+  }
+  if (layout_.pp() > 1) pp_->broadcast(comm::writable_bytes_of(std::span<float>(all)), layout_.pp() - 1);
+
+  std::vector<model::HostTensor> out(static_cast<size_t>(num_sequences_));
+  int64_t offset = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    for (int i = g; i < num_sequences_; i += num_groups) {  // dp_group_of_sequence(i) == g
+      const auto count = static_cast<int64_t>(new_tokens[static_cast<size_t>(i)].size());
+      out[i].shape = {count, vocab_size};
+      out[i].data.assign(all.begin() + offset * vocab_size, all.begin() + (offset + count) * vocab_size);
+      offset += count;
+    }
+  }
+  return out;
+}
+
+int RankEngine::owned_moe_layer(int moe_layer_idx) const {
+  const std::vector<int> moe_layers = config_.moe_layer_indices();
+  FULCRUM_CHECK(moe_layer_idx >= 0 && moe_layer_idx < static_cast<int>(moe_layers.size()),
+                "MoE layer {} does not exist (the model has {})", moe_layer_idx, moe_layers.size());
+  const int layer_idx = moe_layers[static_cast<size_t>(moe_layer_idx)];
+  return model_->owns_layer(layer_idx) ? layer_idx : -1;
+}
+
+void RankEngine::replace_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map,
+                                         model::Checkpoint& checkpoint) {
+  const int layer_idx = owned_moe_layer(moe_layer_idx);
+  if (layer_idx >= 0) model_->replace_layer_map(layer_idx, layer_map, checkpoint);
+}
+
+void RankEngine::commit_layer_placement(int moe_layer_idx, std::span<const int32_t> layer_map) {
+  const int layer_idx = owned_moe_layer(moe_layer_idx);
+  if (layer_idx >= 0) model_->set_layer_map(layer_idx, layer_map);
+}
+
+}  // namespace fulcrum::engine
