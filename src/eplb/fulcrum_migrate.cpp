@@ -1,0 +1,152 @@
+#include "eplb/fulcrum_migrate.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "eplb/fulcrum_search.hpp"
+
+namespace fulcrum::eplb::fulcrum_detail {
+namespace {
+
+// Minimum-cost perfect assignment on an n x n matrix (row-major), Hungarian method with potentials,
+// O(n^3). Returns col_of_row.
+void min_cost_assignment(const std::vector<int>& cost, int n, std::vector<int>& col_of_row) {
+  constexpr int kInf = std::numeric_limits<int>::max() / 4;
+  thread_local std::vector<int> u, v, row_of_col, way, min_slack;
+  thread_local std::vector<char> used;
+  u.assign(n + 1, 0);
+  v.assign(n + 1, 0);
+  row_of_col.assign(n + 1, 0);  // 1-based; column 0 is a virtual start
+  way.assign(n + 1, 0);
+  for (int row = 1; row <= n; ++row) {
+    row_of_col[0] = row;
+    int col0 = 0;
+    min_slack.assign(n + 1, kInf);
+    used.assign(n + 1, 0);
+    do {
+      used[col0] = 1;
+      const int row0 = row_of_col[col0];
+      int delta = kInf, col1 = 0;
+      for (int col = 1; col <= n; ++col) {
+        if (used[col]) continue;
+        const int slack = cost[(row0 - 1) * n + (col - 1)] - u[row0] - v[col];
+        if (slack < min_slack[col]) {
+          min_slack[col] = slack;
+          way[col] = col0;
+        }
+        if (min_slack[col] < delta) {
+          delta = min_slack[col];
+          col1 = col;
+        }
+      }
+      for (int col = 0; col <= n; ++col) {
+        if (used[col]) {
+          u[row_of_col[col]] += delta;
+          v[col] -= delta;
+        } else {
+          min_slack[col] -= delta;
+        }
+      }
+      col0 = col1;
+    } while (row_of_col[col0] != 0);
+    do {  // augment along the path
+      const int col1 = way[col0];
+      row_of_col[col0] = row_of_col[col1];
+      col0 = col1;
+    } while (col0 != 0);
+  }
+  col_of_row.assign(n, 0);
+  for (int col = 1; col <= n; ++col) col_of_row[row_of_col[col] - 1] = col - 1;
+}
+
+}  // namespace
+
+int slots_changed(std::span<const int32_t> a, std::span<const int32_t> b) {
+  int changed = 0;
+  for (size_t i = 0; i < a.size(); ++i) changed += a[i] != b[i];
+  return changed;
+}
+
+void relabel_onto(std::span<const int32_t> fresh, std::span<const int32_t> current, int num_experts,
+                  int num_gpus, std::span<int32_t> out) {
+  const int per_gpu = static_cast<int>(fresh.size()) / num_gpus;
+  thread_local std::vector<int> cost, match, multiplicity;
+  thread_local std::vector<char> kept;
+  multiplicity.assign(num_experts, 0);
+  cost.assign(static_cast<size_t>(num_gpus) * num_gpus, 0);
+  kept.assign(per_gpu, 0);
+  for (int i = 0; i < num_gpus; ++i) {
+    for (int s = i * per_gpu; s < (i + 1) * per_gpu; ++s) ++multiplicity[fresh[s]];
+    for (int j = 0; j < num_gpus; ++j) {  // overlap = size of the multiset intersection
+      int overlap = 0;
+      for (int k = 0; k < per_gpu; ++k) {
+        const int e = current[j * per_gpu + k];
+        kept[k] = multiplicity[e] > 0;
+        if (kept[k]) {
+          --multiplicity[e];
+          ++overlap;
+        }
+      }
+      for (int k = 0; k < per_gpu; ++k) {
+        if (kept[k]) ++multiplicity[current[j * per_gpu + k]];
+      }
+      cost[static_cast<size_t>(i) * num_gpus + j] = per_gpu - overlap;
+    }
+    for (int s = i * per_gpu; s < (i + 1) * per_gpu; ++s) multiplicity[fresh[s]] = 0;
+  }
+  min_cost_assignment(cost, num_gpus, match);
+  for (int i = 0; i < num_gpus; ++i) {
+    const int j = match[i];
+    for (int s = i * per_gpu; s < (i + 1) * per_gpu; ++s) ++multiplicity[fresh[s]];
+    for (int k = 0; k < per_gpu; ++k) {  // common experts stay in their current slot
+      const int e = current[j * per_gpu + k];
+      kept[k] = multiplicity[e] > 0;
+      if (kept[k]) {
+        --multiplicity[e];
+        out[j * per_gpu + k] = e;
+      }
+    }
+    int k = 0;
+    for (int s = i * per_gpu; s < (i + 1) * per_gpu; ++s) {  // the rest fill the freed slots in order
+      const int e = fresh[s];
+      if (multiplicity[e] == 0) continue;
+      --multiplicity[e];
+      while (kept[k]) ++k;
+      out[j * per_gpu + k++] = e;
+    }
+  }
+}
+
+int descend_from(Layout& layout, std::span<const int32_t> current, double target_max, int max_moves) {
+  std::copy(current.begin(), current.end(), layout.expert.begin());
+  layout.rebuild();
+  // A current map may hold two replicas of an expert on one GPU (e.g. one made by deepseek); give each
+  // extra replica to the expert with the highest load per replica that the GPU lacks (one move each).
+  if (!layout.allow_dup) {
+    for (int s = 0; s < layout.num_slots; ++s) {
+      const int g = layout.gpu_of(s), e = layout.expert[s];
+      if (layout.on(e, g) < 2) continue;
+      int best = -1;
+      for (int a = 0; a < layout.num_experts; ++a) {
+        if (layout.on(a, g) != 0 || layout.count[a] >= layout.cap) continue;
+        if (best < 0 || layout.load[a] / (layout.count[a] + 1) > layout.load[best] / (layout.count[best] + 1)) best = a;
+      }
+      if (best >= 0) layout.reassign(s, best);
+    }
+  }
+  MoveFinder finder(layout, 0, layout.num_gpus, current.data());
+  int changed = slots_changed(layout.expert, current);
+  const int max_steps = 4 * layout.num_slots;
+  for (int step = 0; step < max_steps && changed <= max_moves; ++step) {
+    const int h = layout.heaviest();
+    if (layout.gpu_load[h] <= target_max) break;
+    const Move move = finder.best_reassign(h, finder.best_swap(h));
+    if (!move.valid()) break;
+    finder.apply(move);
+    changed = slots_changed(layout.expert, current);
+  }
+  return changed;
+}
+
+}  // namespace fulcrum::eplb::fulcrum_detail

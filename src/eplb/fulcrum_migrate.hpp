@@ -1,0 +1,25 @@
+#pragma once
+// Migration-aware replanning for the fulcrum planner: given the current map of a layer and a fresh
+// (from-scratch) plan for the new loads, produce a map that changes few slots of the current one.
+#include <cstdint>
+#include <span>
+
+#include "eplb/fulcrum_layout.hpp"
+
+namespace fulcrum::eplb::fulcrum_detail {
+
+// Relabels `fresh` onto `current`: matches fresh GPUs to current GPUs maximizing the replicas they have
+// in common (assignment problem, Hungarian method), then keeps every common expert in its current slot.
+// Same GPU contents as `fresh` up to a permutation of GPUs, hence the same balance. Writes `out`.
+void relabel_onto(std::span<const int32_t> fresh, std::span<const int32_t> current, int num_experts,
+                  int num_gpus, std::span<int32_t> out);
+
+// Starting from `current` (layout is reset to it), improves the heaviest GPU by the move with the
+// best gain per slot changed until the maximum GPU load is <= target_max, nothing helps, or more than
+// `max_moves` slots differ from `current`. Leaves the result in `layout`; returns the slots changed.
+int descend_from(Layout& layout, std::span<const int32_t> current, double target_max, int max_moves);
+
+// Number of slots whose expert differs.
+int slots_changed(std::span<const int32_t> a, std::span<const int32_t> b);
+
+}  // namespace fulcrum::eplb::fulcrum_detail

@@ -1,0 +1,106 @@
+#include "eplb/fulcrum_pack.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "eplb/fulcrum_search.hpp"
+
+namespace fulcrum::eplb::fulcrum_detail {
+
+void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts) {
+  const int num_experts = static_cast<int>(load.size());
+  counts.assign(num_experts, 1);
+  // Max-heap of (load per replica, expert): larger load first, then lower index.
+  thread_local std::vector<std::pair<double, int>> heap;
+  heap.clear();
+  auto less = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    if (cap > 1) heap.emplace_back(load[e], e);
+  }
+  std::make_heap(heap.begin(), heap.end(), less);
+  for (int extra = num_experts; extra < slots && !heap.empty(); ++extra) {
+    std::pop_heap(heap.begin(), heap.end(), less);
+    const int e = heap.back().second;
+    heap.pop_back();
+    ++counts[e];
+    if (counts[e] < cap) {
+      heap.emplace_back(load[e] / counts[e], e);
+      std::push_heap(heap.begin(), heap.end(), less);
+    }
+  }
+}
+
+void pack_range(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
+  const int per_gpu = layout.slots_per_gpu;
+  const int num_gpus = layout.num_gpus;
+  thread_local std::vector<int> order, fill;
+  order.assign(items.begin(), items.end());
+  auto weight = [&](int e) { return layout.load[e] / counts[e]; };
+  // Heaviest first; replicas of one expert stay together (ties by expert id).
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const double wa = weight(a), wb = weight(b);
+    return wa > wb || (wa == wb && a < b);
+  });
+  fill.assign(num_gpus, 0);
+  for (int g = g0; g < g1; ++g) {
+    layout.gpu_load[g] = 0.0;
+    for (int e = 0; e < layout.num_experts; ++e) layout.hosted[static_cast<size_t>(e) * num_gpus + g] = 0;
+  }
+  bool has_dup = false;
+  for (int e : order) {
+    int best = -1, best_dup = -1;
+    for (int g = g0; g < g1; ++g) {
+      if (fill[g] == per_gpu) continue;
+      if (layout.on(e, g) == 0) {
+        if (best < 0 || layout.gpu_load[g] < layout.gpu_load[best]) best = g;
+      } else if (best_dup < 0 || layout.gpu_load[g] < layout.gpu_load[best_dup]) {
+        best_dup = g;
+      }
+    }
+    if (best < 0) {
+      best = best_dup;
+      has_dup = true;
+    }
+    const int slot = best * per_gpu + fill[best]++;
+    layout.expert[slot] = e;
+    layout.slot_w[slot] = weight(e);
+    layout.gpu_load[best] += weight(e);
+    ++layout.hosted[static_cast<size_t>(e) * num_gpus + best];
+  }
+  if (!has_dup || layout.allow_dup) return;
+  // Repair: swap a duplicated replica with the closest-weight replica of a GPU where neither expert
+  // would be duplicated.
+  for (int s = g0 * per_gpu; s < g1 * per_gpu; ++s) {
+    const int g = s / per_gpu, e = layout.expert[s];
+    if (layout.on(e, g) < 2) continue;
+    int best_t = -1;
+    double best_diff = 0.0;
+    for (int t = g0 * per_gpu; t < g1 * per_gpu; ++t) {
+      const int k = t / per_gpu, x = layout.expert[t];
+      if (k == g || layout.on(e, k) != 0 || layout.on(x, g) != 0) continue;
+      const double diff = std::abs(layout.slot_w[t] - layout.slot_w[s]);
+      if (best_t < 0 || diff < best_diff) {
+        best_t = t;
+        best_diff = diff;
+      }
+    }
+    if (best_t >= 0) layout.swap_slots(s, best_t);
+  }
+}
+
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
+  MoveFinder finder(layout, g0, g1, nullptr);
+  const int max_steps = 8 * layout.num_slots + 64;
+  for (int step = 0; step < max_steps; ++step) {
+    const int h = layout.heaviest(g0, g1);
+    if (layout.gpu_load[h] <= stop_max) return;
+    Move move = finder.best_swap(h);
+    if (!move.valid() && reassign) move = finder.best_reassign(h);
+    if (!move.valid()) return;
+    finder.apply(move);
+  }
+}
+
+}  // namespace fulcrum::eplb::fulcrum_detail

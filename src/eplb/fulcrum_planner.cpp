@@ -1,0 +1,183 @@
+// The fulcrum planner: see fulcrum_planner.hpp for the from-scratch plan and fulcrum_migrate.hpp for
+// replanning from a current placement.
+#include "eplb/fulcrum_planner.hpp"
+
+#include <algorithm>
+#include <numeric>
+
+#include "eplb/fulcrum_layout.hpp"
+#include "eplb/fulcrum_migrate.hpp"
+#include "eplb/fulcrum_pack.hpp"
+#include "eplb/metrics.hpp"
+#include "eplb/planner.hpp"
+
+namespace fulcrum::eplb {
+namespace {
+
+using fulcrum_detail::Layout;
+
+// Hierarchical mode may exceed the flat plan's max GPU load by this fraction to keep experts on fewer
+// nodes; beyond it, it falls back to the flat plan.
+constexpr double kHierarchySlack = 0.002;
+// Migration stopping rule: the search from the current map stops as soon as its max GPU load is within
+// this fraction of the from-scratch fulcrum plan's (so balancedness >= scratch / (1 + slack)).
+constexpr double kMigrationSlack = 0.002;
+
+// Smallest max GPU load the counts allow: max(W / G, largest load per replica).
+double count_bound(const Layout& layout, std::span<const int> counts) {
+  double total = 0.0, per_replica = 0.0;
+  for (int e = 0; e < layout.num_experts; ++e) {
+    total += layout.load[e];
+    per_replica = std::max(per_replica, layout.load[e] / counts[e]);
+  }
+  return std::max(total / layout.num_gpus, per_replica);
+}
+
+void plan_flat(Layout& layout) {
+  thread_local std::vector<int> counts, items;
+  fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
+  items.clear();
+  for (int e = 0; e < layout.num_experts; ++e) items.insert(items.end(), counts[e], e);
+  fulcrum_detail::pack_range(layout, items, counts, 0, layout.num_gpus);
+  layout.rebuild();
+  const double bound = count_bound(layout, counts);
+  fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound * (1.0 + 1e-12), true);
+}
+
+// Experts onto nodes (heaviest first, whole when a node has room, else split), then a flat plan per node,
+// then a global search capped at the flat plan's max GPU load plus kHierarchySlack.
+void plan_hierarchical(Layout& layout, Layout& flat, int num_nodes) {
+  const int num_gpus = layout.num_gpus, num_experts = layout.num_experts;
+  const int gpus_per_node = num_gpus / num_nodes;
+  const int node_slots = layout.num_slots / num_nodes;
+  thread_local std::vector<int> counts, order, node_free, in_node;
+  thread_local std::vector<double> node_load;
+  thread_local std::vector<std::vector<int>> node_items;
+  fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
+  order.resize(num_experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    return layout.load[a] > layout.load[b] || (layout.load[a] == layout.load[b] && a < b);
+  });
+  node_free.assign(num_nodes, node_slots);
+  node_load.assign(num_nodes, 0.0);
+  node_items.resize(num_nodes);
+  for (auto& items : node_items) items.clear();
+  in_node.assign(num_nodes, 0);
+  for (int e : order) {
+    std::fill(in_node.begin(), in_node.end(), 0);
+    const double w = layout.load[e] / counts[e];
+    for (int left = counts[e]; left > 0;) {
+      // Prefer the lightest node that can take all that is left (up to one replica per GPU of the node);
+      // else the node with the most room.
+      int whole = -1, roomy = -1;
+      for (int n = 0; n < num_nodes; ++n) {
+        const int limit = layout.allow_dup ? left : std::min(left, gpus_per_node - in_node[n]);
+        if (node_free[n] == 0 || limit == 0) continue;
+        if (node_free[n] >= limit && (whole < 0 || node_load[n] < node_load[whole])) whole = n;
+        if (roomy < 0 || node_free[n] > node_free[roomy]) roomy = n;
+      }
+      int n = whole >= 0 ? whole : roomy;
+      if (n < 0) {  // every node with room already holds gpus_per_node replicas: accept a duplicate
+        n = static_cast<int>(std::max_element(node_free.begin(), node_free.end()) - node_free.begin());
+      }
+      const int limit = layout.allow_dup || (whole < 0 && roomy < 0) ? left : std::min(left, gpus_per_node - in_node[n]);
+      const int take = std::min(limit, node_free[n]);
+      node_items[n].insert(node_items[n].end(), take, e);
+      node_free[n] -= take;
+      node_load[n] += take * w;
+      in_node[n] += take;
+      left -= take;
+    }
+  }
+  for (int n = 0; n < num_nodes; ++n) {
+    fulcrum_detail::pack_range(layout, node_items[n], counts, n * gpus_per_node, (n + 1) * gpus_per_node);
+  }
+  layout.rebuild();
+  const double bound = count_bound(layout, counts);
+  for (int n = 0; n < num_nodes; ++n) {
+    fulcrum_detail::local_search(layout, n * gpus_per_node, (n + 1) * gpus_per_node, bound * (1.0 + 1e-12), false);
+  }
+  plan_flat(flat);
+  flat.rebuild();
+  const double flat_max = flat.max_load();
+  fulcrum_detail::local_search(layout, 0, num_gpus, flat_max * (1.0 + kHierarchySlack), true);
+  layout.rebuild();
+  if (layout.max_load() > flat_max * (1.0 + kHierarchySlack)) {
+    std::copy(flat.expert.begin(), flat.expert.end(), layout.expert.begin());
+    layout.rebuild();
+  }
+}
+
+class FulcrumPlanner final : public Planner {
+ public:
+  std::string_view name() const override { return "fulcrum"; }
+
+  void plan_layer(std::span<const double> expert_load, const PlanOptions& options,
+                  std::span<const int32_t> current_map, std::span<int32_t> out_map) const override {
+    const Topology& topo = options.topology;
+    FULCRUM_CHECK(static_cast<int>(out_map.size()) == topo.num_physical_experts,
+                  "output map has {} slots, topology has {}", out_map.size(), topo.num_physical_experts);
+    thread_local Layout fresh, other;
+    fresh.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
+    if (topo.num_nodes > 1) {
+      other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
+      plan_hierarchical(fresh, other, topo.num_nodes);
+    } else {
+      plan_flat(fresh);
+    }
+    if (current_map.empty()) {
+      std::copy(fresh.expert.begin(), fresh.expert.end(), out_map.begin());
+      return;
+    }
+    FULCRUM_CHECK(current_map.size() == out_map.size(), "current map has {} slots, expected {}", current_map.size(),
+                  out_map.size());
+    // Two candidates: the fresh plan relabelled onto the current GPUs (same balance as the fresh plan),
+    // and a move-by-move search from the current map (stopping rule: kMigrationSlack). The search wins
+    // when it reaches the target with fewer changed slots.
+    fresh.rebuild();
+    const double target = fresh.max_load() * (1.0 + kMigrationSlack);
+    fulcrum_detail::relabel_onto(fresh.expert, current_map, fresh.num_experts, topo.num_gpus, out_map);
+    const int relabel_moves = fulcrum_detail::slots_changed(out_map, current_map);
+    other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
+    const int search_moves = fulcrum_detail::descend_from(other, current_map, target, relabel_moves - 1);
+    other.rebuild();
+    if (search_moves < relabel_moves && other.max_load() <= target) {
+      std::copy(other.expert.begin(), other.expert.end(), out_map.begin());
+    }
+  }
+};
+
+}  // namespace
+
+std::vector<double> node_loads(std::span<const double> expert_load, std::span<const int32_t> layer_map,
+                               const Topology& topo) {
+  const std::vector<double> per_gpu = gpu_loads(expert_load, layer_map, topo);
+  std::vector<double> loads(topo.num_nodes, 0.0);
+  for (int g = 0; g < topo.num_gpus; ++g) loads[topo.node_of_gpu(g)] += per_gpu[g];
+  return loads;
+}
+
+double mean_nodes_per_expert(std::span<const int32_t> layer_map, int num_logical_experts, const Topology& topo) {
+  std::vector<char> seen(static_cast<size_t>(num_logical_experts) * topo.num_nodes, 0);
+  int64_t distinct = 0;
+  for (size_t s = 0; s < layer_map.size(); ++s) {
+    char& mark = seen[static_cast<size_t>(layer_map[s]) * topo.num_nodes + topo.node_of_slot(static_cast<int>(s))];
+    distinct += mark == 0;
+    mark = 1;
+  }
+  return static_cast<double>(distinct) / num_logical_experts;
+}
+
+int max_replicas_on_one_gpu(std::span<const int32_t> layer_map, int num_logical_experts, const Topology& topo) {
+  std::vector<int> on_gpu(static_cast<size_t>(num_logical_experts) * topo.num_gpus, 0);
+  int most = 0;
+  for (size_t s = 0; s < layer_map.size(); ++s) {
+    most = std::max(most, ++on_gpu[static_cast<size_t>(layer_map[s]) * topo.num_gpus + topo.gpu_of_slot(static_cast<int>(s))]);
+  }
+  return most;
+}
+
+std::unique_ptr<Planner> make_fulcrum_planner() { return std::make_unique<FulcrumPlanner>(); }
+
+}  // namespace fulcrum::eplb
