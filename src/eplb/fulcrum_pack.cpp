@@ -32,7 +32,7 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   }
 }
 
-void pack_range(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
+void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
   const int per_gpu = layout.slots_per_gpu;
   const int num_gpus = layout.num_gpus;
   thread_local std::vector<int> order, fill;
@@ -69,9 +69,12 @@ void pack_range(Layout& layout, std::span<const int> items, std::span<const int>
     layout.gpu_load[best] += weight(e);
     ++layout.hosted[static_cast<size_t>(e) * num_gpus + best];
   }
-  if (!has_dup || layout.allow_dup) return;
-  // Repair: swap a duplicated replica with the closest-weight replica of a GPU where neither expert
-  // would be duplicated.
+  (void)has_dup;
+}
+
+void repair_duplicates(Layout& layout, int g0, int g1) {
+  if (layout.allow_dup) return;
+  const int per_gpu = layout.slots_per_gpu;
   for (int s = g0 * per_gpu; s < g1 * per_gpu; ++s) {
     const int g = s / per_gpu, e = layout.expert[s];
     if (layout.on(e, g) < 2) continue;
@@ -90,14 +93,18 @@ void pack_range(Layout& layout, std::span<const int> items, std::span<const int>
   }
 }
 
+long g_swaps = 0, g_reassigns = 0, g_searches = 0, g_failed_swaps = 0;
 void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
+  ++g_searches;
   MoveFinder finder(layout, g0, g1, nullptr);
   const int max_steps = 8 * layout.num_slots + 64;
   for (int step = 0; step < max_steps; ++step) {
     const int h = layout.heaviest(g0, g1);
     if (layout.gpu_load[h] <= stop_max) return;
     Move move = finder.best_swap(h);
+    if (!move.valid()) ++g_failed_swaps;
     if (!move.valid() && reassign) move = finder.best_reassign(h);
+    if (move.valid()) ++(move.kind == Move::kSwap ? g_swaps : g_reassigns);
     if (!move.valid()) return;
     finder.apply(move);
   }

@@ -12,12 +12,17 @@ namespace fulcrum::eplb::fulcrum_detail {
 // load per replica under the cap.
 void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts);
 
-// Packs `items` (one expert id per replica, each weighing load[e] / counts[e]) into the empty slots of
-// GPUs [g0, g1) of `layout`, exactly slots_per_gpu per GPU: heaviest first into the lightest GPU that
-// has room and does not hold the expert yet (longest-processing-time with a cardinality and a
-// no-duplicate rule), then repairs any duplicate the greedy could not avoid by swaps.
-// Expects layout.gpu_load of [g0, g1) zeroed; fills layout.expert, slot_w and gpu_load of the range.
-void pack_range(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+// Both packers put `items` (one expert id per replica, each weighing load[e] / counts[e]) into the
+// slots of GPUs [g0, g1), exactly slots_per_gpu per GPU, avoiding two replicas of an expert on one GPU
+// where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).
+// greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT).
+void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+// differencing_pack: balanced largest differencing (fulcrum_kk.cpp).
+void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+
+// After rebuild(): swaps away any duplicate a packer could not avoid, each with the closest-weight
+// replica of a GPU in [g0, g1) where neither expert would then be duplicated.
+void repair_duplicates(Layout& layout, int g0, int g1);
 
 // Local search on GPUs [g0, g1): repeatedly takes the heaviest GPU and applies the swap of one of its
 // replicas with a replica of another GPU in the range that most lowers the pair's larger load, keeping

@@ -3,6 +3,7 @@
 #include "eplb/fulcrum_planner.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 
 #include "eplb/fulcrum_layout.hpp"
@@ -38,8 +39,10 @@ void plan_flat(Layout& layout) {
   fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
   items.clear();
   for (int e = 0; e < layout.num_experts; ++e) items.insert(items.end(), counts[e], e);
-  fulcrum_detail::pack_range(layout, items, counts, 0, layout.num_gpus);
+  if (std::getenv("FULCRUM_LPT")) fulcrum_detail::greedy_pack(layout, items, counts, 0, layout.num_gpus); else
+  fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus);
   layout.rebuild();
+  fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
   const double bound = count_bound(layout, counts);
   fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound * (1.0 + 1e-12), true);
 }
@@ -91,9 +94,10 @@ void plan_hierarchical(Layout& layout, Layout& flat, int num_nodes) {
     }
   }
   for (int n = 0; n < num_nodes; ++n) {
-    fulcrum_detail::pack_range(layout, node_items[n], counts, n * gpus_per_node, (n + 1) * gpus_per_node);
+    fulcrum_detail::differencing_pack(layout, node_items[n], counts, n * gpus_per_node, (n + 1) * gpus_per_node);
   }
   layout.rebuild();
+  for (int n = 0; n < num_nodes; ++n) fulcrum_detail::repair_duplicates(layout, n * gpus_per_node, (n + 1) * gpus_per_node);
   const double bound = count_bound(layout, counts);
   for (int n = 0; n < num_nodes; ++n) {
     fulcrum_detail::local_search(layout, n * gpus_per_node, (n + 1) * gpus_per_node, bound * (1.0 + 1e-12), false);

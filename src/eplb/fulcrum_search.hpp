@@ -40,8 +40,6 @@ class MoveFinder {
     return static_cast<int>(e != origin_[s]) - static_cast<int>(layout_.expert[s] != origin_[s]);
   }
   double divisor(int cost) const { return origin_ == nullptr ? 1.0 : (cost > 0 ? cost : 0.5); }
-  // Largest load among GPUs holding e (except skip1, skip2) once each replica of e grows by delta.
-  double raised_max(int e, double delta, int skip1, int skip2) const;
 
   Layout& layout_;
   int g0_, g1_;
