@@ -1,6 +1,8 @@
 #include "eplb/fulcrum_migrate.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -135,8 +137,13 @@ int descend_from(Layout& layout, std::span<const int32_t> current, double target
       if (best >= 0) layout.reassign(s, best);
     }
   }
+  double total = 0.0;
+  for (double v : layout.gpu_load) total += v;
+  const double mean = total / layout.num_gpus;
+  const double aim_frac = std::getenv("FULCRUM_AIM") ? std::atof(std::getenv("FULCRUM_AIM")) : 1.0;
+  int changed = excess_descent(layout, current, target_max, mean + aim_frac * (target_max - mean), max_moves);
+  // Where the excess descent stalls, moves aimed at the heaviest GPU alone may still help.
   MoveFinder finder(layout, 0, layout.num_gpus, current.data());
-  int changed = slots_changed(layout.expert, current);
   const int max_steps = 4 * layout.num_slots;
   for (int step = 0; step < max_steps && changed <= max_moves; ++step) {
     const int h = layout.heaviest();
@@ -146,7 +153,45 @@ int descend_from(Layout& layout, std::span<const int32_t> current, double target
     finder.apply(move);
     changed = slots_changed(layout.expert, current);
   }
+  if (std::getenv("FULCRUM_DEBUG")) fprintf(stderr, "descent: changed %d max %.5f target %.5f mean %.5f\n", changed, layout.max_load(), target_max, mean);
+  if (layout.max_load() <= target_max) changed = undo_unneeded(layout, current, target_max);
   return changed;
+}
+
+int undo_unneeded(Layout& layout, std::span<const int32_t> origin, double target_max) {
+  // Greedy undo: restore a changed slot's original expert (or swap two changed slots back) whenever the
+  // layout then still has every GPU <= target_max and no GPU holds an expert twice.
+  const int slots = layout.num_slots;
+  auto fits = [&] { return layout.max_load() <= target_max; };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < slots; ++s) {
+      const int now = layout.expert[s], was = origin[s];
+      if (now == was) continue;
+      const int g = layout.gpu_of(s);
+      // Swap back with a slot of another GPU that holds `was` and originally held `now`.
+      int partner = -1;
+      for (int t = 0; t < slots && partner < 0; ++t) {
+        if (layout.expert[t] == was && origin[t] == now && layout.gpu_of(t) != g) partner = t;
+      }
+      if (partner >= 0 && (layout.allow_dup || (layout.on(was, g) == 0 && layout.on(now, layout.gpu_of(partner)) == 0))) {
+        layout.swap_slots(s, partner);
+        if (fits()) {
+          progress = true;
+          continue;
+        }
+        layout.swap_slots(s, partner);
+      }
+      if (layout.count[now] < 2 || layout.count[was] >= layout.cap || (!layout.allow_dup && layout.on(was, g) != 0)) continue;
+      layout.reassign(s, was);
+      if (fits()) {
+        progress = true;
+      } else {
+        layout.reassign(s, now);
+      }
+    }
+  }
+  return slots_changed(layout.expert, origin);
 }
 
 }  // namespace fulcrum::eplb::fulcrum_detail

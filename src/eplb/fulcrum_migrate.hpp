@@ -19,6 +19,15 @@ void relabel_onto(std::span<const int32_t> fresh, std::span<const int32_t> curre
 // `max_moves` slots differ from `current`. Leaves the result in `layout`; returns the slots changed.
 int descend_from(Layout& layout, std::span<const int32_t> current, double target_max, int max_moves);
 
+// Excess descent (fulcrum_excess.cpp) on a rebuilt layout: lowers the excess over `target` (<= stop)
+// until the max GPU load is <= stop; `origin` is the map moves are counted against. Aiming below the
+// stop leaves headroom on the GPUs that receive load. Returns the slots that then differ from origin.
+int excess_descent(Layout& layout, std::span<const int32_t> origin, double stop, double target, int max_moves);
+
+// Restores original experts of changed slots (single slots, or pairs swapped back) while every GPU
+// stays <= target_max and no duplicate appears. Returns the slots that then differ from origin.
+int undo_unneeded(Layout& layout, std::span<const int32_t> origin, double target_max);
+
 // Number of slots whose expert differs.
 int slots_changed(std::span<const int32_t> a, std::span<const int32_t> b);
 

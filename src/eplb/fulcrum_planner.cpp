@@ -20,9 +20,37 @@ using fulcrum_detail::Layout;
 // Hierarchical mode may exceed the flat plan's max GPU load by this fraction to keep experts on fewer
 // nodes; beyond it, it falls back to the flat plan.
 constexpr double kHierarchySlack = 0.002;
-// Migration stopping rule: the search from the current map stops as soon as its max GPU load is within
-// this fraction of the from-scratch fulcrum plan's (so balancedness >= scratch / (1 + slack)).
-constexpr double kMigrationSlack = 0.002;
+// Migration stopping rule (see migration_target).
+constexpr double kMigrationMargin = 0.002;    // above the reference balancedness
+constexpr double kMigrationFloor = 0.99;      // the reference is never below this
+constexpr double kMigrationFreshSlack = 5e-4;  // never demand more than fresh - this
+
+struct MigrationTarget {
+  double stop_max;      // the search stops once every GPU is at or below this
+  double accept_max;    // a search that stalls above stop_max is still taken at or below this
+};
+
+// Stopping rule of replanning from a current map. With fresh = the from-scratch fulcrum plan's
+// balancedness and deepseek = a from-scratch DeepSeek plan's, the search stops when the layer's
+// balancedness reaches min(fresh - kMigrationFreshSlack, max(deepseek, kMigrationFloor) + kMigrationMargin):
+// as balanced as a from-scratch replan by the reference algorithm would be (and at least 0.99), plus a
+// margin, and no more, since every further slot moved costs a weight copy. A search that stalls
+// before is still taken if it reaches max(deepseek, kMigrationFloor) (or the stop level, if lower):
+// otherwise the relabelled fresh plan is used.
+MigrationTarget migration_target(std::span<const double> expert_load, const PlanOptions& options, double fresh_max) {
+  const Topology& topo = options.topology;
+  const double mean = std::accumulate(expert_load.begin(), expert_load.end(), 0.0) / topo.num_gpus;
+  if (fresh_max <= 0.0 || mean <= 0.0) return {fresh_max, fresh_max};
+  static const std::unique_ptr<Planner> reference = make_deepseek_planner();
+  thread_local std::vector<int32_t> reference_map;
+  reference_map.resize(topo.num_physical_experts);
+  reference->plan_layer(expert_load, options, {}, reference_map);
+  const double required = std::max(balancedness(gpu_loads(expert_load, reference_map, topo)), kMigrationFloor);
+  const double fresh_balance = mean / fresh_max;
+  const double stop = std::min(fresh_balance - kMigrationFreshSlack, required + kMigrationMargin);
+  const double accept = std::min(stop, required);
+  return {stop > 0.0 ? std::max(mean / stop, fresh_max) : fresh_max, accept > 0.0 ? std::max(mean / accept, fresh_max) : fresh_max};
+}
 
 // Smallest max GPU load the counts allow: max(W / G, largest load per replica).
 double count_bound(const Layout& layout, std::span<const int> counts) {
@@ -137,16 +165,16 @@ class FulcrumPlanner final : public Planner {
     FULCRUM_CHECK(current_map.size() == out_map.size(), "current map has {} slots, expected {}", current_map.size(),
                   out_map.size());
     // Two candidates: the fresh plan relabelled onto the current GPUs (same balance as the fresh plan),
-    // and a move-by-move search from the current map (stopping rule: kMigrationSlack). The search wins
-    // when it reaches the target with fewer changed slots.
+    // and a move-by-move search from the current map. The search wins when it reaches the target with
+    // fewer changed slots.
     fresh.rebuild();
-    const double target = fresh.max_load() * (1.0 + kMigrationSlack);
+    const MigrationTarget target = migration_target(expert_load, options, fresh.max_load());
     fulcrum_detail::relabel_onto(fresh.expert, current_map, fresh.num_experts, topo.num_gpus, out_map);
     const int relabel_moves = fulcrum_detail::slots_changed(out_map, current_map);
     other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
-    const int search_moves = fulcrum_detail::descend_from(other, current_map, target, relabel_moves - 1);
+    const int search_moves = fulcrum_detail::descend_from(other, current_map, target.stop_max, relabel_moves - 1);
     other.rebuild();
-    if (search_moves < relabel_moves && other.max_load() <= target) {
+    if (search_moves < relabel_moves && other.max_load() <= target.accept_max) {
       std::copy(other.expert.begin(), other.expert.end(), out_map.begin());
     }
   }
