@@ -35,41 +35,58 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
 void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
   const int per_gpu = layout.slots_per_gpu;
   const int num_gpus = layout.num_gpus;
-  thread_local std::vector<int> order, fill;
-  order.assign(items.begin(), items.end());
-  auto weight = [&](int e) { return layout.load[e] / counts[e]; };
+  thread_local std::vector<std::pair<double, int>> order;
+  thread_local std::vector<int> fill, heap, skipped;
+  order.clear();
+  for (int e : items) order.emplace_back(layout.load[e] / counts[e], e);
   // Heaviest first; replicas of one expert stay together (ties by expert id).
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    const double wa = weight(a), wb = weight(b);
-    return wa > wb || (wa == wb && a < b);
+  std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
   });
   fill.assign(num_gpus, 0);
+  heap.clear();
   for (int g = g0; g < g1; ++g) {
     layout.gpu_load[g] = 0.0;
     for (int e = 0; e < layout.num_experts; ++e) layout.hosted[static_cast<size_t>(e) * num_gpus + g] = 0;
+    heap.push_back(g);
   }
-  bool has_dup = false;
-  for (int e : order) {
-    int best = -1, best_dup = -1;
-    for (int g = g0; g < g1; ++g) {
-      if (fill[g] == per_gpu) continue;
-      if (layout.on(e, g) == 0) {
-        if (best < 0 || layout.gpu_load[g] < layout.gpu_load[best]) best = g;
-      } else if (best_dup < 0 || layout.gpu_load[g] < layout.gpu_load[best_dup]) {
-        best_dup = g;
+  // Min-heap of GPUs with room: lightest first, lowest index on ties.
+  auto later = [&](int x, int y) {
+    return layout.gpu_load[x] > layout.gpu_load[y] || (layout.gpu_load[x] == layout.gpu_load[y] && x > y);
+  };
+  std::make_heap(heap.begin(), heap.end(), later);
+  for (const auto& [w, e] : order) {
+    // The lightest GPU with room that lacks e; if all with room hold it, the lightest with room.
+    skipped.clear();
+    int best = -1;
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      const int g = heap.back();
+      heap.pop_back();
+      if (layout.allow_dup || layout.on(e, g) == 0) {
+        best = g;
+        break;
       }
+      skipped.push_back(g);
     }
-    if (best < 0) {
-      best = best_dup;
-      has_dup = true;
+    if (best < 0) {  // every GPU with room holds e already (repair_duplicates fixes it afterwards)
+      best = skipped.front();
+      skipped.erase(skipped.begin());
+    }
+    for (int g : skipped) {
+      heap.push_back(g);
+      std::push_heap(heap.begin(), heap.end(), later);
     }
     const int slot = best * per_gpu + fill[best]++;
     layout.expert[slot] = e;
-    layout.slot_w[slot] = weight(e);
-    layout.gpu_load[best] += weight(e);
+    layout.slot_w[slot] = w;
+    layout.gpu_load[best] += w;
     ++layout.hosted[static_cast<size_t>(e) * num_gpus + best];
+    if (fill[best] < per_gpu) {
+      heap.push_back(best);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
   }
-  (void)has_dup;
 }
 
 void repair_duplicates(Layout& layout, int g0, int g1) {

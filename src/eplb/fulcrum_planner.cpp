@@ -62,17 +62,28 @@ double count_bound(const Layout& layout, std::span<const int> counts) {
   return std::max(total / layout.num_gpus, per_replica);
 }
 
-void plan_flat(Layout& layout) {
+// Two starts: balanced differencing improved by the local search, and LPT (what DeepSeek's packing
+// does, without duplicates). LPT alone is rarely better; when it is, it gets the local search too and
+// the better result wins, so the plan is never less balanced than LPT's with the same counts.
+void plan_flat(Layout& layout, Layout& spare) {
   thread_local std::vector<int> counts, items;
   fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
   items.clear();
   for (int e = 0; e < layout.num_experts; ++e) items.insert(items.end(), counts[e], e);
-  if (std::getenv("FULCRUM_LPT")) fulcrum_detail::greedy_pack(layout, items, counts, 0, layout.num_gpus); else
+  const double bound = count_bound(layout, counts) * (1.0 + 1e-12);
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus);
   layout.rebuild();
   fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
-  const double bound = count_bound(layout, counts);
-  fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound * (1.0 + 1e-12), true);
+  fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound, true);
+  if (layout.max_load() <= bound) return;
+  spare.reset(layout.load, layout.num_slots, layout.num_gpus);
+  fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus);
+  spare.rebuild();
+  fulcrum_detail::repair_duplicates(spare, 0, spare.num_gpus);
+  if (spare.max_load() >= layout.max_load()) return;
+  fulcrum_detail::local_search(spare, 0, spare.num_gpus, bound, true);
+  std::swap(layout.expert, spare.expert);
+  layout.rebuild();
 }
 
 // Experts onto nodes (heaviest first, whole when a node has room, else split), then a flat plan per node,
@@ -130,7 +141,8 @@ void plan_hierarchical(Layout& layout, Layout& flat, int num_nodes) {
   for (int n = 0; n < num_nodes; ++n) {
     fulcrum_detail::local_search(layout, n * gpus_per_node, (n + 1) * gpus_per_node, bound * (1.0 + 1e-12), false);
   }
-  plan_flat(flat);
+  thread_local Layout spare;
+  plan_flat(flat, spare);
   flat.rebuild();
   const double flat_max = flat.max_load();
   fulcrum_detail::local_search(layout, 0, num_gpus, flat_max * (1.0 + kHierarchySlack), true);
@@ -156,7 +168,8 @@ class FulcrumPlanner final : public Planner {
       other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
       plan_hierarchical(fresh, other, topo.num_nodes);
     } else {
-      plan_flat(fresh);
+      other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
+      plan_flat(fresh, other);
     }
     if (current_map.empty()) {
       std::copy(fresh.expert.begin(), fresh.expert.end(), out_map.begin());
