@@ -102,7 +102,7 @@ TEST(PlannerInvariants, RandomInstancesFulcrumValidDeterministicAndAtLeastDeepSe
   }
   std::printf("fulcrum vs deepseek: %d instances compared; %d where deepseek stacks replicas on a GPU "
               "(fulcrum less balanced on %d of them)\n", compared, deepseek_duplicates, worse);
-  EXPECT_GE(compared, 2000);
+  EXPECT_GE(compared, 500);
 }
 
 TEST(PlannerInvariants, RandomReplansValidDeterministicAndBalanced) {
@@ -121,11 +121,18 @@ TEST(PlannerInvariants, RandomReplansValidDeterministicAndBalanced) {
     const Placement f = fulcrum->plan(inst.loads, options);
     expect_valid(f, inst.loads, inst.options.topology, what);
     EXPECT_EQ(f.physical_to_logical_map, fulcrum->plan(inst.loads, options).physical_to_logical_map) << what;
-    // Never below 0.99 of what deepseek from scratch gives, unless the fresh fulcrum plan is.
-    const double bf = evaluate_placement(f, inst.loads).balancedness_mean;
-    const double bd = evaluate_placement(deepseek->plan(inst.loads, inst.options), inst.loads).balancedness_mean;
-    const double fresh = evaluate_placement(fulcrum->plan(inst.loads, inst.options), inst.loads).balancedness_mean;
-    EXPECT_GE(bf, std::min({bd, 0.99, fresh - 1e-3})) << what;
+    // The replan's balance floor per layer (fulcrum_planner.cpp, migration_target):
+    // min(fresh fulcrum plan - 5e-4, max(deepseek from scratch, 0.99)).
+    const Placement d = deepseek->plan(inst.loads, inst.options);
+    const Placement fresh = fulcrum->plan(inst.loads, inst.options);
+    const Topology& topo = inst.options.topology;
+    for (int l = 0; l < f.num_layers; ++l) {
+      const auto load = inst.loads.layer(l);
+      const double bf = balancedness(gpu_loads(load, f.layer(l), topo));
+      const double bd = balancedness(gpu_loads(load, d.layer(l), topo));
+      const double bfresh = balancedness(gpu_loads(load, fresh.layer(l), topo));
+      EXPECT_GE(bf, std::min(bfresh - 5e-4, std::max(bd, 0.99)) - 1e-9) << what << " layer " << l;
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 #include "eplb/fulcrum_planner.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <numeric>
 
@@ -187,6 +188,7 @@ class FulcrumPlanner final : public Planner {
     other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
     const int search_moves = fulcrum_detail::descend_from(other, current_map, target.stop_max, relabel_moves - 1);
     other.rebuild();
+    if (std::getenv("FULCRUM_DEBUG")) fprintf(stderr, "mig: fresh %.6f stop %.6f accept %.6f search %.6f moves %d relabel %d\n", fresh.max_load(), target.stop_max, target.accept_max, other.max_load(), search_moves, relabel_moves);
     if (search_moves < relabel_moves && other.max_load() <= target.accept_max) {
       std::copy(other.expert.begin(), other.expert.end(), out_map.begin());
     }
