@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "eplb/fulcrum_search.hpp"
 
@@ -30,6 +31,56 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
       std::push_heap(heap.begin(), heap.end(), less);
     }
   }
+}
+
+bool fit_counts(std::span<const double> load, int slots, int cap, double item_cap, int num_gpus,
+                std::vector<int>& counts) {
+  const int num_experts = static_cast<int>(load.size());
+  counts.resize(num_experts);
+  thread_local std::vector<std::pair<double, int>> splits;  // (extra slots per big replica removed, expert)
+  splits.clear();
+  int used = 0, big = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const double need = item_cap > 0.0 ? std::ceil(load[e] / item_cap - 1e-9) : 1.0;
+    counts[e] = static_cast<int>(std::clamp(need, 1.0, static_cast<double>(cap)));
+    used += counts[e];
+    if (load[e] / counts[e] > 0.5 * item_cap) {  // "big": at most one fits a GPU
+      big += counts[e];
+      const int small = static_cast<int>(std::ceil(2.0 * load[e] / item_cap - 1e-9));
+      if (small <= cap) splits.emplace_back(static_cast<double>(small - counts[e]) / counts[e], e);
+    }
+  }
+  // More big replicas than GPUs: split the experts that cost the fewest extra slots into small ones.
+  std::sort(splits.begin(), splits.end());
+  for (size_t i = 0; big > num_gpus && i < splits.size(); ++i) {
+    const int e = splits[i].second;
+    const int small = static_cast<int>(std::ceil(2.0 * load[e] / item_cap - 1e-9));
+    big -= counts[e];
+    used += small - counts[e];
+    counts[e] = small;
+  }
+  if (used > slots) return false;
+  // Leftover slots become near-empty fillers: replicas of the lightest experts.
+  thread_local std::vector<std::pair<double, int>> heap;
+  heap.clear();
+  auto greater = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first > b.first || (a.first == b.first && a.second > b.second);
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    if (counts[e] < cap) heap.emplace_back(load[e] / (counts[e] + 1), e);
+  }
+  std::make_heap(heap.begin(), heap.end(), greater);
+  for (; used < slots && !heap.empty(); ++used) {
+    std::pop_heap(heap.begin(), heap.end(), greater);
+    const int e = heap.back().second;
+    heap.pop_back();
+    ++counts[e];
+    if (counts[e] < cap) {
+      heap.emplace_back(load[e] / (counts[e] + 1), e);
+      std::push_heap(heap.begin(), heap.end(), greater);
+    }
+  }
+  return used == slots;
 }
 
 void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
@@ -120,6 +171,7 @@ void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign
     if (layout.gpu_load[h] <= stop_max) return;
     Move move = finder.best_swap(h);
     if (!move.valid()) ++g_failed_swaps;
+    if (!move.valid() && !std::getenv("FULCRUM_NO_PAIRS")) move = finder.best_pair_swap(h);
     if (!move.valid() && reassign) move = finder.best_reassign(h);
     if (move.valid()) ++(move.kind == Move::kSwap ? g_swaps : g_reassigns);
     if (!move.valid()) return;

@@ -12,6 +12,13 @@ namespace fulcrum::eplb::fulcrum_detail {
 // load per replica under the cap.
 void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts);
 
+// Counts for a target max load M = item_cap: ceil(load / M) replicas per expert (within [1, cap]);
+// replicas above M / 2 ("big": two cannot share a GPU) are limited to num_gpus by splitting the experts
+// that cost the fewest extra slots into replicas of at most M / 2; the slots left over go to the
+// lightest experts (near-empty fillers). False if the slots do not suffice.
+bool fit_counts(std::span<const double> load, int slots, int cap, double item_cap, int num_gpus,
+                std::vector<int>& counts);
+
 // Both packers put `items` (one expert id per replica, each weighing load[e] / counts[e]) into the
 // slots of GPUs [g0, g1), exactly slots_per_gpu per GPU, avoiding two replicas of an expert on one GPU
 // where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).

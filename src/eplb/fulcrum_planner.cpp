@@ -21,6 +21,9 @@ using fulcrum_detail::Layout;
 // Hierarchical mode may exceed the flat plan's max GPU load by this fraction to keep experts on fewer
 // nodes; beyond it, it falls back to the flat plan.
 constexpr double kHierarchySlack = 0.002;
+// A layer whose plan is this far above the lower bound gets the count bisection of plan_flat.
+constexpr double kHardLayer = 2e-3;
+constexpr int kHardLayerRounds = 8;
 // Migration stopping rule (see migration_target).
 constexpr double kMigrationMargin = 0.002;    // above the reference balancedness
 constexpr double kMigrationFloor = 0.99;      // the reference is never below this
@@ -63,15 +66,13 @@ double count_bound(const Layout& layout, std::span<const int> counts) {
   return std::max(total / layout.num_gpus, per_replica);
 }
 
-// Two starts: balanced differencing improved by the local search, and LPT (what DeepSeek's packing
-// does, without duplicates). LPT alone is rarely better; when it is, it gets the local search too and
-// the better result wins, so the plan is never less balanced than LPT's with the same counts.
-void plan_flat(Layout& layout, Layout& spare) {
-  thread_local std::vector<int> counts, items;
-  fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
+// Differencing start improved by the local search, then an LPT start when it begins better.
+void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts) {
+  thread_local std::vector<int> items;
   items.clear();
   for (int e = 0; e < layout.num_experts; ++e) items.insert(items.end(), counts[e], e);
-  const double bound = count_bound(layout, counts) * (1.0 + 1e-12);
+  const double tol = std::getenv("FULCRUM_TOL") ? std::atof(std::getenv("FULCRUM_TOL")) : 1e-12;
+  const double bound = count_bound(layout, counts) * (1.0 + tol);
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus);
   layout.rebuild();
   fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
@@ -85,6 +86,40 @@ void plan_flat(Layout& layout, Layout& spare) {
   fulcrum_detail::local_search(spare, 0, spare.num_gpus, bound, true);
   std::swap(layout.expert, spare.expert);
   layout.rebuild();
+}
+
+// Two starts: balanced differencing improved by the local search, and LPT (what DeepSeek's packing
+// does, without duplicates). LPT alone is rarely better; when it is, it gets the local search too and
+// the better result wins, so the plan is never less balanced than LPT's with the same counts.
+void plan_flat(Layout& layout, Layout& spare) {
+  thread_local std::vector<int> counts;
+  fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
+  pack_and_search(layout, spare, counts);
+  // Hard layers (well above the bound, typically a few very hot experts): the water-filling counts
+  // make many mid-size replicas that pair badly. Bisect on a max load M, with counts ceil(load / M)
+  // (spare slots as near-empty fillers), packed and searched; keep the best result.
+  const double bound = count_bound(layout, counts);
+  if (layout.max_load() <= bound * (1.0 + kHardLayer)) return;
+  thread_local Layout trial, trial_spare;
+  double lo = bound, hi = layout.max_load();
+  for (int round = 0; round < kHardLayerRounds; ++round) {
+    const double m = 0.5 * (lo + hi);
+    if (!fulcrum_detail::fit_counts(layout.load, layout.num_slots, layout.cap, m, layout.num_gpus, counts)) {
+      lo = m;
+      continue;
+    }
+    trial.reset(layout.load, layout.num_slots, layout.num_gpus);
+    pack_and_search(trial, trial_spare, counts);
+    if (trial.max_load() < layout.max_load()) {
+      std::swap(layout.expert, trial.expert);
+      layout.rebuild();
+    }
+    if (trial.max_load() <= m) {
+      hi = std::min(m, layout.max_load());
+    } else {
+      lo = m;
+    }
+  }
 }
 
 // Experts onto nodes (heaviest first, whole when a node has room, else split), then a flat plan per node,

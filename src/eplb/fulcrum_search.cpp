@@ -44,6 +44,51 @@ Move MoveFinder::best_swap(int h, Move best) const {
   return best;
 }
 
+Move MoveFinder::best_pair_swap(int h) const {
+  const Layout& L = layout_;
+  const int per_gpu = L.slots_per_gpu;
+  Move best;
+  if (per_gpu < 2) return best;
+  const double load_h = L.gpu_load[h];
+  const double eps = 1e-12 * load_h;
+  thread_local std::vector<std::pair<double, int>> pairs_h;  // (sum, i * per_gpu + j)
+  pairs_h.clear();
+  for (int i = 0; i < per_gpu; ++i) {
+    for (int j = i + 1; j < per_gpu; ++j) {
+      pairs_h.emplace_back(L.slot_w[h * per_gpu + i] + L.slot_w[h * per_gpu + j], i * per_gpu + j);
+    }
+  }
+  thread_local std::vector<int> partners;
+  partners.clear();
+  for (int o = g0_; o < g1_; ++o) {
+    if (o != h) partners.push_back(o);
+  }
+  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
+    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
+  });
+  for (int o : partners) {
+    const double gap = load_h - L.gpu_load[o];
+    if (gap * 0.5 <= best.score || gap <= eps) break;
+    for (int i = 0; i < per_gpu; ++i) {
+      const int si = o * per_gpu + i;
+      for (int j = i + 1; j < per_gpu; ++j) {
+        const int sj = o * per_gpu + j;
+        const double sum_o = L.slot_w[si] + L.slot_w[sj];
+        for (const auto& [sum_h, code] : pairs_h) {
+          const double d = sum_h - sum_o;
+          const double gain = std::min(d, gap - d);
+          if (gain <= eps || gain <= best.score) continue;
+          const int sa = h * per_gpu + code / per_gpu, sc = h * per_gpu + code % per_gpu;
+          const int ea = L.expert[sa], ec = L.expert[sc], eb = L.expert[si], ed = L.expert[sj];
+          if (!L.allow_dup && (L.on(ea, o) != 0 || L.on(ec, o) != 0 || L.on(eb, h) != 0 || L.on(ed, h) != 0)) continue;
+          best = {Move::kSwapPairs, sa, si, gain, sc, sj};
+        }
+      }
+    }
+  }
+  return best;
+}
+
 Move MoveFinder::best_reassign(int h, Move best) const {
   const Layout& L = layout_;
   const int per_gpu = L.slots_per_gpu;

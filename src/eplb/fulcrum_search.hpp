@@ -14,11 +14,12 @@
 namespace fulcrum::eplb::fulcrum_detail {
 
 struct Move {
-  enum Kind { kNone, kSwap, kReassign };
+  enum Kind { kNone, kSwap, kReassign, kSwapPairs };
   Kind kind = kNone;
-  int a = -1;  // swap: first slot; reassign: the slot
+  int a = -1;  // swap: first slot; reassign: the slot; pair swap: slots a, c of h trade with b, d
   int b = -1;  // swap: second slot; reassign: the new expert
   double score = 0.0;
+  int c = -1, d = -1;
   bool valid() const { return kind != kNone; }
 };
 
@@ -30,9 +31,20 @@ class MoveFinder {
 
   // Best swap of a replica on h with one on another GPU; returns `best` unless something scores higher.
   Move best_swap(int h, Move best = {}) const;
+  // Best exchange of two replicas of h with two of another GPU (origin must be null).
+  Move best_pair_swap(int h) const;
   // Best reassign that lowers h: a slot of h to another expert, or a slot elsewhere to an expert of h.
   Move best_reassign(int h, Move best = {}) const;
-  void apply(const Move& move) { move.kind == Move::kSwap ? layout_.swap_slots(move.a, move.b) : layout_.reassign(move.a, move.b); }
+  void apply(const Move& move) {
+    if (move.kind == Move::kSwap) {
+      layout_.swap_slots(move.a, move.b);
+    } else if (move.kind == Move::kReassign) {
+      layout_.reassign(move.a, move.b);
+    } else {
+      layout_.swap_slots(move.a, move.b);
+      layout_.swap_slots(move.c, move.d);
+    }
+  }
 
  private:
   // Change in the number of slots differing from origin if slot s gets expert e.
