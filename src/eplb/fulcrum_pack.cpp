@@ -60,24 +60,25 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
     counts[e] = small;
   }
   if (used > slots) return false;
-  // Leftover slots become near-empty fillers: replicas of the lightest experts.
+  // Leftover slots split the small experts further, largest replica first (water-filling among the
+  // experts whose replicas are at most M / 2): fine-grained replicas fill the room the big ones leave.
   thread_local std::vector<std::pair<double, int>> heap;
   heap.clear();
-  auto greater = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
-    return a.first > b.first || (a.first == b.first && a.second > b.second);
+  auto less = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
   };
   for (int e = 0; e < num_experts; ++e) {
-    if (counts[e] < cap) heap.emplace_back(load[e] / (counts[e] + 1), e);
+    if (counts[e] < cap && load[e] / counts[e] <= 0.5 * item_cap) heap.emplace_back(load[e] / counts[e], e);
   }
-  std::make_heap(heap.begin(), heap.end(), greater);
+  std::make_heap(heap.begin(), heap.end(), less);
   for (; used < slots && !heap.empty(); ++used) {
-    std::pop_heap(heap.begin(), heap.end(), greater);
+    std::pop_heap(heap.begin(), heap.end(), less);
     const int e = heap.back().second;
     heap.pop_back();
     ++counts[e];
     if (counts[e] < cap) {
-      heap.emplace_back(load[e] / (counts[e] + 1), e);
-      std::push_heap(heap.begin(), heap.end(), greater);
+      heap.emplace_back(load[e] / counts[e], e);
+      std::push_heap(heap.begin(), heap.end(), less);
     }
   }
   return used == slots;

@@ -102,9 +102,12 @@ void plan_flat(Layout& layout, Layout& spare) {
   if (layout.max_load() <= bound * (1.0 + kHardLayer)) return;
   thread_local Layout trial, trial_spare;
   double lo = bound, hi = layout.max_load();
-  for (int round = 0; round < kHardLayerRounds; ++round) {
-    const double m = 0.5 * (lo + hi);
+  const int grid = std::getenv("FULCRUM_GRID") ? std::atoi(std::getenv("FULCRUM_GRID")) : 0;
+  const double top = hi;
+  for (int round = 0; round < (grid ? grid : kHardLayerRounds); ++round) {
+    const double m = grid ? lo + (top - lo) * (round + 1) / (grid + 1) : 0.5 * (lo + hi);
     if (!fulcrum_detail::fit_counts(layout.load, layout.num_slots, layout.cap, m, layout.num_gpus, counts)) {
+      if (std::getenv("FULCRUM_DEBUG")) fprintf(stderr, "M %.4f infeasible\n", m);
       lo = m;
       continue;
     }
@@ -114,6 +117,8 @@ void plan_flat(Layout& layout, Layout& spare) {
       std::swap(layout.expert, trial.expert);
       layout.rebuild();
     }
+    if (std::getenv("FULCRUM_DEBUG")) fprintf(stderr, "M %.4f trial %.4f best %.4f\n", m, trial.max_load(), layout.max_load());
+    if (grid) continue;
     if (trial.max_load() <= m) {
       hi = std::min(m, layout.max_load());
     } else {
