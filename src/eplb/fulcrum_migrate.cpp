@@ -137,11 +137,7 @@ int descend_from(Layout& layout, std::span<const int32_t> current, double target
       if (best >= 0) layout.reassign(s, best);
     }
   }
-  double total = 0.0;
-  for (double v : layout.gpu_load) total += v;
-  const double mean = total / layout.num_gpus;
-  const double aim_frac = std::getenv("FULCRUM_AIM") ? std::atof(std::getenv("FULCRUM_AIM")) : 1.0;
-  int changed = excess_descent(layout, current, target_max, mean + aim_frac * (target_max - mean), max_moves);
+  int changed = excess_descent(layout, current, target_max, target_max, max_moves);
   // Where the excess descent stalls, moves aimed at the heaviest GPU alone may still help.
   MoveFinder finder(layout, 0, layout.num_gpus, current.data());
   const int max_steps = 4 * layout.num_slots;
@@ -153,7 +149,6 @@ int descend_from(Layout& layout, std::span<const int32_t> current, double target
     finder.apply(move);
     changed = slots_changed(layout.expert, current);
   }
-  if (std::getenv("FULCRUM_DEBUG")) fprintf(stderr, "descent: changed %d max %.5f target %.5f mean %.5f\n", changed, layout.max_load(), target_max, mean);
   if (layout.max_load() <= target_max) changed = undo_unneeded(layout, current, target_max);
   return changed;
 }

@@ -162,19 +162,16 @@ void repair_duplicates(Layout& layout, int g0, int g1) {
   }
 }
 
-long g_swaps = 0, g_reassigns = 0, g_searches = 0, g_failed_swaps = 0;
 void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
-  ++g_searches;
   MoveFinder finder(layout, g0, g1, nullptr);
   const int max_steps = 8 * layout.num_slots + 64;
   for (int step = 0; step < max_steps; ++step) {
     const int h = layout.heaviest(g0, g1);
     if (layout.gpu_load[h] <= stop_max) return;
+    // Cheapest first: swaps, then pair swaps, then reassigns.
     Move move = finder.best_swap(h);
-    if (!move.valid()) ++g_failed_swaps;
-    if (!move.valid() && !std::getenv("FULCRUM_NO_PAIRS")) move = finder.best_pair_swap(h);
+    if (!move.valid()) move = finder.best_pair_swap(h);
     if (!move.valid() && reassign) move = finder.best_reassign(h);
-    if (move.valid()) ++(move.kind == Move::kSwap ? g_swaps : g_reassigns);
     if (!move.valid()) return;
     finder.apply(move);
   }
