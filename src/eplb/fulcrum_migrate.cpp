@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "eplb/fulcrum_pack.hpp"
 #include "eplb/fulcrum_search.hpp"
 
 namespace fulcrum::eplb::fulcrum_detail {
@@ -149,8 +150,76 @@ int descend_from(Layout& layout, std::span<const int32_t> current, double target
     finder.apply(move);
     changed = slots_changed(layout.expert, current);
   }
+  // Still above: the from-scratch local search (pair swaps included) from here, blind to moves; the
+  // undo pass below then restores what it changed needlessly.
+  if (layout.max_load() > target_max && changed <= max_moves) {
+    local_search(layout, 0, layout.num_gpus, target_max, true);
+    changed = slots_changed(layout.expert, current);
+  }
   if (layout.max_load() <= target_max) changed = undo_unneeded(layout, current, target_max);
   return changed;
+}
+
+int refit_from(Layout& layout, std::span<const int32_t> current, std::span<const int> counts, double target_max) {
+  std::copy(current.begin(), current.end(), layout.expert.begin());
+  layout.rebuild();
+  const int slots = layout.num_slots, experts = layout.num_experts;
+  thread_local std::vector<int> have, freed;
+  have.assign(layout.count.begin(), layout.count.end());
+  freed.clear();
+  // Surplus replicas leave, those on the most loaded GPUs (under the new loads) first.
+  for (bool more = true; more;) {
+    more = false;
+    int pick = -1;
+    for (int s = 0; s < slots; ++s) {
+      const int e = layout.expert[s];
+      if (e < 0 || have[e] <= counts[e]) continue;
+      if (pick < 0 || layout.gpu_load[layout.gpu_of(s)] > layout.gpu_load[layout.gpu_of(pick)]) pick = s;
+    }
+    if (pick >= 0) {
+      const int e = layout.expert[pick];
+      --have[e];
+      layout.gpu_load[layout.gpu_of(pick)] -= layout.slot_w[pick];
+      --layout.hosted[static_cast<size_t>(e) * layout.num_gpus + layout.gpu_of(pick)];
+      layout.expert[pick] = -1;
+      freed.push_back(pick);
+      more = true;
+    }
+  }
+  // Missing replicas, heaviest first, into the freed slot of the lightest GPU that lacks the expert.
+  thread_local std::vector<std::pair<double, int>> missing;
+  missing.clear();
+  for (int e = 0; e < experts; ++e) {
+    for (int k = have[e]; k < counts[e]; ++k) missing.emplace_back(layout.load[e] / counts[e], e);
+  }
+  std::sort(missing.begin(), missing.end(), [](const auto& x, const auto& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  });
+  for (const auto& [w, e] : missing) {
+    int best = -1;
+    for (size_t i = 0; i < freed.size(); ++i) {
+      const int s = freed[i];
+      if (s < 0) continue;
+      const int g = layout.gpu_of(s);
+      const bool clash = !layout.allow_dup && layout.on(e, g) != 0;
+      if (best < 0) {
+        best = static_cast<int>(i);
+        continue;
+      }
+      const int gb = layout.gpu_of(freed[best]);
+      const bool best_clash = !layout.allow_dup && layout.on(e, gb) != 0;
+      if (clash != best_clash ? !clash : layout.gpu_load[g] < layout.gpu_load[gb]) best = static_cast<int>(i);
+    }
+    const int s = freed[best];
+    freed[best] = -1;
+    layout.expert[s] = e;
+    layout.gpu_load[layout.gpu_of(s)] += w;
+    ++layout.hosted[static_cast<size_t>(e) * layout.num_gpus + layout.gpu_of(s)];
+  }
+  layout.rebuild();
+  repair_duplicates(layout, 0, layout.num_gpus);
+  local_search(layout, 0, layout.num_gpus, target_max, true);
+  return layout.max_load() <= target_max ? undo_unneeded(layout, current, target_max) : slots_changed(layout.expert, current);
 }
 
 int undo_unneeded(Layout& layout, std::span<const int32_t> origin, double target_max) {

@@ -24,6 +24,11 @@ int descend_from(Layout& layout, std::span<const int32_t> current, double target
 // stop leaves headroom on the GPUs that receive load. Returns the slots that then differ from origin.
 int excess_descent(Layout& layout, std::span<const int32_t> origin, double stop, double target, int max_moves);
 
+// From `current`, changes the replica counts to `counts` with the fewest slot changes (surplus replicas
+// on the most loaded GPUs freed, missing ones placed on the lightest GPUs), then runs the from-scratch
+// local search down to target_max and the undo pass. Returns the slots that differ from current.
+int refit_from(Layout& layout, std::span<const int32_t> current, std::span<const int> counts, double target_max);
+
 // Restores original experts of changed slots (single slots, or pairs swapped back) while every GPU
 // stays <= target_max and no duplicate appears. Returns the slots that then differ from origin.
 int undo_unneeded(Layout& layout, std::span<const int32_t> origin, double target_max);

@@ -226,7 +226,16 @@ class FulcrumPlanner final : public Planner {
     other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
     const int search_moves = fulcrum_detail::descend_from(other, current_map, target.stop_max, relabel_moves - 1);
     other.rebuild();
-    if (search_moves < relabel_moves && other.max_load() <= target.accept_max) {
+    int best_moves = relabel_moves;
+    if (search_moves < best_moves && other.max_load() <= target.accept_max) {
+      std::copy(other.expert.begin(), other.expert.end(), out_map.begin());
+      best_moves = search_moves;
+    }
+    // Third candidate: the fresh plan's counts reached from the current map, then searched.
+    other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
+    const int refit_moves = fulcrum_detail::refit_from(other, current_map, fresh.count, target.stop_max);
+    other.rebuild();
+    if (refit_moves < best_moves && other.max_load() <= target.accept_max) {
       std::copy(other.expert.begin(), other.expert.end(), out_map.begin());
     }
   }
