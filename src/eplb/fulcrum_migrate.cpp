@@ -218,7 +218,8 @@ int refit_from(Layout& layout, std::span<const int32_t> current, std::span<const
   }
   layout.rebuild();
   repair_duplicates(layout, 0, layout.num_gpus);
-  local_search(layout, 0, layout.num_gpus, target_max, true);
+  excess_descent(layout, current, target_max, target_max, slots);
+  if (layout.max_load() > target_max) local_search(layout, 0, layout.num_gpus, target_max, true);
   return layout.max_load() <= target_max ? undo_unneeded(layout, current, target_max) : slots_changed(layout.expert, current);
 }
 

@@ -26,7 +26,7 @@ constexpr double kSearchTolerance = 2e-4;
 constexpr double kHardLayer = 2e-3;
 constexpr int kHardLayerRounds = 8;
 // Migration stopping rule (see migration_target).
-constexpr double kMigrationMargin = 0.002;    // above the reference balancedness
+constexpr double kMigrationMargin = 0.001;    // above the reference balancedness
 constexpr double kMigrationFloor = 0.99;      // the reference is never below this
 constexpr double kMigrationFreshSlack = 5e-4;  // never demand more than fresh - this
 
@@ -220,9 +220,16 @@ class FulcrumPlanner final : public Planner {
     // and a move-by-move search from the current map. The search wins when it reaches the target with
     // fewer changed slots.
     fresh.rebuild();
+    thread_local std::vector<int> fresh_counts;
+    fresh_counts.assign(fresh.count.begin(), fresh.count.end());
     const MigrationTarget target = migration_target(expert_load, options, fresh.max_load());
     fulcrum_detail::relabel_onto(fresh.expert, current_map, fresh.num_experts, topo.num_gpus, out_map);
-    const int relabel_moves = fulcrum_detail::slots_changed(out_map, current_map);
+    // The relabelled plan has the fresh balance; the undo pass spends the slack down to the target
+    // on restoring original experts.
+    std::copy(out_map.begin(), out_map.end(), fresh.expert.begin());
+    fresh.rebuild();
+    const int relabel_moves = fulcrum_detail::undo_unneeded(fresh, current_map, target.stop_max);
+    std::copy(fresh.expert.begin(), fresh.expert.end(), out_map.begin());
     other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
     const int search_moves = fulcrum_detail::descend_from(other, current_map, target.stop_max, relabel_moves - 1);
     other.rebuild();
@@ -233,7 +240,7 @@ class FulcrumPlanner final : public Planner {
     }
     // Third candidate: the fresh plan's counts reached from the current map, then searched.
     other.reset(expert_load, topo.num_physical_experts, topo.num_gpus);
-    const int refit_moves = fulcrum_detail::refit_from(other, current_map, fresh.count, target.stop_max);
+    const int refit_moves = fulcrum_detail::refit_from(other, current_map, fresh_counts, target.stop_max);
     other.rebuild();
     if (refit_moves < best_moves && other.max_load() <= target.accept_max) {
       std::copy(other.expert.begin(), other.expert.end(), out_map.begin());
