@@ -20,7 +20,8 @@ struct Bin {
 
 }  // namespace
 
-void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
+void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
+                       uint32_t seed) {
   const int per_gpu = layout.slots_per_gpu;
   const int gpus = g1 - g0;
   const int num_items = gpus * per_gpu;
@@ -29,7 +30,17 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
   thread_local std::vector<Bin> bins, merged;
   thread_local std::vector<char> taken;
   sorted.clear();
-  for (int e : items) sorted.emplace_back(layout.load[e] / counts[e], e);
+  // A nonzero seed perturbs the weights the merges see by up to +-2% (a deterministic LCG), to get
+  // a different packing; the layout always gets the true weights.
+  uint32_t state = seed;
+  for (int e : items) {
+    double w = layout.load[e] / counts[e];
+    if (seed != 0) {
+      state = state * 1664525u + 1013904223u;
+      w *= 1.0 + 0.04 * (static_cast<double>(state >> 8) / 16777216.0 - 0.5);
+    }
+    sorted.emplace_back(w, e);
+  }
   // Heaviest first; replicas of one expert stay together (ties by expert id).
   std::sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) {
     return x.first > y.first || (x.first == y.first && x.second < y.second);
@@ -101,7 +112,7 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
     int slot = g * per_gpu;
     for (int item = result[i].head; item >= 0; item = next[item]) {
       layout.expert[slot] = order[item];
-      layout.slot_w[slot] = sorted[item].first;
+      layout.slot_w[slot] = layout.load[order[item]] / counts[order[item]];
       layout.gpu_load[g] += layout.slot_w[slot];
       ++slot;
     }

@@ -1,5 +1,6 @@
 #pragma once
 // Building blocks of the fulcrum planner: replica counts, packing replicas onto GPUs, local search.
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -24,8 +25,10 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 // where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).
 // greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT).
 void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
-// differencing_pack: balanced largest differencing (fulcrum_kk.cpp).
-void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+// differencing_pack: balanced largest differencing (fulcrum_kk.cpp); a nonzero seed perturbs the weights
+// its decisions see (restarts on hard layers).
+void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
+                       uint32_t seed = 0);
 
 // After rebuild(): swaps away any duplicate a packer could not avoid, each with the closest-weight
 // replica of a GPU in [g0, g1) where neither expert would then be duplicated.

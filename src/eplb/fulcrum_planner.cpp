@@ -25,6 +25,7 @@ constexpr double kSearchTolerance = 2e-4;
 // A layer whose plan is this far above the lower bound gets the count bisection of plan_flat.
 constexpr double kHardLayer = 2e-3;
 constexpr int kHardLayerRounds = 8;
+constexpr int kRestarts = 8;  // perturbed restarts on hard layers
 // Migration stopping rule (see migration_target).
 constexpr double kMigrationMargin = 0.001;    // above the reference balancedness
 constexpr double kMigrationFloor = 0.99;      // the reference is never below this
@@ -70,17 +71,17 @@ double count_bound(const Layout& layout, std::span<const int> counts) {
 // Differencing start improved by the local search; then LPT (DeepSeek's packing, without duplicates):
 // if LPT alone is already better, it gets the local search too and replaces the first result. So
 // the plan is never less balanced than LPT with the same counts.
-void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts) {
+void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts, uint32_t seed = 0) {
   thread_local std::vector<int> items;
   items.clear();
   for (int e = 0; e < layout.num_experts; ++e) items.insert(items.end(), counts[e], e);
   const double exact = count_bound(layout, counts) * (1.0 + 1e-12);
   const double bound = count_bound(layout, counts) * (1.0 + kSearchTolerance);
-  fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus);
+  fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed);
   layout.rebuild();
   fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
   fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound, true);
-  if (layout.max_load() <= exact) return;
+  if (layout.max_load() <= exact || seed != 0) return;
   spare.reset(layout.load, layout.num_slots, layout.num_gpus);
   fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus);
   spare.rebuild();
@@ -121,6 +122,16 @@ void plan_flat(Layout& layout, Layout& spare) {
       hi = std::min(m, layout.max_load());
     } else {
       lo = m;
+    }
+  }
+  // Restarts: the water-filling counts packed from perturbed differencing orders.
+  fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
+  for (int round = 0; round < kRestarts && layout.max_load() > bound * (1.0 + kSearchTolerance); ++round) {
+    trial.reset(layout.load, layout.num_slots, layout.num_gpus);
+    pack_and_search(trial, trial_spare, counts, 0x9e3779b9u * (round + 1));
+    if (trial.max_load() < layout.max_load()) {
+      std::swap(layout.expert, trial.expert);
+      layout.rebuild();
     }
   }
 }
