@@ -79,12 +79,14 @@ TEST(PlannerInvariants, RandomInstancesFulcrumValidDeterministicAndAtLeastDeepSe
   const auto fulcrum = make_planner("fulcrum");
   const auto deepseek = make_planner("deepseek");
   int compared = 0, deepseek_duplicates = 0, worse = 0;
-  for (int i = 0; i < 3000; ++i) {
+  for (int i = 0; i < 2500; ++i) {
     const Instance inst = random_instance(rng);
     const std::string what = describe(inst, i);
     const Placement f = fulcrum->plan(inst.loads, inst.options);
     expect_valid(f, inst.loads, inst.options.topology, what);
-    EXPECT_EQ(f.physical_to_logical_map, fulcrum->plan(inst.loads, inst.options).physical_to_logical_map) << what;
+    if (i % 5 == 0) {  // deterministic: the same input gives the same output
+      EXPECT_EQ(f.physical_to_logical_map, fulcrum->plan(inst.loads, inst.options).physical_to_logical_map) << what;
+    }
     const Placement d = deepseek->plan(inst.loads, inst.options);
     bool duplicates = false;
     for (int l = 0; l < d.num_layers; ++l) {
@@ -109,7 +111,7 @@ TEST(PlannerInvariants, RandomReplansValidDeterministicAndBalanced) {
   std::mt19937 rng(7);
   const auto fulcrum = make_planner("fulcrum");
   const auto deepseek = make_planner("deepseek");
-  for (int i = 0; i < 600; ++i) {
+  for (int i = 0; i < 400; ++i) {
     Instance inst = random_instance(rng);
     const std::string what = describe(inst, i);
     // The current placement: a fulcrum plan for other loads, or deepseek's (which may hold duplicates).
@@ -120,7 +122,9 @@ TEST(PlannerInvariants, RandomReplansValidDeterministicAndBalanced) {
     options.current = &current;
     const Placement f = fulcrum->plan(inst.loads, options);
     expect_valid(f, inst.loads, inst.options.topology, what);
-    EXPECT_EQ(f.physical_to_logical_map, fulcrum->plan(inst.loads, options).physical_to_logical_map) << what;
+    if (i % 4 == 0) {
+      EXPECT_EQ(f.physical_to_logical_map, fulcrum->plan(inst.loads, options).physical_to_logical_map) << what;
+    }
     // The replan's balance floor per layer (fulcrum_planner.cpp, migration_target):
     // min(fresh fulcrum plan - 5e-4, max(deepseek from scratch, 0.99)).
     const Placement d = deepseek->plan(inst.loads, inst.options);

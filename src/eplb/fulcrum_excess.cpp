@@ -23,12 +23,14 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
   auto divisor = [](int cost) { return cost > 0 ? static_cast<double>(cost) : 0.5; };
   thread_local std::vector<double> grown, drop, loss_gain, grow_gain;
   thread_local std::vector<int> relieving;  // experts held by a GPU above T
-  thread_local std::vector<char> over;
+  thread_local std::vector<int> by_grown;   // experts by the weight of one more replica, lightest first
+  thread_local std::vector<char> over, relieves_e;
   grown.resize(E);
   drop.resize(E);
   loss_gain.resize(E);
   grow_gain.resize(E);
   over.resize(G);
+  relieves_e.resize(E);
   int changed = slots_changed(L.expert, origin);
   for (int step = 0; step < 4 * L.num_slots && changed <= max_moves; ++step) {
     if (L.max_load() <= stop) break;
@@ -52,8 +54,17 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
       }
       loss_gain[e] = lose;
       grow_gain[e] = gain;
-      if (relieves && L.count[e] < L.cap) relieving.push_back(e);
+      relieves_e[e] = relieves && L.count[e] < L.cap;
+      if (relieves_e[e]) relieving.push_back(e);
     }
+    std::sort(relieving.begin(), relieving.end(), [&](int x, int y) {
+      return grow_gain[x] < grow_gain[y] || (grow_gain[x] == grow_gain[y] && x < y);
+    });
+    by_grown.resize(E);
+    for (int e = 0; e < E; ++e) by_grown[e] = e;
+    std::sort(by_grown.begin(), by_grown.end(), [&](int x, int y) {
+      return grown[x] < grown[y] || (grown[x] == grown[y] && x < y);
+    });
     int kind = 0, first = -1, second = -1;  // 1 = reassign (slot, expert), 2 = swap (slot, slot)
     double best = 0.0;
     for (int s = 0; s < L.num_slots; ++s) {
@@ -76,16 +87,34 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
             second = a;
           }
         };
+        // Relieving experts by relief, largest first: gain <= exc_g - others - grow_gain[a], and the
+        // divisor is the same for every new expert of slot s, so the scan stops at the first that
+        // cannot beat the best.
+        const double div_s = divisor(slot_cost(s, b == origin[s] ? -1 : origin[s]));
+        for (int a : relieving) {
+          if ((exc_g - others - grow_gain[a]) / div_s <= best) break;
+          consider(a);
+        }
         if (over[g]) {
-          for (int a = 0; a < E; ++a) consider(a);
-        } else {
-          for (int a : relieving) consider(a);
+          // Experts outside `relieving` gain nothing elsewhere, and the divisor is the same for every
+          // new expert of slot s: the lightest new replica that is allowed is the best of them.
+          for (int a : by_grown) {
+            if (relieves_e[a] || a == b || L.count[a] >= L.cap || (!L.allow_dup && L.on(a, g) != 0)) continue;
+            consider(a);
+            break;
+          }
         }
       }
+    }
+    for (int s = 0; s < L.num_slots; ++s) {
+      const int g = L.gpu_of(s);
       if (!over[g]) continue;
-      // Swaps of this slot (on a GPU above T) with a slot of another GPU.
-      const int ea = b;
+      // Swaps of this slot (on a GPU above T) with a slot of another GPU: they lower the excess by at
+      // most min(its weight, g's excess), at best per half a move.
+      const double load_g = L.gpu_load[g], exc_g = exc(load_g);
+      const int ea = L.expert[s];
       const double wa = L.slot_w[s];
+      if (2.0 * std::min(wa, exc_g) <= best) continue;
       for (int o = 0; o < G; ++o) {
         if (o == g || (!L.allow_dup && L.on(ea, o) != 0)) continue;
         const double load_o = L.gpu_load[o], exc_o = exc(load_o);
@@ -93,7 +122,7 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
           const double d = wa - L.slot_w[t];
           if (d <= eps) continue;
           const double change = exc(load_g - d) + exc(load_o + d) - exc_g - exc_o;
-          if (-change <= eps) continue;
+          if (-change <= eps || -2.0 * change <= best) continue;
           const int eb = L.expert[t];
           if (eb == ea || (!L.allow_dup && L.on(eb, g) != 0)) continue;
           const double score = -change / divisor(slot_cost(s, eb) + slot_cost(t, ea));
