@@ -14,9 +14,11 @@ namespace fulcrum::eplb::fulcrum_detail {
 void relabel_onto(std::span<const int32_t> fresh, std::span<const int32_t> current, int num_experts,
                   int num_gpus, std::span<int32_t> out);
 
-// Starting from `current` (layout is reset to it), improves the heaviest GPU by the move with the
-// best gain per slot changed until the maximum GPU load is <= target_max, nothing helps, or more than
-// `max_moves` slots differ from `current`. Leaves the result in `layout`; returns the slots changed.
+// Starting from `current` (copied into `layout`, which must be reset for the loads): removes duplicate
+// replicas on a GPU (one reassign each), runs the excess descent, then moves aimed at the heaviest GPU
+// (best gain per slot changed) and the from-scratch local search if still above target_max, and the
+// undo pass once at or below it. Stops early past `max_moves` changed slots. Returns the slots that
+// differ from `current`; the result is in `layout`.
 int descend_from(Layout& layout, std::span<const int32_t> current, double target_max, int max_moves);
 
 // Excess descent (fulcrum_excess.cpp) on a rebuilt layout: lowers the excess over `target` (<= stop)

@@ -34,11 +34,12 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
 // replica of a GPU in [g0, g1) where neither expert would then be duplicated.
 void repair_duplicates(Layout& layout, int g0, int g1);
 
-// Local search on GPUs [g0, g1): repeatedly takes the heaviest GPU and applies the swap of one of its
-// replicas with a replica of another GPU in the range that most lowers the pair's larger load, keeping
-// the no-duplicate rule. When no swap helps and `reassign` is set, moves one slot from an expert with
-// spare replicas to another expert (changing counts) if that lowers the maximum. Stops when the
-// heaviest GPU is at or below `stop_max`, when nothing helps, or after a safety cap of steps.
+// Local search on GPUs [g0, g1): repeatedly takes the heaviest GPU h and applies the swap of one of its
+// replicas with one of another GPU in the range that most lowers the pair's larger load; if none helps,
+// the best exchange of two of h's replicas for two of another GPU's; if none helps and `reassign` is
+// set, one slot moved from an expert with spare replicas to another expert (changing counts) when that
+// lowers h without raising any GPU to h's load. The no-duplicate rule holds throughout. Stops when h
+// is at or below `stop_max`, when nothing helps, or after a safety cap of steps.
 // Requires layout.rebuild() state (counts, hosted) to be current.
 void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign);
 

@@ -92,9 +92,7 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   layout.rebuild();
 }
 
-// Two starts: balanced differencing improved by the local search, and LPT (what DeepSeek's packing
-// does, without duplicates). LPT alone is rarely better; when it is, it gets the local search too and
-// the better result wins, so the plan is never less balanced than LPT's with the same counts.
+// One node: water-filling counts capped at G, packed and searched; hard layers get more tries.
 void plan_flat(Layout& layout, Layout& spare) {
   thread_local std::vector<int> counts;
   fulcrum_detail::capped_counts(layout.load, layout.num_slots, layout.cap, counts);
