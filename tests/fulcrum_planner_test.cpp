@@ -98,6 +98,7 @@ TEST(FulcrumRealLoads, MigrationMovesAThirdOfDeepSeekAtBetterBalance) {
   const std::vector<Topology> shapes = {{160, 16, 1}, {160, 32, 1}, {192, 32, 1}};
   for (const Topology& topo : shapes) {
     int64_t total_f = 0, total_d = 0;
+    double worst_ratio = 0.0, worst_balance = 1.0;
     double bal_f = 0, bal_d = 0;
     for (size_t i = 0; i < loads.size(); ++i) {
       const LoadMatrix& before = loads[i];
@@ -116,6 +117,8 @@ TEST(FulcrumRealLoads, MigrationMovesAThirdOfDeepSeekAtBetterBalance) {
       for (int l = 0; l < f.num_layers; ++l) {
         EXPECT_EQ(max_replicas_on_one_gpu(f.layer(l), f.num_logical_experts, topo), 1);
       }
+      worst_ratio = std::max(worst_ratio, static_cast<double>(moves_f) / moves_d);
+      worst_balance = std::min(worst_balance, bf - std::max(bd, 0.99));
       total_f += moves_f;
       total_d += moves_d;
       bal_f += bf;
@@ -127,6 +130,8 @@ TEST(FulcrumRealLoads, MigrationMovesAThirdOfDeepSeekAtBetterBalance) {
                 topo.num_gpus, topo.num_physical_experts, static_cast<long long>(total_f),
                 100.0 * total_f / (n * 48 * topo.num_physical_experts), static_cast<double>(total_f) / total_d,
                 static_cast<long long>(total_d), bal_f / n, bal_d / n);
+    std::printf("  worst pair: moves %.3f of deepseek's; smallest margin over max(deepseek, 0.99) %.5f\n",
+                worst_ratio, worst_balance);
   }
 }
 
