@@ -1,8 +1,6 @@
 #include "eplb/fulcrum_migrate.hpp"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <vector>
 

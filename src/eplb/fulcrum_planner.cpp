@@ -3,6 +3,7 @@
 #include "eplb/fulcrum_planner.hpp"
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 
 #include "eplb/fulcrum_layout.hpp"
