@@ -33,9 +33,10 @@ Placement Planner::plan(const LoadMatrix& loads, const PlanOptions& options) con
   return result;
 }
 
-std::vector<std::string> planner_names() { return {"deepseek"}; }
+std::vector<std::string> planner_names() { return {"fulcrum", "deepseek"}; }
 
 std::unique_ptr<Planner> make_planner(std::string_view name) {
+  if (name == "fulcrum") return make_fulcrum_planner();
   if (name == "deepseek") return make_deepseek_planner();
   throw Error(fmt::format("unknown planner '{}' (known: {})", name, fmt::join(planner_names(), ", ")));
 }

@@ -35,6 +35,7 @@ class Planner {
 std::unique_ptr<Planner> make_planner(std::string_view name);
 
 // Factories, one per planner file.
+std::unique_ptr<Planner> make_fulcrum_planner();
 std::unique_ptr<Planner> make_deepseek_planner();
 
 // Names accepted by make_planner.

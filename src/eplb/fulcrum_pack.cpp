@@ -1,0 +1,179 @@
+#include "eplb/fulcrum_pack.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "eplb/fulcrum_search.hpp"
+
+namespace fulcrum::eplb::fulcrum_detail {
+
+void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts) {
+  const int num_experts = static_cast<int>(load.size());
+  counts.assign(num_experts, 1);
+  // Max-heap of (load per replica, expert): larger load first, then lower index.
+  thread_local std::vector<std::pair<double, int>> heap;
+  heap.clear();
+  auto less = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    if (cap > 1) heap.emplace_back(load[e], e);
+  }
+  std::make_heap(heap.begin(), heap.end(), less);
+  for (int extra = num_experts; extra < slots && !heap.empty(); ++extra) {
+    std::pop_heap(heap.begin(), heap.end(), less);
+    const int e = heap.back().second;
+    heap.pop_back();
+    ++counts[e];
+    if (counts[e] < cap) {
+      heap.emplace_back(load[e] / counts[e], e);
+      std::push_heap(heap.begin(), heap.end(), less);
+    }
+  }
+}
+
+bool fit_counts(std::span<const double> load, int slots, int cap, double item_cap, int num_gpus,
+                std::vector<int>& counts) {
+  const int num_experts = static_cast<int>(load.size());
+  counts.resize(num_experts);
+  thread_local std::vector<std::pair<double, int>> splits;  // (extra slots per big replica removed, expert)
+  splits.clear();
+  int used = 0, big = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const double need = item_cap > 0.0 ? std::ceil(load[e] / item_cap - 1e-9) : 1.0;
+    counts[e] = static_cast<int>(std::clamp(need, 1.0, static_cast<double>(cap)));
+    used += counts[e];
+    if (load[e] / counts[e] > 0.5 * item_cap) {  // "big": at most one fits a GPU
+      big += counts[e];
+      const int small = static_cast<int>(std::ceil(2.0 * load[e] / item_cap - 1e-9));
+      if (small <= cap) splits.emplace_back(static_cast<double>(small - counts[e]) / counts[e], e);
+    }
+  }
+  // More big replicas than GPUs: split the experts that cost the fewest extra slots into small ones.
+  std::sort(splits.begin(), splits.end());
+  for (size_t i = 0; big > num_gpus && i < splits.size(); ++i) {
+    const int e = splits[i].second;
+    const int small = static_cast<int>(std::ceil(2.0 * load[e] / item_cap - 1e-9));
+    big -= counts[e];
+    used += small - counts[e];
+    counts[e] = small;
+  }
+  if (used > slots) return false;
+  // Leftover slots split the small experts further, largest replica first (water-filling among the
+  // experts whose replicas are at most M / 2): fine-grained replicas fill the room the big ones leave.
+  thread_local std::vector<std::pair<double, int>> heap;
+  heap.clear();
+  auto less = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first < b.first || (a.first == b.first && a.second > b.second);
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    if (counts[e] < cap && load[e] / counts[e] <= 0.5 * item_cap) heap.emplace_back(load[e] / counts[e], e);
+  }
+  std::make_heap(heap.begin(), heap.end(), less);
+  for (; used < slots && !heap.empty(); ++used) {
+    std::pop_heap(heap.begin(), heap.end(), less);
+    const int e = heap.back().second;
+    heap.pop_back();
+    ++counts[e];
+    if (counts[e] < cap) {
+      heap.emplace_back(load[e] / counts[e], e);
+      std::push_heap(heap.begin(), heap.end(), less);
+    }
+  }
+  return used == slots;
+}
+
+void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
+  const int per_gpu = layout.slots_per_gpu;
+  const int num_gpus = layout.num_gpus;
+  thread_local std::vector<std::pair<double, int>> order;
+  thread_local std::vector<int> fill, heap, skipped;
+  order.clear();
+  for (int e : items) order.emplace_back(layout.load[e] / counts[e], e);
+  // Heaviest first; replicas of one expert stay together (ties by expert id).
+  std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  });
+  fill.assign(num_gpus, 0);
+  heap.clear();
+  for (int g = g0; g < g1; ++g) {
+    layout.gpu_load[g] = 0.0;
+    for (int e = 0; e < layout.num_experts; ++e) layout.hosted[static_cast<size_t>(e) * num_gpus + g] = 0;
+    heap.push_back(g);
+  }
+  // Min-heap of GPUs with room: lightest first, lowest index on ties.
+  auto later = [&](int x, int y) {
+    return layout.gpu_load[x] > layout.gpu_load[y] || (layout.gpu_load[x] == layout.gpu_load[y] && x > y);
+  };
+  std::make_heap(heap.begin(), heap.end(), later);
+  for (const auto& [w, e] : order) {
+    // The lightest GPU with room that lacks e; if all with room hold it, the lightest with room.
+    skipped.clear();
+    int best = -1;
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      const int g = heap.back();
+      heap.pop_back();
+      if (layout.allow_dup || layout.on(e, g) == 0) {
+        best = g;
+        break;
+      }
+      skipped.push_back(g);
+    }
+    if (best < 0) {  // every GPU with room holds e already (repair_duplicates fixes it afterwards)
+      best = skipped.front();
+      skipped.erase(skipped.begin());
+    }
+    for (int g : skipped) {
+      heap.push_back(g);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+    const int slot = best * per_gpu + fill[best]++;
+    layout.expert[slot] = e;
+    layout.slot_w[slot] = w;
+    layout.gpu_load[best] += w;
+    ++layout.hosted[static_cast<size_t>(e) * num_gpus + best];
+    if (fill[best] < per_gpu) {
+      heap.push_back(best);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  }
+}
+
+void repair_duplicates(Layout& layout, int g0, int g1) {
+  if (layout.allow_dup) return;
+  const int per_gpu = layout.slots_per_gpu;
+  for (int s = g0 * per_gpu; s < g1 * per_gpu; ++s) {
+    const int g = s / per_gpu, e = layout.expert[s];
+    if (layout.on(e, g) < 2) continue;
+    int best_t = -1;
+    double best_diff = 0.0;
+    for (int t = g0 * per_gpu; t < g1 * per_gpu; ++t) {
+      const int k = t / per_gpu, x = layout.expert[t];
+      if (k == g || layout.on(e, k) != 0 || layout.on(x, g) != 0) continue;
+      const double diff = std::abs(layout.slot_w[t] - layout.slot_w[s]);
+      if (best_t < 0 || diff < best_diff) {
+        best_t = t;
+        best_diff = diff;
+      }
+    }
+    if (best_t >= 0) layout.swap_slots(s, best_t);
+  }
+}
+
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
+  MoveFinder finder(layout, g0, g1, nullptr);
+  const int max_steps = 8 * layout.num_slots + 64;
+  for (int step = 0; step < max_steps; ++step) {
+    const int h = layout.heaviest(g0, g1);
+    if (layout.gpu_load[h] <= stop_max) return;
+    // Cheapest first: swaps, then pair swaps, then reassigns.
+    Move move = finder.best_swap(h);
+    if (!move.valid()) move = finder.best_pair_swap(h);
+    if (!move.valid() && reassign) move = finder.best_reassign(h);
+    if (!move.valid()) return;
+    finder.apply(move);
+  }
+}
+
+}  // namespace fulcrum::eplb::fulcrum_detail

@@ -1,0 +1,46 @@
+#pragma once
+// Building blocks of the fulcrum planner: replica counts, packing replicas onto GPUs, local search.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "eplb/fulcrum_layout.hpp"
+
+namespace fulcrum::eplb::fulcrum_detail {
+
+// Water-filling replica counts: every expert one replica, each further slot to the expert with the
+// highest load per replica (lowest index on ties) among those below `cap`. Minimizes the largest
+// load per replica under the cap.
+void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts);
+
+// Counts for a target max load M = item_cap: ceil(load / M) replicas per expert (within [1, cap]);
+// replicas above M / 2 ("big": two cannot share a GPU) are limited to num_gpus by splitting the experts
+// that cost the fewest extra slots into replicas of at most M / 2; the slots left over go to the
+// lightest experts (near-empty fillers). False if the slots do not suffice.
+bool fit_counts(std::span<const double> load, int slots, int cap, double item_cap, int num_gpus,
+                std::vector<int>& counts);
+
+// Both packers put `items` (one expert id per replica, each weighing load[e] / counts[e]) into the
+// slots of GPUs [g0, g1), exactly slots_per_gpu per GPU, avoiding two replicas of an expert on one GPU
+// where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).
+// greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT).
+void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+// differencing_pack: balanced largest differencing (fulcrum_kk.cpp); a nonzero seed perturbs the weights
+// its decisions see (restarts on hard layers).
+void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
+                       uint32_t seed = 0);
+
+// After rebuild(): swaps away any duplicate a packer could not avoid, each with the closest-weight
+// replica of a GPU in [g0, g1) where neither expert would then be duplicated.
+void repair_duplicates(Layout& layout, int g0, int g1);
+
+// Local search on GPUs [g0, g1): repeatedly takes the heaviest GPU h and applies the swap of one of its
+// replicas with one of another GPU in the range that most lowers the pair's larger load; if none helps,
+// the best exchange of two of h's replicas for two of another GPU's; if none helps and `reassign` is
+// set, one slot moved from an expert with spare replicas to another expert (changing counts) when that
+// lowers h without raising any GPU to h's load. The no-duplicate rule holds throughout. Stops when h
+// is at or below `stop_max`, when nothing helps, or after a safety cap of steps.
+// Requires layout.rebuild() state (counts, hosted) to be current.
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign);
+
+}  // namespace fulcrum::eplb::fulcrum_detail

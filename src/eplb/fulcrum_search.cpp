@@ -1,0 +1,172 @@
+#include "eplb/fulcrum_search.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace fulcrum::eplb::fulcrum_detail {
+
+Move MoveFinder::best_swap(int h, Move best) const {
+  const Layout& L = layout_;
+  const int per_gpu = L.slots_per_gpu;
+  const double load_h = L.gpu_load[h];
+  const double eps = 1e-12 * load_h;
+  const double min_div = origin_ == nullptr ? 1.0 : 0.5;
+  // Partners lightest first: a pair's gain is at most half their gap, so the scan stops early.
+  thread_local std::vector<int> partners;
+  partners.clear();
+  for (int o = g0_; o < g1_; ++o) {
+    if (o != h) partners.push_back(o);
+  }
+  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
+    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
+  });
+  for (int o : partners) {
+    const double gap = load_h - L.gpu_load[o];
+    if (gap * 0.5 / min_div <= best.score || gap <= eps) break;
+    const double* wb = L.slot_w.data() + o * per_gpu;
+    const int32_t* eb = L.expert.data() + o * per_gpu;
+    for (int sa = h * per_gpu; sa < (h + 1) * per_gpu; ++sa) {
+      const double wa = L.slot_w[sa];
+      const int ea = L.expert[sa];
+      if (wa <= eps || (!L.allow_dup && L.on(ea, o) != 0)) continue;
+      for (int j = 0; j < per_gpu; ++j) {
+        const double d = wa - wb[j];
+        const double gain = std::min(d, gap - d);
+        if (gain <= eps || gain / min_div <= best.score) continue;
+        if (ea == eb[j] || (!L.allow_dup && L.on(eb[j], h) != 0)) continue;
+        const int sb = o * per_gpu + j;
+        const double score = gain / (origin_ == nullptr ? 1.0 : divisor(slot_cost(sa, eb[j]) + slot_cost(sb, ea)));
+        if (score > best.score) best = {Move::kSwap, sa, sb, score};
+      }
+    }
+  }
+  return best;
+}
+
+Move MoveFinder::best_pair_swap(int h) const {
+  const Layout& L = layout_;
+  const int per_gpu = L.slots_per_gpu;
+  Move best;
+  if (per_gpu < 2) return best;
+  const double load_h = L.gpu_load[h];
+  const double eps = 1e-12 * load_h;
+  thread_local std::vector<std::pair<double, int>> pairs_h;  // (sum, i * per_gpu + j)
+  pairs_h.clear();
+  for (int i = 0; i < per_gpu; ++i) {
+    for (int j = i + 1; j < per_gpu; ++j) {
+      pairs_h.emplace_back(L.slot_w[h * per_gpu + i] + L.slot_w[h * per_gpu + j], i * per_gpu + j);
+    }
+  }
+  thread_local std::vector<int> partners;
+  partners.clear();
+  for (int o = g0_; o < g1_; ++o) {
+    if (o != h) partners.push_back(o);
+  }
+  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
+    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
+  });
+  for (int o : partners) {
+    const double gap = load_h - L.gpu_load[o];
+    if (gap * 0.5 <= best.score || gap <= eps) break;
+    for (int i = 0; i < per_gpu; ++i) {
+      const int si = o * per_gpu + i;
+      for (int j = i + 1; j < per_gpu; ++j) {
+        const int sj = o * per_gpu + j;
+        const double sum_o = L.slot_w[si] + L.slot_w[sj];
+        for (const auto& [sum_h, code] : pairs_h) {
+          const double d = sum_h - sum_o;
+          const double gain = std::min(d, gap - d);
+          if (gain <= eps || gain <= best.score) continue;
+          const int sa = h * per_gpu + code / per_gpu, sc = h * per_gpu + code % per_gpu;
+          const int ea = L.expert[sa], ec = L.expert[sc], eb = L.expert[si], ed = L.expert[sj];
+          if (!L.allow_dup && (L.on(ea, o) != 0 || L.on(ec, o) != 0 || L.on(eb, h) != 0 || L.on(ed, h) != 0)) continue;
+          best = {Move::kSwapPairs, sa, si, gain, sc, sj};
+        }
+      }
+    }
+  }
+  return best;
+}
+
+Move MoveFinder::best_reassign(int h, Move best) const {
+  const Layout& L = layout_;
+  const int per_gpu = L.slots_per_gpu;
+  const double load_h = L.gpu_load[h];
+  const double eps = 1e-12 * load_h;
+  const double min_div = origin_ == nullptr ? 1.0 : 0.5;
+  // Per expert b with a spare replica: the two largest loads among GPUs other than h that hold b, once
+  // b loses a replica (so each of its replicas grows by delta_b).
+  constexpr double kNone = -std::numeric_limits<double>::infinity();
+  thread_local std::vector<double> top1, top2, grown_w, delta;
+  thread_local std::vector<int> top1_gpu;
+  grown_w.resize(L.num_experts);  // load per replica with one more replica
+  delta.resize(L.num_experts);    // growth of each replica with one fewer
+  for (int e = 0; e < L.num_experts; ++e) {
+    grown_w[e] = L.load[e] / (L.count[e] + 1);
+    delta[e] = L.count[e] < 2 ? 0.0 : L.load[e] / (L.count[e] - 1) - L.replica_w(e);
+  }
+  top1.assign(L.num_experts, kNone);
+  top2.assign(L.num_experts, kNone);
+  top1_gpu.assign(L.num_experts, -1);
+  for (int b = 0; b < L.num_experts; ++b) {
+    if (L.count[b] < 2) continue;
+    const double delta_b = delta[b];
+    const uint16_t* row = L.hosted.data() + static_cast<size_t>(b) * L.num_gpus;
+    for (int k = 0; k < L.num_gpus; ++k) {
+      if (row[k] == 0 || k == h) continue;
+      const double v = L.gpu_load[k] + row[k] * delta_b;
+      if (v > top1[b]) {
+        top2[b] = top1[b];
+        top1[b] = v;
+        top1_gpu[b] = k;
+      } else if (v > top2[b]) {
+        top2[b] = v;
+      }
+    }
+  }
+  // (1) A slot of h, holding b (count >= 2), gets expert a: h sheds b's replica and takes a's lighter one.
+  for (int s = h * per_gpu; s < (h + 1) * per_gpu; ++s) {
+    const int b = L.expert[s];
+    const int cb = L.count[b];
+    if (cb < 2) continue;
+    const double delta_b = L.load[b] / (cb - 1) - L.slot_w[s];
+    const double others = top1[b];
+    const double base = load_h - L.slot_w[s] + (L.on(b, h) - 1) * delta_b;
+    if ((load_h - std::max(base, others)) / min_div <= best.score) continue;
+    for (int a = 0; a < L.num_experts; ++a) {
+      if (a == b || L.count[a] >= L.cap || (!L.allow_dup && L.on(a, h) != 0)) continue;
+      const double gain = load_h - std::max(base + grown_w[a], others);
+      if (gain <= eps) continue;
+      const double score = gain / (origin_ == nullptr ? 1.0 : divisor(slot_cost(s, a)));
+      if (score > best.score) best = {Move::kReassign, s, a, score};
+    }
+  }
+  // (2) An expert a of h gets one more replica, in a slot elsewhere that held b (count >= 2).
+  for (int sa = h * per_gpu; sa < (h + 1) * per_gpu; ++sa) {
+    const int a = L.expert[sa];
+    const int ca = L.count[a];
+    if (ca >= L.cap) continue;
+    const double wa_new = grown_w[a];
+    const double base_h = load_h - L.on(a, h) * (L.slot_w[sa] - wa_new);
+    if ((load_h - base_h) / min_div <= best.score) continue;
+    for (int t = 0; t < L.num_slots; ++t) {
+      const int o = L.gpu_of(t);
+      const int b = L.expert[t];
+      if (o == h || b == a || L.count[b] < 2 || (!L.allow_dup && L.on(a, o) != 0)) continue;
+      const double delta_b = delta[b];
+      const double new_o = L.gpu_load[o] - L.slot_w[t] + (L.on(b, o) - 1) * delta_b + wa_new + L.on(a, o) * (wa_new - L.slot_w[sa]);
+      const double new_h = base_h + L.on(b, h) * delta_b;
+      double gain = load_h - std::max(new_o, new_h);
+      if (gain <= eps) continue;
+      const double div = origin_ == nullptr ? 1.0 : divisor(slot_cost(t, a));
+      if (gain / div <= best.score) continue;
+      gain = std::min(gain, load_h - (top1_gpu[b] != o ? top1[b] : top2[b]));
+      if (gain <= eps || gain / div <= best.score) continue;
+      best = {Move::kReassign, t, a, gain / div};
+    }
+  }
+  return best;
+}
+
+}  // namespace fulcrum::eplb::fulcrum_detail
