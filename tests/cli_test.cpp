@@ -76,6 +76,19 @@ TEST_F(CliTest, PlanJsonHasTheReportedFields) {
   EXPECT_FALSE(doc.contains("experts_moved"));
 }
 
+TEST_F(CliTest, HierarchicalPlanReportsNodeBalance) {
+  const RunResult r = run("plan --loads " + kRealLoads + " --gpus 16 --physical-experts 160 --nodes 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(doc["num_nodes"], 4);
+  EXPECT_GT(doc["node_balancedness_mean"].get<double>(), 0.99);
+  EXPECT_GE(doc["nodes_per_expert_mean"].get<double>(), 1.0);
+  EXPECT_LE(doc["nodes_per_expert_mean"].get<double>(), 4.0);
+  // Flat plans have no node view.
+  const RunResult flat = run("plan --loads " + kRealLoads + " --gpus 16 --physical-experts 160 --json");
+  EXPECT_FALSE(nlohmann::json::parse(flat.out).contains("node_balancedness_mean"));
+}
+
 TEST_F(CliTest, PlanWritesAPlacementAndReplansFromIt) {
   const std::string placement = (dir_ / "placement.json").string();
   const std::string loads2 = test::shared_path("data/loads/qwen3-30b-a3b_prefill_ted_he.csv");

@@ -8,6 +8,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/topology_flags.hpp"
+#include "eplb/fulcrum_planner.hpp"
 #include "eplb/metrics.hpp"
 #include "eplb/migration_plan.hpp"
 #include "eplb/placement_io.hpp"
@@ -41,6 +42,17 @@ void run_plan(const PlanFlags& flags) {
   const eplb::PlacementReport report = eplb::evaluate_placement(placement, loads);
 
   if (!flags.output_file.empty()) eplb::write_placement_file(flags.output_file, placement, &loads);
+  // Hierarchical view: balancedness of node loads and how many nodes an expert's replicas span.
+  double node_balancedness_mean = 1.0, nodes_per_expert_mean = 1.0;
+  if (placement.topology.num_nodes > 1) {
+    double node_sum = 0.0, spread_sum = 0.0;
+    for (int l = 0; l < placement.num_layers; ++l) {
+      node_sum += eplb::balancedness(eplb::node_loads(loads.layer(l), placement.layer(l), placement.topology));
+      spread_sum += eplb::mean_nodes_per_expert(placement.layer(l), placement.num_logical_experts, placement.topology);
+    }
+    node_balancedness_mean = node_sum / placement.num_layers;
+    nodes_per_expert_mean = spread_sum / placement.num_layers;
+  }
   std::unique_ptr<eplb::MigrationPlan> migration;
   if (current) migration = std::make_unique<eplb::MigrationPlan>(eplb::plan_migration(*current, placement));
 
@@ -56,6 +68,10 @@ void run_plan(const PlanFlags& flags) {
     out["balancedness_min"] = report.balancedness_min;
     out["balancedness_per_layer"] = report.balancedness_per_layer;
     out["lower_bound_balancedness_mean"] = report.lower_bound_balancedness_mean;
+    if (placement.topology.num_nodes > 1) {
+      out["node_balancedness_mean"] = node_balancedness_mean;
+      out["nodes_per_expert_mean"] = nodes_per_expert_mean;
+    }
     out["plan_seconds"] = plan_seconds;
     if (migration) {
       out["experts_moved"] = migration->num_transfers();
@@ -74,6 +90,10 @@ void run_plan(const PlanFlags& flags) {
              placement.topology.num_nodes);
   fmt::print("balancedness         mean {:.4f}  min {:.4f}  (lower bound allows {:.4f})\n", report.balancedness_mean,
              report.balancedness_min, report.lower_bound_balancedness_mean);
+  if (placement.topology.num_nodes > 1) {
+    fmt::print("per node             balancedness mean {:.4f}; an expert's replicas span {:.2f} nodes on average\n",
+               node_balancedness_mean, nodes_per_expert_mean);
+  }
   if (migration) {
     fmt::print("experts moved        {} ({} local copies, {} within a node, {} across nodes)\n",
                migration->num_transfers(), migration->num_local, migration->num_intra_node, migration->num_inter_node);
