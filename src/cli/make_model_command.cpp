@@ -23,8 +23,6 @@ void run_make_model(MakeModelFlags& flags) {
   options.dtype = model::parse_make_model_dtype(flags.dtype);
   FULCRUM_CHECK(flags.shard_mib > 0, "--shard-mib must be positive, got {}", flags.shard_mib);
   options.max_shard_bytes = static_cast<uint64_t>(flags.shard_mib) << 20;
-  FULCRUM_CHECK(options.layers >= 0, "--layers must be in [1, 1024], got {}", options.layers);
-  FULCRUM_CHECK(options.experts >= 0, "--experts must be in [1, 4096], got {}", options.experts);
   const auto start = std::chrono::steady_clock::now();
   const model::MakeModelResult result = model::make_model(options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -48,8 +46,9 @@ void register_make_model_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("make-model", "Write a random Qwen3-MoE checkpoint (HF layout) from a preset");
   cmd->add_option("--preset", o.preset, "tiny | qwen3-30b-a3b | qwen3-235b-a22b")->required();
   cmd->add_option("--output", o.output, "Checkpoint folder to create (must not exist or be empty)")->required();
-  cmd->add_option("--layers", o.layers, "num_hidden_layers (default: the preset's)");
-  cmd->add_option("--experts", o.experts, "num_experts (default: the preset's; top-k shrinks to fit)");
+  cmd->add_option("--layers", o.layers, "num_hidden_layers (default: the preset's)")->check(CLI::Range(1, 1024));
+  cmd->add_option("--experts", o.experts, "num_experts (default: the preset's; top-k shrinks to fit)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("--seed", o.seed, "Weights are a function of the seed")->capture_default_str();
   cmd->add_option("--dtype", flags->dtype, "bf16 | fp32")->capture_default_str();
   cmd->add_option("--router-skew", o.router_skew,

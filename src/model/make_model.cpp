@@ -29,14 +29,17 @@ uint64_t available_memory() {
   return 0;
 }
 
-// The output must be absent or an empty folder; returns its absolute path.
+// The output must be absent or an empty folder (its parents are created); returns its absolute path.
 fs::path check_output(const std::string& output) {
   FULCRUM_CHECK(!output.empty(), "--output is required");
   const fs::path path = fs::absolute(fs::path(output)).lexically_normal();
   if (fs::exists(path)) {
     FULCRUM_CHECK(fs::is_directory(path) && fs::is_empty(path), "{}: exists and is not an empty folder", output);
   }
-  FULCRUM_CHECK(fs::is_directory(path.parent_path()), "{}: parent folder does not exist", output);
+  std::error_code ec;
+  fs::create_directories(path.parent_path(), ec);
+  FULCRUM_CHECK(fs::is_directory(path.parent_path()), "{}: cannot create the parent folder{}", output,
+                ec ? ": " + ec.message() : "");
   return path;
 }
 

@@ -127,18 +127,29 @@ void fit_layer_bias(const RouterRecord& record, std::span<const double> target, 
   const double floor = 0.5 / static_cast<double>(num_tokens);
   const double tolerance = std::max(0.002, 4.0 / static_cast<double>(num_tokens));
   std::vector<double> observed(num_experts), best_delta(delta.begin(), delta.end());
-  std::vector<float> logits(num_experts);
-  std::vector<int32_t> order(num_experts);
+  std::vector<float> top_logit(static_cast<size_t>(top_k));   // [top_k], descending
+  std::vector<int32_t> top_expert(static_cast<size_t>(top_k)); // [top_k]
   double best_error = INFINITY;
-  for (int iteration = 0; iteration < 300; ++iteration) {
+  for (int iteration = 0; iteration < 200; ++iteration) {
     std::fill(observed.begin(), observed.end(), 0.0);
     for (size_t t = 0; t < num_tokens; ++t) {
-      for (size_t e = 0; e < num_experts; ++e) logits[e] = record.z[t * num_experts + e] + record.r[t] * delta[e];
-      std::iota(order.begin(), order.end(), 0);
-      std::nth_element(order.begin(), order.begin() + (top_k - 1), order.end(), [&](int32_t a, int32_t b) {
-        return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-      });
-      for (int j = 0; j < top_k; ++j) observed[order[j]] += 1.0;
+      // Top-k by insertion: descending logit, equal logits keep the lower expert first (as route does).
+      const float* z = record.z.data() + t * num_experts;
+      const float r = record.r[t];
+      int filled = 0;
+      for (size_t e = 0; e < num_experts; ++e) {
+        const float logit = z[e] + r * delta[e];
+        if (filled == top_k && !(logit > top_logit[top_k - 1])) continue;
+        int pos = filled < top_k ? filled++ : top_k - 1;
+        while (pos > 0 && logit > top_logit[pos - 1]) {
+          top_logit[pos] = top_logit[pos - 1];
+          top_expert[pos] = top_expert[pos - 1];
+          --pos;
+        }
+        top_logit[pos] = logit;
+        top_expert[pos] = static_cast<int32_t>(e);
+      }
+      for (int j = 0; j < top_k; ++j) observed[top_expert[j]] += 1.0;
     }
     for (double& v : observed) v /= static_cast<double>(num_tokens);
     const double error = max_abs_diff(observed, target);
@@ -147,8 +158,9 @@ void fit_layer_bias(const RouterRecord& record, std::span<const double> target, 
       best_delta.assign(delta.begin(), delta.end());
     }
     if (error <= tolerance) break;
+    const double step = iteration < 40 ? 0.5 : (iteration < 100 ? 0.2 : 0.08);
     for (size_t e = 0; e < num_experts; ++e) {
-      delta[e] += static_cast<float>(0.5 * (std::log(std::max(target[e], floor)) - std::log(std::max(observed[e], floor))) / mean_r);
+      delta[e] += static_cast<float>(step * (std::log(std::max(target[e], floor)) - std::log(std::max(observed[e], floor))) / mean_r);
     }
     const double mean = std::accumulate(delta.begin(), delta.end(), 0.0) / static_cast<double>(num_experts);
     for (float& d : delta) d = static_cast<float>(d - mean);  // a shared shift changes no routing
