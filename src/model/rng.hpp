@@ -47,6 +47,8 @@ class Rng {
   }
   // Uniform in [0, 1), 53 random bits.
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  // Uniform with mean 0 and standard deviation 1: in [-sqrt(3), sqrt(3)).
+  double unit_uniform() { return (2.0 * uniform() - 1.0) * 1.7320508075688772; }
   // Standard normal (Box-Muller, one value per call; the second is discarded to keep the stream simple).
   double normal() {
     const double u1 = 1.0 - uniform();  // (0, 1]

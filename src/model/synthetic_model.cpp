@@ -179,7 +179,8 @@ void SyntheticWeights::produce(const TensorSpec& spec, const std::function<void(
     emit(w);
     return;
   }
-  // Matrices [rows, cols]: what reads the bias channel (a column) or writes it (a row) is zeroed there.
+  // Matrices [rows, cols], uniform with the given standard deviation (cheap for multi-GiB slices; only the
+  // router, above, is Gaussian, since its tails shape routing). What reads the bias channel (a column) or writes it (a row) is zeroed there.
   const bool embedding = name == "model.embed_tokens.weight";
   const bool writes_residual = ends_with(name, "o_proj.weight") || ends_with(name, "down_proj.weight");
   const double std = embedding ? 1.0 : (writes_residual ? residual_scale : 1.0) / std::sqrt(static_cast<double>(cols));
@@ -188,7 +189,7 @@ void SyntheticWeights::produce(const TensorSpec& spec, const std::function<void(
   for (int64_t row = 0; row < rows; row += rows_per_chunk) {
     const int64_t count = std::min(rows_per_chunk, rows - row);
     chunk.resize(static_cast<size_t>(count * cols));  // [count, cols]
-    for (float& v : chunk) v = static_cast<float>(std * rng.normal());
+    for (float& v : chunk) v = static_cast<float>(std * rng.unit_uniform());
     for (int64_t r = 0; r < count; ++r) {
       if (embedding) {
         chunk[r * cols + kBiasChannel] = kBiasChannelValue;
