@@ -85,6 +85,16 @@ TEST(MakeModelTest, TinyLoadsAndRunsInBothDtypes) {
   EXPECT_EQ(a, b);
 }
 
+// The key layout is the one transformers writes: same names as the golden HF checkpoint of a 3-layer
+// 128-expert Qwen3-MoE (shapes differ: the golden model has other head and MLP sizes).
+TEST(MakeModelTest, KeysMatchTransformersLayout) {
+  TempDir tmp("make_model");
+  model::make_model(tiny_options(tmp.file("m"), 3));
+  model::Checkpoint ours(tmp.file("m"));
+  model::Checkpoint golden(golden_model_dir("qwen3moe-tiny-128e"));
+  EXPECT_EQ(ours.names(), golden.names());
+}
+
 TEST(MakeModelTest, DeterministicPerSeed) {
   TempDir tmp("make_model");
   auto options = tiny_options(tmp.file("a"), 1);
