@@ -193,18 +193,6 @@ TEST(MakeModelTest, RouterSkewFollowsRealLoads) {
   load_and_forward(options.output);
 }
 
-struct CliRun {
-  int exit_code = -1;
-  std::string err;
-};
-
-CliRun run_cli(const TempDir& dir, const std::string& args) {
-  const std::string cmd = std::string(FULCRUM_CLI_PATH) + " make-model " + args + " >" + dir.file("out.txt") +
-                          " 2>" + dir.file("err.txt");
-  const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir.file("err.txt"))};
-}
-
 void expect_one_line_error(const CliRun& run, const std::string& needle) {
   EXPECT_NE(run.exit_code, 0);
   ASSERT_FALSE(run.err.empty());
@@ -215,20 +203,20 @@ void expect_one_line_error(const CliRun& run, const std::string& needle) {
 TEST(MakeModelTest, CliErrorsAreOneLine) {
   TempDir tmp("make_model_cli");
   const std::string out = " --output " + tmp.file("m");
-  expect_one_line_error(run_cli(tmp, "--preset huge" + out), "unknown preset 'huge'");
-  expect_one_line_error(run_cli(tmp, "--preset tiny --layers 0" + out), "--layers");
-  expect_one_line_error(run_cli(tmp, "--preset tiny --layers -3" + out), "--layers");
-  expect_one_line_error(run_cli(tmp, "--preset tiny --layers two" + out), "--layers");
-  expect_one_line_error(run_cli(tmp, "--preset tiny --dtype fp8" + out), "dtype");
-  expect_one_line_error(run_cli(tmp, "--preset qwen3-30b-a3b" + out), "--layers");
+  expect_one_line_error(run_cli(tmp, "make-model --preset huge" + out), "unknown preset 'huge'");
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers 0" + out), "--layers");
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers -3" + out), "--layers");
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers two" + out), "--layers");
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --dtype fp8" + out), "dtype");
+  expect_one_line_error(run_cli(tmp, "make-model --preset qwen3-30b-a3b" + out), "--layers");
   const std::string loads = shared_path("data/loads/qwen3-30b-a3b_prefill_gsm8k_en.csv");
-  expect_one_line_error(run_cli(tmp, "--preset tiny --experts 64 --router-skew " + loads + out),
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --experts 64 --router-skew " + loads + out),
                         "128 experts, the model 64");
   EXPECT_FALSE(fs::exists(tmp.file("m")));
   // And a good run exits 0.
-  EXPECT_EQ(run_cli(tmp, "--preset tiny --layers 1 --experts 16" + out).exit_code, 0);
+  EXPECT_EQ(run_cli(tmp, "make-model --preset tiny --layers 1 --experts 16" + out).exit_code, 0);
   EXPECT_TRUE(fs::exists(tmp.file("m") + "/model.safetensors"));
-  expect_one_line_error(run_cli(tmp, "--preset tiny --layers 1" + out), "not an empty folder");
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers 1" + out), "not an empty folder");
 }
 
 }  // namespace
