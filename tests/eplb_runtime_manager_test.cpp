@@ -43,6 +43,13 @@ TEST(EplbRuntimeManager, RebalanceIsDueEveryNPasses) {
   EXPECT_EQ(manager.options().planner_name, default_planner_name());
 }
 
+TEST(EplbRuntimeManager, SingleRankEplbIsReportedLoudly) {
+  std::vector<std::string> lines;
+  EplbManager manager(eplb::trivial_placement({8, 1, 1}, 1, 8), quiet_options(&lines));
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("single EP rank"), std::string::npos);
+}
+
 TEST(EplbRuntimeManager, BadOptionsAreReportedLoudly) {
   const eplb::Placement placement = eplb::trivial_placement({8, 2, 1}, 2, 8);
   ManagerOptions options = quiet_options();
@@ -104,7 +111,9 @@ TEST(EplbRuntimeManager, SkipsWhenTheCurrentPlacementIsBalancedEnough) {
   ASSERT_EQ(lines.size(), 1u);
   EXPECT_NE(lines[0].find("skipped"), std::string::npos);
   // No recorded load at all: every layer is trivially balanced, also a skip.
-  EXPECT_TRUE(manager.rebalance(eplb::LoadMatrix(2, 8)).skipped);
+  const RebalanceReport empty = manager.rebalance(eplb::LoadMatrix(2, 8));
+  EXPECT_TRUE(empty.skipped);
+  EXPECT_NE(empty.message.find("no load recorded"), std::string::npos);
   // Everything on GPU 0's experts: below the threshold, replanned.
   eplb::LoadMatrix skewed(2, 8);
   for (int l = 0; l < 2; ++l) {

@@ -31,6 +31,10 @@ EplbManager::EplbManager(eplb::Placement initial, ManagerOptions options)
   if (options_.planner_name.empty()) options_.planner_name = default_planner_name();
   planner_ = eplb::make_planner(options_.planner_name);
   if (!options_.log) options_.log = [](const std::string& line) { std::fprintf(stderr, "[eplb] %s\n", line.c_str()); };
+  if (placement_.topology.num_gpus == 1) {
+    options_.log("warning: EPLB on a single EP rank does nothing (one GPU is always balanced); every rebalance "
+                 "will be skipped");
+  }
 }
 
 bool EplbManager::on_forward_pass() {
@@ -92,7 +96,11 @@ RebalanceReport EplbManager::rebalance(const eplb::LoadMatrix& window_loads) {
 
   const std::string layers = fmt::format("MoE layers {}..{} ({} layers)", report.chunk_layers.front(),
                                          report.chunk_layers.back(), report.chunk_layers.size());
-  if (report.skipped) {
+  const bool no_load = std::all_of(window_loads.values.begin(), window_loads.values.end(), [](double v) { return v == 0.0; });
+  if (no_load) {
+    report.message = fmt::format("rebalance {} at pass {}: skipped, no load recorded in the window (is the recorder on?)",
+                                 report.rebalance_idx, report.pass_idx);
+  } else if (report.skipped) {
     report.message = fmt::format(
         "rebalance {} at pass {}: skipped, {}: balancedness {:.4f}, no layer below {:.3f} improved by the {} planner",
         report.rebalance_idx, report.pass_idx, layers, report.balancedness_before, options_.skip_balancedness,
