@@ -8,12 +8,14 @@ void register_plan_command(CLI::App& app);
 void register_simulate_command(CLI::App& app);
 void register_demo_command(CLI::App& app);
 void register_generate_command(CLI::App& app);
+void register_tokenize_command(CLI::App& app);
 
 inline void register_commands(CLI::App& app) {
   register_demo_command(app);
   register_plan_command(app);
   register_simulate_command(app);
   register_generate_command(app);
+  register_tokenize_command(app);
 }
 
 }  // namespace fulcrum::cli
