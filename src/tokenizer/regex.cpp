@@ -46,7 +46,7 @@ Regex::Regex(const std::string& pattern, bool literal) : impl_(std::make_unique<
   const std::string source = literal ? pattern : with_white_space_property(pattern);
   int error = 0;
   PCRE2_SIZE offset = 0;
-  const uint32_t options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  const uint32_t options = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);  // LITERAL refuses UCP
   impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(), options, &error, &offset,
                               nullptr);
   FULCRUM_CHECK(impl_->code != nullptr, "bad regex '{}': {} at offset {}", pattern, pcre2_message(error), offset);
