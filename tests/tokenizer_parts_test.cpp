@@ -109,7 +109,8 @@ TEST(TokenizerAdded, SingleWordNeedsWordBoundaries) {
   const Tokenizer tok = with_added({{{"content", "zq"}, {"single_word", true}}});
   EXPECT_EQ(tok.encode("zq"), std::vector<int32_t>{2000});
   EXPECT_EQ(tok.encode("a zq."), (std::vector<int32_t>{67, 223, 2000, 16}));
-  for (const char* glued : {"azq", "zq1", "_zq"}) {
+  EXPECT_EQ(tok.encode("\xC2\xB2zq"), (std::vector<int32_t>{tok.encode("\xC2\xB2")[0], tok.encode("\xC2\xB2")[1], 2000}));
+  for (const char* glued : {"azq", "zq1", "_zq", "zq\xCC\x81"}) {
     const auto ids = tok.encode(glued);
     EXPECT_EQ(std::count(ids.begin(), ids.end(), 2000), 0) << glued;
     EXPECT_EQ(tok.decode(ids), glued);
@@ -121,10 +122,15 @@ TEST(TokenizerAdded, NormalizedTokensMatchAfterNfc) {
   const Tokenizer normalized = with_added({{{"content", composed}, {"normalized", true}}});
   EXPECT_EQ(normalized.encode(decomposed), std::vector<int32_t>{2000});
   EXPECT_EQ(normalized.encode(composed), std::vector<int32_t>{2000});
-  // A raw-text token written decomposed never meets decomposed text: matching happens before NFC.
+  // A normalized token written decomposed is normalized too, so it matches both spellings.
+  const Tokenizer written_decomposed = with_added({{{"content", decomposed}, {"normalized", true}}});
+  EXPECT_EQ(written_decomposed.encode(composed), std::vector<int32_t>{2000});
+  EXPECT_EQ(written_decomposed.encode(decomposed), std::vector<int32_t>{2000});
+  // A raw-text token is matched before NFC, as written.
   const Tokenizer raw = with_added({{{"content", decomposed}, {"normalized", false}}});
   EXPECT_EQ(raw.encode(decomposed), std::vector<int32_t>{2000});
   EXPECT_NE(raw.encode(composed), std::vector<int32_t>{2000});
+  EXPECT_EQ(raw.decode(raw.encode("a" + decomposed)), "a" + decomposed);
 }
 
 TEST(TokenizerAdded, LongestMatchWins) {

@@ -24,15 +24,16 @@ char32_t char_at(std::string_view s, size_t i) { return next_code_point(s, i); }
 
 }  // namespace
 
-void AddedVocabulary::add(AddedToken token) {
-  FULCRUM_CHECK(!token.content.empty(), "added token {} has empty content", token.id);
-  auto& bucket = by_first_byte_[static_cast<unsigned char>(token.content[0])];
+void AddedVocabulary::add(AddedToken token, std::string pattern) {
+  FULCRUM_CHECK(!pattern.empty(), "added token {} has empty content", token.id);
+  auto& bucket = by_first_byte_[static_cast<unsigned char>(pattern[0])];
   FULCRUM_CHECK(!by_id_.contains(token.id), "added token id {} appears twice", token.id);
   by_id_[token.id] = tokens_.size();
   tokens_.push_back(std::move(token));
+  patterns_.push_back(std::move(pattern));
   bucket.push_back(tokens_.size() - 1);
   std::stable_sort(bucket.begin(), bucket.end(),
-                   [&](size_t a, size_t b) { return tokens_[a].content.size() > tokens_[b].content.size(); });
+                   [&](size_t a, size_t b) { return patterns_[a].size() > patterns_[b].size(); });
 }
 
 const AddedToken* AddedVocabulary::find_id(int32_t id) const {
@@ -53,10 +54,11 @@ std::vector<TextSegment> AddedVocabulary::split(std::string_view text, bool norm
   size_t i = 0;
   while (i < text.size()) {
     const AddedToken* match = nullptr;
+    size_t length = 0;
     for (const size_t index : by_first_byte_[static_cast<unsigned char>(text[i])]) {
-      const AddedToken& t = tokens_[index];
-      if (t.normalized == normalized && text.substr(i).starts_with(t.content)) {
-        match = &t;
+      if (tokens_[index].normalized == normalized && text.substr(i).starts_with(patterns_[index])) {
+        match = &tokens_[index];
+        length = patterns_[index].size();
         break;
       }
     }
@@ -64,7 +66,7 @@ std::vector<TextSegment> AddedVocabulary::split(std::string_view text, bool norm
       ++i;
       continue;
     }
-    size_t start = i, end = i + match->content.size();
+    size_t start = i, end = i + length;
     if (match->single_word && ((start > 0 && is_word_char(char_before(text, start))) ||
                                (end < text.size() && is_word_char(char_at(text, end))))) {
       i = end;  // a rejected match is not searched again for shorter tokens inside it

@@ -28,7 +28,9 @@ struct TextSegment {
 
 class AddedVocabulary {
  public:
-  void add(AddedToken token);
+  // `pattern`: the text to look for: the content itself, or for a normalized token the content after
+  // the tokenizer's normalizer (so a token written decomposed still matches NFC text).
+  void add(AddedToken token, std::string pattern);
   const AddedToken* find_id(int32_t id) const;
   const AddedToken* find_content(std::string_view content) const;
   const std::vector<AddedToken>& tokens() const { return tokens_; }
@@ -39,6 +41,7 @@ class AddedVocabulary {
 
  private:
   std::vector<AddedToken> tokens_;
+  std::vector<std::string> patterns_;  // parallel to tokens_
   std::unordered_map<int32_t, size_t> by_id_;
   std::array<std::vector<size_t>, 256> by_first_byte_;  // token indices, longest content first
 };

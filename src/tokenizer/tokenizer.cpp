@@ -60,7 +60,8 @@ Tokenizer Tokenizer::from_json(const nlohmann::json& spec, const std::string& so
       FULCRUM_CHECK(a.id >= 0, "{}: added token '{}' has a negative id", source, a.content);
       FULCRUM_CHECK(is_valid_utf8(a.content), "{}: added token {} is not valid UTF-8", source, a.id);
       t.id_bound_ = std::max(t.id_bound_, a.id + 1);
-      t.added_.add(std::move(a));
+      std::string pattern = a.normalized ? t.normalizer_.apply(a.content) : a.content;
+      t.added_.add(std::move(a), std::move(pattern));
     }
   } catch (const nlohmann::json::exception& e) {
     FULCRUM_CHECK(false, "{}: malformed tokenizer ({})", source, e.what());

@@ -23,7 +23,7 @@ enum class NormalForm { kNFC, kNFD, kNFKC, kNFKD };
 // Normalizes valid UTF-8 text (utf8proc does the Unicode tables). Throws fulcrum::Error on invalid input.
 std::string normalize(std::string_view text, NormalForm form);
 
-// Unicode White_Space (what HF's regex engine calls \s) and the "word" characters of single_word added tokens.
+// Unicode White_Space (\s in HF's regex engines) and word characters (\w, what single_word added tokens test).
 bool is_unicode_space(char32_t cp);
 bool is_word_char(char32_t cp);
 
