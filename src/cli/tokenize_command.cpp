@@ -1,5 +1,4 @@
 // `fulcrum tokenize`: encode text to token ids, or decode ids to text, with a model's tokenizer.json.
-#include <cstdio>
 #include <memory>
 #include <sstream>
 
