@@ -9,6 +9,7 @@ void register_simulate_command(CLI::App& app);
 void register_demo_command(CLI::App& app);
 void register_generate_command(CLI::App& app);
 void register_make_model_command(CLI::App& app);
+void register_tokenize_command(CLI::App& app);
 
 inline void register_commands(CLI::App& app) {
   register_demo_command(app);
@@ -16,6 +17,7 @@ inline void register_commands(CLI::App& app) {
   register_simulate_command(app);
   register_generate_command(app);
   register_make_model_command(app);
+  register_tokenize_command(app);
 }
 
 }  // namespace fulcrum::cli
