@@ -156,23 +156,6 @@ TEST(TokenizerSpeed, EncodesLongText) {
   report_speed(tok, "random words", random_words);
 }
 
-struct CliRun {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-CliRun run_cli(const TempDir& dir, const std::string& args) {
-  const std::string cmd =
-      std::string(FULCRUM_CLI_PATH) + " " + args + " >" + dir.file("out.txt") + " 2>" + dir.file("err.txt");
-  const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir.file("out.txt")), slurp(dir.file("err.txt"))};
-}
-
 TEST(TokenizerCli, EncodesAndDecodes) {
   TempDir dir("tokenize");
   const std::string model = " --model " + golden_qwen_dir();
