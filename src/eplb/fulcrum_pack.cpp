@@ -163,6 +163,7 @@ void repair_duplicates(Layout& layout, int g0, int g1) {
 
 void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
   MoveFinder finder(layout, g0, g1, nullptr);
+  finder.build_index();
   const int max_steps = 8 * layout.num_slots + 64;
   for (int step = 0; step < max_steps; ++step) {
     const int h = layout.heaviest(g0, g1);

@@ -5,8 +5,90 @@
 #include <vector>
 
 namespace fulcrum::eplb::fulcrum_detail {
+namespace {
+
+// Index of the slots of the searched range by replica weight, ascending: weight[i] is the weight of
+// slot[i]; pos[s] is where slot s sits. A swap exchanges two slots' weights, so it only exchanges
+// their entries; reassigns rebuild it.
+struct WeightIndex {
+  std::vector<double> weight;
+  std::vector<int> slot, pos;
+};
+thread_local WeightIndex index_buf;
+
+}  // namespace
+
+void MoveFinder::build_index() {
+  if (origin_ != nullptr) return;
+  const Layout& L = layout_;
+  const int per_gpu = L.slots_per_gpu;
+  WeightIndex& ix = index_buf;
+  const int s0 = g0_ * per_gpu, s1 = g1_ * per_gpu;
+  ix.slot.resize(s1 - s0);
+  for (int s = s0; s < s1; ++s) ix.slot[s - s0] = s;
+  std::sort(ix.slot.begin(), ix.slot.end(), [&](int x, int y) {
+    return L.slot_w[x] < L.slot_w[y] || (L.slot_w[x] == L.slot_w[y] && x < y);
+  });
+  ix.weight.resize(ix.slot.size());
+  ix.pos.resize(L.num_slots);
+  for (size_t i = 0; i < ix.slot.size(); ++i) {
+    ix.weight[i] = L.slot_w[ix.slot[i]];
+    ix.pos[ix.slot[i]] = static_cast<int>(i);
+  }
+  indexed_ = true;
+}
+
+void MoveFinder::swap(int s1, int s2) {
+  layout_.swap_slots(s1, s2);
+  if (!indexed_) return;
+  WeightIndex& ix = index_buf;
+  std::swap(ix.pos[s1], ix.pos[s2]);
+  ix.slot[ix.pos[s1]] = s1;
+  ix.slot[ix.pos[s2]] = s2;
+}
+
+// Same moves and gains as the partner scan below, found through the weight index: for a replica a of
+// h (weight wa, rest of h R = L_h - wa) and b on GPU o, gain = min(wa - wb, R - (L_o - wb)), so only
+// wb in (L_min - R + best, wa - best) can beat `best`, where L_min is the lightest other GPU's load.
+Move MoveFinder::best_swap_indexed(int h) const {
+  const Layout& L = layout_;
+  const WeightIndex& ix = index_buf;
+  const int per_gpu = L.slots_per_gpu;
+  const double load_h = L.gpu_load[h];
+  const double eps = 1e-12 * load_h;
+  double min_other = std::numeric_limits<double>::infinity();
+  for (int o = g0_; o < g1_; ++o) {
+    if (o != h) min_other = std::min(min_other, L.gpu_load[o]);
+  }
+  Move best;
+  const double* w = ix.weight.data();
+  const int n = static_cast<int>(ix.weight.size());
+  for (int sa = h * per_gpu; sa < (h + 1) * per_gpu; ++sa) {
+    const double wa = L.slot_w[sa];
+    if (wa <= eps) continue;
+    const int ea = L.expert[sa];
+    const double rest = load_h - wa;
+    double floor = std::max(best.score, eps);
+    const double lo_w = min_other - rest + floor;
+    int i = static_cast<int>(std::upper_bound(w, w + n, lo_w) - w);
+    for (; i < n && w[i] < wa - floor; ++i) {
+      const int sb = ix.slot[i];
+      const int o = L.gpu_of(sb);
+      if (o == h) continue;
+      const double d = wa - w[i];
+      const double gain = std::min(d, rest - L.gpu_load[o] + w[i]);
+      if (gain <= floor) continue;
+      const int eb = L.expert[sb];
+      if (ea == eb || (!L.allow_dup && (L.on(ea, o) != 0 || L.on(eb, h) != 0))) continue;
+      best = {Move::kSwap, sa, sb, gain};
+      floor = gain;
+    }
+  }
+  return best;
+}
 
 Move MoveFinder::best_swap(int h, Move best) const {
+  if (indexed_ && !best.valid()) return best_swap_indexed(h);
   const Layout& L = layout_;
   const int per_gpu = L.slots_per_gpu;
   const double load_h = L.gpu_load[h];
