@@ -133,13 +133,21 @@ Move MoveFinder::best_pair_swap(int h) const {
   if (per_gpu < 2) return best;
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
+  // h's pairs by weight sum, ascending: for a pair of o with sum s, only pairs of h with sum in
+  // (s + best, s + gap - best) can beat the best gain, since gain = min(d, gap - d) with d their difference.
   thread_local std::vector<std::pair<double, int>> pairs_h;  // (sum, i * per_gpu + j)
+  thread_local std::vector<double> sums_h;
   pairs_h.clear();
   for (int i = 0; i < per_gpu; ++i) {
     for (int j = i + 1; j < per_gpu; ++j) {
       pairs_h.emplace_back(L.slot_w[h * per_gpu + i] + L.slot_w[h * per_gpu + j], i * per_gpu + j);
     }
   }
+  std::sort(pairs_h.begin(), pairs_h.end());
+  sums_h.resize(pairs_h.size());
+  for (size_t k = 0; k < pairs_h.size(); ++k) sums_h[k] = pairs_h[k].first;
+  const double* sums = sums_h.data();
+  const int num_pairs = static_cast<int>(sums_h.size());
   thread_local std::vector<int> partners;
   partners.clear();
   for (int o = g0_; o < g1_; ++o) {
@@ -156,14 +164,19 @@ Move MoveFinder::best_pair_swap(int h) const {
       for (int j = i + 1; j < per_gpu; ++j) {
         const int sj = o * per_gpu + j;
         const double sum_o = L.slot_w[si] + L.slot_w[sj];
-        for (const auto& [sum_h, code] : pairs_h) {
-          const double d = sum_h - sum_o;
+        double floor = std::max(best.score, eps);
+        if (gap - floor <= floor) break;
+        int k = static_cast<int>(std::upper_bound(sums, sums + num_pairs, sum_o + floor) - sums);
+        for (; k < num_pairs && sums[k] < sum_o + gap - floor; ++k) {
+          const double d = sums[k] - sum_o;
           const double gain = std::min(d, gap - d);
-          if (gain <= eps || gain <= best.score) continue;
+          if (gain <= floor) continue;
+          const int code = pairs_h[k].second;
           const int sa = h * per_gpu + code / per_gpu, sc = h * per_gpu + code % per_gpu;
           const int ea = L.expert[sa], ec = L.expert[sc], eb = L.expert[si], ed = L.expert[sj];
           if (!L.allow_dup && (L.on(ea, o) != 0 || L.on(ec, o) != 0 || L.on(eb, h) != 0 || L.on(ed, h) != 0)) continue;
           best = {Move::kSwapPairs, sa, si, gain, sc, sj};
+          floor = gain;
         }
       }
     }
