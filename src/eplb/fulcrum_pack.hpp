@@ -1,6 +1,7 @@
 #pragma once
 // Building blocks of the fulcrum planner: replica counts, packing replicas onto GPUs, local search.
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -23,8 +24,11 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 // Both packers put `items` (one expert id per replica, each weighing load[e] / counts[e]) into the
 // slots of GPUs [g0, g1), exactly slots_per_gpu per GPU, avoiding two replicas of an expert on one GPU
 // where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).
-// greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT).
-void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+// greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT). GPU loads
+// only grow, so it stops early and returns false once a GPU reaches `abort_at` before any duplicate had
+// to be placed (the packing could then only end with a max load >= abort_at); otherwise true.
+bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
+                 double abort_at = std::numeric_limits<double>::infinity());
 // differencing_pack: balanced largest differencing (fulcrum_kk.cpp); a nonzero seed perturbs the weights
 // its decisions see (restarts on hard layers).
 void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,

@@ -73,9 +73,14 @@ double count_bound(const Layout& layout, std::span<const int> counts) {
 // if LPT alone is already better, it gets the local search too and replaces the first result. So
 // the plan is never less balanced than LPT with the same counts.
 void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts, uint32_t seed = 0) {
+  // Items heaviest first (ties by expert id), the order both packers work in, so they need not sort.
+  thread_local std::vector<std::pair<double, int>> experts;
   thread_local std::vector<int> items;
+  experts.clear();
+  for (int e = 0; e < layout.num_experts; ++e) experts.emplace_back(-layout.load[e] / counts[e], e);
+  std::sort(experts.begin(), experts.end());
   items.clear();
-  for (int e = 0; e < layout.num_experts; ++e) items.insert(items.end(), counts[e], e);
+  for (const auto& [w, e] : experts) items.insert(items.end(), counts[e], e);
   const double exact = count_bound(layout, counts) * (1.0 + 1e-12);
   const double bound = count_bound(layout, counts) * (1.0 + kSearchTolerance);
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed);
@@ -84,7 +89,7 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound, true);
   if (layout.max_load() <= exact || seed != 0) return;
   spare.reset(layout.load, layout.num_slots, layout.num_gpus);
-  fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus);
+  if (!fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus, layout.max_load())) return;
   spare.rebuild();
   fulcrum_detail::repair_duplicates(spare, 0, spare.num_gpus);
   if (spare.max_load() >= layout.max_load()) return;
