@@ -86,9 +86,8 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
                  double abort_at) {
   const int per_gpu = layout.slots_per_gpu;
-  const int num_gpus = layout.num_gpus;
   thread_local std::vector<std::pair<double, int>> order;
-  thread_local std::vector<int> fill;
+  thread_local std::vector<int> fill, room, holders;
   order.clear();
   for (int e : items) order.emplace_back(layout.load[e] / counts[e], e);
   // Heaviest first; replicas of one expert stay together (ties by expert id).
@@ -96,48 +95,49 @@ bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int
     return x.first > y.first || (x.first == y.first && x.second < y.second);
   };
   if (!std::is_sorted(order.begin(), order.end(), heavier)) std::sort(order.begin(), order.end(), heavier);
-  fill.assign(num_gpus, 0);
-  if (g0 == 0 && g1 == num_gpus) {
-    std::fill(layout.hosted.begin(), layout.hosted.end(), uint16_t{0});
-  } else {
-    for (int e = 0; e < layout.num_experts; ++e) {
-      std::fill_n(layout.hosted.begin() + static_cast<size_t>(e) * num_gpus + g0, g1 - g0, uint16_t{0});
-    }
-  }
+  fill.assign(layout.num_gpus, 0);
   for (int g = g0; g < g1; ++g) layout.gpu_load[g] = 0.0;
   // GPUs with room, lightest first (lowest index on ties); a placement only raises one GPU's load, so
   // that GPU moves back to its place (or leaves once full).
-  thread_local std::vector<int> room;
   room.clear();
   for (int g = g0; g < g1; ++g) room.push_back(g);
   auto before = [&](int x, int y) {
     return layout.gpu_load[x] < layout.gpu_load[y] || (layout.gpu_load[x] == layout.gpu_load[y] && x < y);
   };
+  // Replicas of an expert are consecutive in `order`, so the GPUs holding the current expert so far
+  // (`holders`) are the only ones a replica could duplicate on.
+  auto holds = [&](int g) { return std::find(holders.begin(), holders.end(), g) != holders.end(); };
+  holders.clear();
+  int current = -1;
   bool forced = false;
   for (const auto& [w, e] : order) {
+    if (e != current) {
+      holders.clear();
+      current = e;
+    }
     // The lightest GPU with room that lacks e; if all with room hold it, the lightest with room.
-    const uint16_t* row = layout.hosted.data() + static_cast<size_t>(e) * num_gpus;
     const int n = static_cast<int>(room.size());
     int k = 0;
     if (!layout.allow_dup) {
-      while (k < n && row[room[k]] != 0) ++k;
+      while (k < n && holds(room[k])) ++k;
       if (k == n) {  // every GPU with room holds e already (repair_duplicates fixes it afterwards)
         k = 0;
         forced = true;
       }
     }
     const int best = room[k];
+    holders.push_back(best);
     const int slot = best * per_gpu + fill[best]++;
     layout.expert[slot] = e;
     layout.slot_w[slot] = w;
     layout.gpu_load[best] += w;
-    ++layout.hosted[static_cast<size_t>(e) * num_gpus + best];
     if (!forced && layout.gpu_load[best] >= abort_at) return false;
     if (fill[best] == per_gpu) {
       room.erase(room.begin() + k);
     } else {
-      for (; k + 1 < n && before(room[k + 1], best); ++k) room[k] = room[k + 1];
-      room[k] = best;
+      const int at = static_cast<int>(std::upper_bound(room.begin() + k + 1, room.end(), best, before) - room.begin());
+      std::copy(room.begin() + k + 1, room.begin() + at, room.begin() + k);
+      room[at - 1] = best;
     }
   }
   return true;

@@ -23,7 +23,9 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 
 // Both packers put `items` (one expert id per replica, each weighing load[e] / counts[e]) into the
 // slots of GPUs [g0, g1), exactly slots_per_gpu per GPU, avoiding two replicas of an expert on one GPU
-// where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).
+// where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after;
+// `hosted` and `count` are left as they were). greedy_pack needs the items heaviest first or sorts
+// them so (replicas of an expert next to each other).
 // greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT). GPU loads
 // only grow, so it stops early and returns false once a GPU reaches `abort_at` before any duplicate had
 // to be placed (the packing could then only end with a max load >= abort_at); otherwise true.

@@ -81,8 +81,9 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   std::sort(experts.begin(), experts.end());
   items.clear();
   for (const auto& [w, e] : experts) items.insert(items.end(), counts[e], e);
-  const double exact = count_bound(layout, counts) * (1.0 + 1e-12);
-  const double bound = count_bound(layout, counts) * (1.0 + kSearchTolerance);
+  const double lower = count_bound(layout, counts);
+  const double exact = lower * (1.0 + 1e-12);
+  const double bound = lower * (1.0 + kSearchTolerance);
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed);
   layout.rebuild();
   fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
