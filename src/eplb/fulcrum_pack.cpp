@@ -19,16 +19,37 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   for (int e = 0; e < num_experts; ++e) {
     if (cap > 1) heap.emplace_back(load[e], e);
   }
+  // Only the `extra` experts ranked highest by load (lower index on ties) can get a replica: when one
+  // is picked, every expert ranked above it still at its first key would outrank it, so all of those
+  // were picked before it.
+  const int extra = slots - num_experts;
+  if (extra < static_cast<int>(heap.size())) {
+    std::nth_element(heap.begin(), heap.begin() + std::max(extra, 0), heap.end(),
+                     [&](const auto& a, const auto& b) { return less(b, a); });
+    heap.resize(std::max(extra, 0));
+  }
   std::make_heap(heap.begin(), heap.end(), less);
-  for (int extra = num_experts; extra < slots && !heap.empty(); ++extra) {
-    std::pop_heap(heap.begin(), heap.end(), less);
-    const int e = heap.back().second;
-    heap.pop_back();
+  // The top expert takes a replica; its key shrinks in place and sinks (one sift instead of pop + push).
+  for (int added = num_experts; added < slots && !heap.empty(); ++added) {
+    const int e = heap.front().second;
     ++counts[e];
-    if (counts[e] < cap) {
-      heap.emplace_back(load[e] / counts[e], e);
-      std::push_heap(heap.begin(), heap.end(), less);
+    if (counts[e] >= cap) {
+      std::pop_heap(heap.begin(), heap.end(), less);
+      heap.pop_back();
+      continue;
     }
+    const std::pair<double, int> key(load[e] / counts[e], e);
+    const size_t n = heap.size();
+    size_t i = 0;
+    for (;;) {
+      size_t child = 2 * i + 1;
+      if (child >= n) break;
+      if (child + 1 < n && less(heap[child], heap[child + 1])) ++child;
+      if (!less(key, heap[child])) break;
+      heap[i] = heap[child];
+      i = child;
+    }
+    heap[i] = key;
   }
 }
 

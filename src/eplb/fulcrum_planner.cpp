@@ -79,8 +79,11 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   experts.clear();
   for (int e = 0; e < layout.num_experts; ++e) experts.emplace_back(-layout.load[e] / counts[e], e);
   std::sort(experts.begin(), experts.end());
-  items.clear();
-  for (const auto& [w, e] : experts) items.insert(items.end(), counts[e], e);
+  items.resize(layout.num_slots);
+  int next_item = 0;
+  for (const auto& [w, e] : experts) {
+    for (int r = 0; r < counts[e]; ++r) items[next_item++] = e;
+  }
   const double lower = count_bound(layout, counts);
   const double exact = lower * (1.0 + 1e-12);
   const double bound = lower * (1.0 + kSearchTolerance);

@@ -13,6 +13,7 @@ namespace {
 struct WeightIndex {
   std::vector<double> weight;
   std::vector<int> slot, pos;
+  std::vector<int> gpu;  // GPU of each slot (no division in the scan)
 };
 thread_local WeightIndex index_buf;
 
@@ -24,16 +25,33 @@ void MoveFinder::build_index() {
   const int per_gpu = L.slots_per_gpu;
   WeightIndex& ix = index_buf;
   const int s0 = g0_ * per_gpu, s1 = g1_ * per_gpu;
+  // Every replica of an expert weighs the same: sort the experts (fewer than the slots), then list
+  // each expert's slots in place (slots chained per expert, highest first, so the walk is ascending).
+  thread_local std::vector<std::pair<double, int>> experts;
+  thread_local std::vector<int> head, next;
+  head.assign(L.num_experts, -1);
+  next.resize(L.num_slots);
+  for (int s = s1 - 1; s >= s0; --s) {
+    next[s] = head[L.expert[s]];
+    head[L.expert[s]] = s;
+  }
+  experts.clear();
+  for (int e = 0; e < L.num_experts; ++e) {
+    if (head[e] >= 0) experts.emplace_back(L.replica_w(e), e);
+  }
+  std::sort(experts.begin(), experts.end());
   ix.slot.resize(s1 - s0);
-  for (int s = s0; s < s1; ++s) ix.slot[s - s0] = s;
-  std::sort(ix.slot.begin(), ix.slot.end(), [&](int x, int y) {
-    return L.slot_w[x] < L.slot_w[y] || (L.slot_w[x] == L.slot_w[y] && x < y);
-  });
-  ix.weight.resize(ix.slot.size());
+  ix.weight.resize(s1 - s0);
   ix.pos.resize(L.num_slots);
-  for (size_t i = 0; i < ix.slot.size(); ++i) {
-    ix.weight[i] = L.slot_w[ix.slot[i]];
-    ix.pos[ix.slot[i]] = static_cast<int>(i);
+  ix.gpu.resize(L.num_slots);
+  for (int s = 0; s < L.num_slots; ++s) ix.gpu[s] = L.gpu_of(s);
+  int i = 0;
+  for (const auto& [w, e] : experts) {
+    for (int s = head[e]; s >= 0; s = next[s], ++i) {
+      ix.slot[i] = s;
+      ix.weight[i] = L.slot_w[s];
+      ix.pos[s] = i;
+    }
   }
   indexed_ = true;
 }
@@ -73,7 +91,7 @@ Move MoveFinder::best_swap_indexed(int h) const {
     int i = static_cast<int>(std::upper_bound(w, w + n, lo_w) - w);
     for (; i < n && w[i] < wa - floor; ++i) {
       const int sb = ix.slot[i];
-      const int o = L.gpu_of(sb);
+      const int o = ix.gpu[sb];
       if (o == h) continue;
       const double d = wa - w[i];
       const double gain = std::min(d, rest - L.gpu_load[o] + w[i]);
