@@ -185,9 +185,10 @@ void repair_duplicates(Layout& layout, int g0, int g1) {
   }
 }
 
-void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign,
+                  std::span<const int> heaviest_first) {
   MoveFinder finder(layout, g0, g1, nullptr);
-  finder.build_index();
+  finder.build_index(heaviest_first);
   const int max_steps = 8 * layout.num_slots + 64;
   for (int step = 0; step < max_steps; ++step) {
     const int h = layout.heaviest(g0, g1);

@@ -46,7 +46,9 @@ void repair_duplicates(Layout& layout, int g0, int g1);
 // set, one slot moved from an expert with spare replicas to another expert (changing counts) when that
 // lowers h without raising any GPU to h's load. The no-duplicate rule holds throughout. Stops when h
 // is at or below `stop_max`, when nothing helps, or after a safety cap of steps.
-// Requires layout.rebuild() state (counts, hosted) to be current.
-void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign);
+// Requires layout.rebuild() state (counts, hosted) to be current. `heaviest_first` may list every
+// expert by replica weight under the current counts, heaviest first (saves a sort).
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign,
+                  std::span<const int> heaviest_first = {});
 
 }  // namespace fulcrum::eplb::fulcrum_detail

@@ -84,13 +84,15 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   const double tolerance = search_tolerance(layout.num_gpus);
   // Items heaviest first (ties by expert id), the order both packers work in, so they need not sort.
   thread_local std::vector<std::pair<double, int>> experts;
-  thread_local std::vector<int> items;
+  thread_local std::vector<int> items, order;
   experts.clear();
   for (int e = 0; e < layout.num_experts; ++e) experts.emplace_back(-layout.load[e] / counts[e], e);
   std::sort(experts.begin(), experts.end());
   items.resize(layout.num_slots);
+  order.clear();
   int next_item = 0;
   for (const auto& [w, e] : experts) {
+    order.push_back(e);
     for (int r = 0; r < counts[e]; ++r) items[next_item++] = e;
   }
   const double lower = count_bound(layout, counts);
@@ -99,14 +101,14 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed);
   layout.rebuild();
   fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
-  fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound, true);
+  fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound, true, order);
   if (layout.max_load() <= exact || seed != 0) return;
   spare.reset(layout.load, layout.num_slots, layout.num_gpus);
   if (!fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus, layout.max_load())) return;
   spare.rebuild();
   fulcrum_detail::repair_duplicates(spare, 0, spare.num_gpus);
   if (spare.max_load() >= layout.max_load()) return;
-  fulcrum_detail::local_search(spare, 0, spare.num_gpus, bound, true);
+  fulcrum_detail::local_search(spare, 0, spare.num_gpus, bound, true, order);
   std::swap(layout.expert, spare.expert);
   layout.rebuild();
 }

@@ -19,7 +19,7 @@ thread_local WeightIndex index_buf;
 
 }  // namespace
 
-void MoveFinder::build_index() {
+void MoveFinder::build_index(std::span<const int> heaviest_first) {
   if (origin_ != nullptr) return;
   const Layout& L = layout_;
   const int per_gpu = L.slots_per_gpu;
@@ -36,10 +36,16 @@ void MoveFinder::build_index() {
     head[L.expert[s]] = s;
   }
   experts.clear();
-  for (int e = 0; e < L.num_experts; ++e) {
-    if (head[e] >= 0) experts.emplace_back(L.replica_w(e), e);
+  if (static_cast<int>(heaviest_first.size()) == L.num_experts) {
+    for (auto it = heaviest_first.rbegin(); it != heaviest_first.rend(); ++it) {
+      if (head[*it] >= 0) experts.emplace_back(0.0, *it);
+    }
+  } else {
+    for (int e = 0; e < L.num_experts; ++e) {
+      if (head[e] >= 0) experts.emplace_back(L.replica_w(e), e);
+    }
+    std::sort(experts.begin(), experts.end());
   }
-  std::sort(experts.begin(), experts.end());
   ix.slot.resize(s1 - s0);
   ix.weight.resize(s1 - s0);
   ix.pos.resize(L.num_slots);

@@ -8,6 +8,7 @@
 // With an `origin` map (migration-aware replanning) a move's score is gain per slot changed against
 // origin (a move that restores an original expert counts as half a move); without one, score = gain.
 #include <cstdint>
+#include <span>
 
 #include "eplb/fulcrum_layout.hpp"
 
@@ -30,7 +31,8 @@ class MoveFinder {
       : layout_(layout), g0_(g0), g1_(g1), origin_(origin) {}
   // Without an origin, best_swap can instead use an index of the range's slots sorted by replica weight
   // (thread-local buffers: at most one indexed finder per thread at a time). apply() keeps it current.
-  void build_index();
+  // `heaviest_first`, if given, lists every expert by replica weight, heaviest first (saves a sort).
+  void build_index(std::span<const int> heaviest_first = {});
 
   // Best swap of a replica on h with one on another GPU; returns `best` unless something scores higher.
   Move best_swap(int h, Move best = {}) const;
