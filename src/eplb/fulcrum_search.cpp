@@ -17,6 +17,19 @@ struct WeightIndex {
 };
 thread_local WeightIndex index_buf;
 
+// Number of elements <= x in the ascending a[0, n) (std::upper_bound's index), without data-dependent
+// branches: the searches here land at unpredictable places, so a branchy search mispredicts often.
+int count_at_most(const double* a, int n, double x) {
+  if (n <= 0) return 0;
+  const double* base = a;
+  while (n > 1) {
+    const int half = n / 2;
+    base += (base[half - 1] <= x) ? half : 0;
+    n -= half;
+  }
+  return static_cast<int>(base - a) + (*base <= x ? 1 : 0);
+}
+
 }  // namespace
 
 void MoveFinder::build_index(std::span<const int> heaviest_first) {
@@ -94,7 +107,7 @@ Move MoveFinder::best_swap_indexed(int h) const {
     const double rest = load_h - wa;
     double floor = std::max(best.score, eps);
     const double lo_w = min_other - rest + floor;
-    int i = static_cast<int>(std::upper_bound(w, w + n, lo_w) - w);
+    int i = count_at_most(w, n, lo_w);
     for (; i < n && w[i] < wa - floor; ++i) {
       const int sb = ix.slot[i];
       const int o = ix.gpu[sb];
@@ -190,7 +203,7 @@ Move MoveFinder::best_pair_swap(int h) const {
         const double sum_o = L.slot_w[si] + L.slot_w[sj];
         double floor = std::max(best.score, eps);
         if (gap - floor <= floor) break;
-        int k = static_cast<int>(std::upper_bound(sums, sums + num_pairs, sum_o + floor) - sums);
+        int k = count_at_most(sums, num_pairs, sum_o + floor);
         for (; k < num_pairs && sums[k] < sum_o + gap - floor; ++k) {
           const double d = sums[k] - sum_o;
           const double gain = std::min(d, gap - d);
