@@ -10,27 +10,82 @@ namespace fulcrum::eplb::fulcrum_detail {
 void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts) {
   const int num_experts = static_cast<int>(load.size());
   counts.assign(num_experts, 1);
-  // Max-heap of (load per replica, expert): larger load first, then lower index.
+  const int extra = slots - num_experts;
+  if (extra <= 0 || cap <= 1) return;
+  // Each further slot goes to the highest key (load / count, then lower index), so the slots handed
+  // out are the `extra` highest of the keys load[e] / j, j = 1 .. cap - 1. Phase 1 hands out at once
+  // every key above a threshold lambda (they outrank all others), with lambda chosen so that at most
+  // `extra` are; phase 2 hands out the rest one by one in key order.
+  const int64_t most = static_cast<int64_t>(cap) - 1;
+  auto above = [&](int e, double lambda, double inverse) -> int64_t {  // #{j in [1, most] : load[e] / j > lambda}
+    if (!(load[e] > lambda)) return 0;
+    int64_t j = static_cast<int64_t>(std::min(static_cast<double>(most), std::floor(load[e] * inverse)));
+    while (j > 0 && !(load[e] / static_cast<double>(j) > lambda)) --j;
+    while (j < most && load[e] / static_cast<double>(j + 1) > lambda) ++j;
+    return j;
+  };
+  double total = 0.0;
+  for (double x : load) total += x;
+  double best_lambda = -1.0;
+  int64_t best_given = 0;
+  if (total > 0.0) {
+    // Experts above lambda get about load / lambda - 1/2 keys above it: solve for lambda over them.
+    double lambda = total / (extra + 0.5 * num_experts);
+    for (int iter = 0; iter < 6; ++iter) {
+      const double inverse = 1.0 / lambda;
+      int64_t given = 0;
+      double heavy = 0.0;
+      int num_heavy = 0;
+      for (int e = 0; e < num_experts; ++e) {
+        const int64_t a = above(e, lambda, inverse);
+        given += a;
+        if (a > 0) {
+          heavy += load[e];
+          ++num_heavy;
+        }
+      }
+      if (given <= extra && given > best_given) {
+        best_given = given;
+        best_lambda = lambda;
+      }
+      if ((given <= extra && extra - given <= 8) || num_heavy == 0) break;
+      lambda *= (static_cast<double>(given) + 0.5 * num_heavy) / (extra + 0.5 * num_heavy);
+    }
+  }
+  if (best_lambda > 0.0) {
+    const double inverse = 1.0 / best_lambda;
+    for (int e = 0; e < num_experts; ++e) counts[e] += static_cast<int>(above(e, best_lambda, inverse));
+  }
+  int left = extra - static_cast<int>(best_given);
+  if (left <= 16) {
+    for (; left > 0; --left) {
+      int pick = -1;
+      double key = 0.0;
+      for (int e = 0; e < num_experts; ++e) {
+        if (counts[e] >= cap) continue;
+        const double k = load[e] / counts[e];
+        if (pick < 0 || k > key) {
+          pick = e;
+          key = k;
+        }
+      }
+      if (pick < 0) return;
+      ++counts[pick];
+    }
+    return;
+  }
+  // Many left: a max-heap of (load per replica, expert), larger load first, then lower index.
   thread_local std::vector<std::pair<double, int>> heap;
   heap.clear();
   auto less = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
     return a.first < b.first || (a.first == b.first && a.second > b.second);
   };
   for (int e = 0; e < num_experts; ++e) {
-    if (cap > 1) heap.emplace_back(load[e], e);
-  }
-  // Only the `extra` experts ranked highest by load (lower index on ties) can get a replica: when one
-  // is picked, every expert ranked above it still at its first key would outrank it, so all of those
-  // were picked before it.
-  const int extra = slots - num_experts;
-  if (extra < static_cast<int>(heap.size())) {
-    std::nth_element(heap.begin(), heap.begin() + std::max(extra, 0), heap.end(),
-                     [&](const auto& a, const auto& b) { return less(b, a); });
-    heap.resize(std::max(extra, 0));
+    if (counts[e] < cap) heap.emplace_back(load[e] / counts[e], e);
   }
   std::make_heap(heap.begin(), heap.end(), less);
   // The top expert takes a replica; its key shrinks in place and sinks (one sift instead of pop + push).
-  for (int added = num_experts; added < slots && !heap.empty(); ++added) {
+  for (; left > 0 && !heap.empty(); --left) {
     const int e = heap.front().second;
     ++counts[e];
     if (counts[e] >= cap) {
