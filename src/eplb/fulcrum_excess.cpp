@@ -32,6 +32,7 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
   over.resize(G);
   relieves_e.resize(E);
   int changed = slots_changed(L.expert, origin);
+  bool counts_changed = true;
   for (int step = 0; step < 4 * L.num_slots && changed <= max_moves; ++step) {
     if (L.max_load() <= stop) break;
     for (int g = 0; g < G; ++g) over[g] = L.gpu_load[g] > target;
@@ -60,11 +61,14 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
     std::sort(relieving.begin(), relieving.end(), [&](int x, int y) {
       return grow_gain[x] < grow_gain[y] || (grow_gain[x] == grow_gain[y] && x < y);
     });
-    by_grown.resize(E);
-    for (int e = 0; e < E; ++e) by_grown[e] = e;
-    std::sort(by_grown.begin(), by_grown.end(), [&](int x, int y) {
-      return grown[x] < grown[y] || (grown[x] == grown[y] && x < y);
-    });
+    if (counts_changed) {  // grown[] depends on the counts only: swaps keep the order
+      by_grown.resize(E);
+      for (int e = 0; e < E; ++e) by_grown[e] = e;
+      std::sort(by_grown.begin(), by_grown.end(), [&](int x, int y) {
+        return grown[x] < grown[y] || (grown[x] == grown[y] && x < y);
+      });
+      counts_changed = false;
+    }
     int kind = 0, first = -1, second = -1;  // 1 = reassign (slot, expert), 2 = swap (slot, slot)
     double best = 0.0;
     for (int s = 0; s < L.num_slots; ++s) {
@@ -116,8 +120,11 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
       const double wa = L.slot_w[s];
       if (2.0 * std::min(wa, exc_g) <= best) continue;
       for (int o = 0; o < G; ++o) {
-        if (o == g || (!L.allow_dup && L.on(ea, o) != 0)) continue;
+        // A GPU above T takes all of d as excess while g sheds at most d: no swap with it helps.
+        if (o == g || L.gpu_load[o] >= target || (!L.allow_dup && L.on(ea, o) != 0)) continue;
         const double load_o = L.gpu_load[o], exc_o = exc(load_o);
+        // Below T, o absorbs up to T - load_o: the excess falls by at most min(that, wa, g's excess).
+        if (2.0 * std::min(target - load_o, std::min(wa, exc_g)) <= best) continue;
         for (int t = o * per_gpu; t < (o + 1) * per_gpu; ++t) {
           const double d = wa - L.slot_w[t];
           if (d <= eps) continue;
@@ -138,6 +145,7 @@ int excess_descent(Layout& L, std::span<const int32_t> origin, double stop, doub
     if (kind == 0) break;
     if (kind == 1) {
       L.reassign(first, second);
+      counts_changed = true;
     } else {
       L.swap_slots(first, second);
     }

@@ -42,9 +42,10 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
     sorted.emplace_back(w, e);
   }
   // Heaviest first; replicas of one expert stay together (ties by expert id).
-  std::sort(sorted.begin(), sorted.end(), [](const auto& x, const auto& y) {
+  auto heavier = [](const auto& x, const auto& y) {
     return x.first > y.first || (x.first == y.first && x.second < y.second);
-  });
+  };
+  if (!std::is_sorted(sorted.begin(), sorted.end(), heavier)) std::sort(sorted.begin(), sorted.end(), heavier);
   order.resize(num_items);
   next.assign(num_items, -1);
   bins.resize(num_items);  // row r occupies bins [r * gpus, (r + 1) * gpus), kept sorted heaviest first

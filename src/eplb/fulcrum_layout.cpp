@@ -23,14 +23,19 @@ void Layout::reset(std::span<const double> expert_load, int slots, int gpus) {
 void Layout::rebuild() {
   std::fill(count.begin(), count.end(), 0);
   std::fill(hosted.begin(), hosted.end(), uint16_t{0});
-  for (int s = 0; s < num_slots; ++s) {
-    ++count[expert[s]];
-    ++hosted[static_cast<size_t>(expert[s]) * num_gpus + gpu_of(s)];
+  for (int g = 0, s = 0; g < num_gpus; ++g) {
+    for (int end = s + slots_per_gpu; s < end; ++s) {
+      ++count[expert[s]];
+      ++hosted[static_cast<size_t>(expert[s]) * num_gpus + g];
+    }
   }
-  std::fill(gpu_load.begin(), gpu_load.end(), 0.0);
-  for (int s = 0; s < num_slots; ++s) {
-    slot_w[s] = replica_w(expert[s]);
-    gpu_load[gpu_of(s)] += slot_w[s];
+  for (int g = 0, s = 0; g < num_gpus; ++g) {
+    double sum = 0.0;
+    for (int end = s + slots_per_gpu; s < end; ++s) {
+      slot_w[s] = replica_w(expert[s]);
+      sum += slot_w[s];
+    }
+    gpu_load[g] = sum;
   }
 }
 

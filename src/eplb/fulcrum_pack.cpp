@@ -10,25 +10,101 @@ namespace fulcrum::eplb::fulcrum_detail {
 void capped_counts(std::span<const double> load, int slots, int cap, std::vector<int>& counts) {
   const int num_experts = static_cast<int>(load.size());
   counts.assign(num_experts, 1);
-  // Max-heap of (load per replica, expert): larger load first, then lower index.
+  const int extra = slots - num_experts;
+  if (extra <= 0 || cap <= 1) return;
+  // Each further slot goes to the highest key (load / count, then lower index), so the slots handed
+  // out are the `extra` highest of the keys load[e] / j, j = 1 .. cap - 1. Phase 1 hands out at once
+  // every key above a threshold lambda (they outrank all others), with lambda chosen so that at most
+  // `extra` are; phase 2 hands out the rest one by one in key order.
+  const int64_t most = static_cast<int64_t>(cap) - 1;
+  auto above = [&](int e, double lambda, double inverse) -> int64_t {  // #{j in [1, most] : load[e] / j > lambda}
+    if (!(load[e] > lambda)) return 0;
+    int64_t j = static_cast<int64_t>(std::min(static_cast<double>(most), std::floor(load[e] * inverse)));
+    while (j > 0 && !(load[e] / static_cast<double>(j) > lambda)) --j;
+    while (j < most && load[e] / static_cast<double>(j + 1) > lambda) ++j;
+    return j;
+  };
+  double total = 0.0;
+  for (double x : load) total += x;
+  double best_lambda = -1.0;
+  int64_t best_given = 0;
+  if (total > 0.0) {
+    // Experts above lambda get about load / lambda - 1/2 keys above it: solve for lambda over them.
+    double lambda = total / (extra + 0.5 * num_experts);
+    for (int iter = 0; iter < 6; ++iter) {
+      const double inverse = 1.0 / lambda;
+      int64_t given = 0;
+      double heavy = 0.0;
+      int num_heavy = 0;
+      for (int e = 0; e < num_experts; ++e) {
+        const int64_t a = above(e, lambda, inverse);
+        given += a;
+        if (a > 0) {
+          heavy += load[e];
+          ++num_heavy;
+        }
+      }
+      if (given <= extra && given > best_given) {
+        best_given = given;
+        best_lambda = lambda;
+      }
+      if ((given <= extra && extra - given <= 8) || num_heavy == 0) break;
+      lambda *= (static_cast<double>(given) + 0.5 * num_heavy) / (extra + 0.5 * num_heavy);
+    }
+  }
+  if (best_lambda > 0.0) {
+    const double inverse = 1.0 / best_lambda;
+    for (int e = 0; e < num_experts; ++e) counts[e] += static_cast<int>(above(e, best_lambda, inverse));
+  }
+  int left = extra - static_cast<int>(best_given);
+  if (left <= 16) {
+    for (; left > 0; --left) {
+      int pick = -1;
+      double key = 0.0;
+      for (int e = 0; e < num_experts; ++e) {
+        if (counts[e] >= cap) continue;
+        const double k = load[e] / counts[e];
+        if (pick < 0 || k > key) {
+          pick = e;
+          key = k;
+        }
+      }
+      if (pick < 0) return;
+      ++counts[pick];
+    }
+    return;
+  }
+  // Many left: a max-heap of (load per replica, expert), larger load first, then lower index.
   thread_local std::vector<std::pair<double, int>> heap;
   heap.clear();
   auto less = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
     return a.first < b.first || (a.first == b.first && a.second > b.second);
   };
   for (int e = 0; e < num_experts; ++e) {
-    if (cap > 1) heap.emplace_back(load[e], e);
+    if (counts[e] < cap) heap.emplace_back(load[e] / counts[e], e);
   }
   std::make_heap(heap.begin(), heap.end(), less);
-  for (int extra = num_experts; extra < slots && !heap.empty(); ++extra) {
-    std::pop_heap(heap.begin(), heap.end(), less);
-    const int e = heap.back().second;
-    heap.pop_back();
+  // The top expert takes a replica; its key shrinks in place and sinks (one sift instead of pop + push).
+  for (; left > 0 && !heap.empty(); --left) {
+    const int e = heap.front().second;
     ++counts[e];
-    if (counts[e] < cap) {
-      heap.emplace_back(load[e] / counts[e], e);
-      std::push_heap(heap.begin(), heap.end(), less);
+    if (counts[e] >= cap) {
+      std::pop_heap(heap.begin(), heap.end(), less);
+      heap.pop_back();
+      continue;
     }
+    const std::pair<double, int> key(load[e] / counts[e], e);
+    const size_t n = heap.size();
+    size_t i = 0;
+    for (;;) {
+      size_t child = 2 * i + 1;
+      if (child >= n) break;
+      if (child + 1 < n && less(heap[child], heap[child + 1])) ++child;
+      if (!less(key, heap[child])) break;
+      heap[i] = heap[child];
+      i = child;
+    }
+    heap[i] = key;
   }
 }
 
@@ -83,61 +159,64 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
   return used == slots;
 }
 
-void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1) {
+bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
+                 double abort_at) {
   const int per_gpu = layout.slots_per_gpu;
-  const int num_gpus = layout.num_gpus;
   thread_local std::vector<std::pair<double, int>> order;
-  thread_local std::vector<int> fill, heap, skipped;
+  thread_local std::vector<int> fill, room, holders;
   order.clear();
   for (int e : items) order.emplace_back(layout.load[e] / counts[e], e);
   // Heaviest first; replicas of one expert stay together (ties by expert id).
-  std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+  auto heavier = [](const auto& x, const auto& y) {
     return x.first > y.first || (x.first == y.first && x.second < y.second);
-  });
-  fill.assign(num_gpus, 0);
-  heap.clear();
-  for (int g = g0; g < g1; ++g) {
-    layout.gpu_load[g] = 0.0;
-    for (int e = 0; e < layout.num_experts; ++e) layout.hosted[static_cast<size_t>(e) * num_gpus + g] = 0;
-    heap.push_back(g);
-  }
-  // Min-heap of GPUs with room: lightest first, lowest index on ties.
-  auto later = [&](int x, int y) {
-    return layout.gpu_load[x] > layout.gpu_load[y] || (layout.gpu_load[x] == layout.gpu_load[y] && x > y);
   };
-  std::make_heap(heap.begin(), heap.end(), later);
+  if (!std::is_sorted(order.begin(), order.end(), heavier)) std::sort(order.begin(), order.end(), heavier);
+  fill.assign(layout.num_gpus, 0);
+  for (int g = g0; g < g1; ++g) layout.gpu_load[g] = 0.0;
+  // GPUs with room, lightest first (lowest index on ties); a placement only raises one GPU's load, so
+  // that GPU moves back to its place (or leaves once full).
+  room.clear();
+  for (int g = g0; g < g1; ++g) room.push_back(g);
+  auto before = [&](int x, int y) {
+    return layout.gpu_load[x] < layout.gpu_load[y] || (layout.gpu_load[x] == layout.gpu_load[y] && x < y);
+  };
+  // Replicas of an expert are consecutive in `order`, so the GPUs holding the current expert so far
+  // (`holders`) are the only ones a replica could duplicate on.
+  auto holds = [&](int g) { return std::find(holders.begin(), holders.end(), g) != holders.end(); };
+  holders.clear();
+  int current = -1;
+  bool forced = false;
   for (const auto& [w, e] : order) {
+    if (e != current) {
+      holders.clear();
+      current = e;
+    }
     // The lightest GPU with room that lacks e; if all with room hold it, the lightest with room.
-    skipped.clear();
-    int best = -1;
-    while (!heap.empty()) {
-      std::pop_heap(heap.begin(), heap.end(), later);
-      const int g = heap.back();
-      heap.pop_back();
-      if (layout.allow_dup || layout.on(e, g) == 0) {
-        best = g;
-        break;
+    const int n = static_cast<int>(room.size());
+    int k = 0;
+    if (!layout.allow_dup) {
+      while (k < n && holds(room[k])) ++k;
+      if (k == n) {  // every GPU with room holds e already (repair_duplicates fixes it afterwards)
+        k = 0;
+        forced = true;
       }
-      skipped.push_back(g);
     }
-    if (best < 0) {  // every GPU with room holds e already (repair_duplicates fixes it afterwards)
-      best = skipped.front();
-      skipped.erase(skipped.begin());
-    }
-    for (int g : skipped) {
-      heap.push_back(g);
-      std::push_heap(heap.begin(), heap.end(), later);
-    }
+    const int best = room[k];
+    holders.push_back(best);
     const int slot = best * per_gpu + fill[best]++;
     layout.expert[slot] = e;
     layout.slot_w[slot] = w;
     layout.gpu_load[best] += w;
-    ++layout.hosted[static_cast<size_t>(e) * num_gpus + best];
-    if (fill[best] < per_gpu) {
-      heap.push_back(best);
-      std::push_heap(heap.begin(), heap.end(), later);
+    if (!forced && layout.gpu_load[best] >= abort_at) return false;
+    if (fill[best] == per_gpu) {
+      room.erase(room.begin() + k);
+    } else {
+      const int at = static_cast<int>(std::upper_bound(room.begin() + k + 1, room.end(), best, before) - room.begin());
+      std::copy(room.begin() + k + 1, room.begin() + at, room.begin() + k);
+      room[at - 1] = best;
     }
   }
+  return true;
 }
 
 void repair_duplicates(Layout& layout, int g0, int g1) {
@@ -161,8 +240,10 @@ void repair_duplicates(Layout& layout, int g0, int g1) {
   }
 }
 
-void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign) {
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign,
+                  std::span<const int> heaviest_first) {
   MoveFinder finder(layout, g0, g1, nullptr);
+  finder.build_index(heaviest_first);
   const int max_steps = 8 * layout.num_slots + 64;
   for (int step = 0; step < max_steps; ++step) {
     const int h = layout.heaviest(g0, g1);

@@ -1,6 +1,7 @@
 #pragma once
 // Building blocks of the fulcrum planner: replica counts, packing replicas onto GPUs, local search.
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -22,9 +23,14 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 
 // Both packers put `items` (one expert id per replica, each weighing load[e] / counts[e]) into the
 // slots of GPUs [g0, g1), exactly slots_per_gpu per GPU, avoiding two replicas of an expert on one GPU
-// where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after).
-// greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT).
-void greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1);
+// where they can; they write layout.expert, slot_w and gpu_load of the range (call rebuild() after;
+// `hosted` and `count` are left as they were). greedy_pack needs the items heaviest first or sorts
+// them so (replicas of an expert next to each other).
+// greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT). GPU loads
+// only grow, so it stops early and returns false once a GPU reaches `abort_at` before any duplicate had
+// to be placed (the packing could then only end with a max load >= abort_at); otherwise true.
+bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
+                 double abort_at = std::numeric_limits<double>::infinity());
 // differencing_pack: balanced largest differencing (fulcrum_kk.cpp); a nonzero seed perturbs the weights
 // its decisions see (restarts on hard layers).
 void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
@@ -40,7 +46,9 @@ void repair_duplicates(Layout& layout, int g0, int g1);
 // set, one slot moved from an expert with spare replicas to another expert (changing counts) when that
 // lowers h without raising any GPU to h's load. The no-duplicate rule holds throughout. Stops when h
 // is at or below `stop_max`, when nothing helps, or after a safety cap of steps.
-// Requires layout.rebuild() state (counts, hosted) to be current.
-void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign);
+// Requires layout.rebuild() state (counts, hosted) to be current. `heaviest_first` may list every
+// expert by replica weight under the current counts, heaviest first (saves a sort).
+void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign,
+                  std::span<const int> heaviest_first = {});
 
 }  // namespace fulcrum::eplb::fulcrum_detail

@@ -5,8 +5,127 @@
 #include <vector>
 
 namespace fulcrum::eplb::fulcrum_detail {
+namespace {
+
+// Index of the slots of the searched range by replica weight, ascending: weight[i] is the weight of
+// slot[i]; pos[s] is where slot s sits. A swap exchanges two slots' weights, so it only exchanges
+// their entries; reassigns rebuild it.
+struct WeightIndex {
+  std::vector<double> weight;
+  std::vector<int> slot, pos;
+  std::vector<int> gpu;  // GPU of each slot (no division in the scan)
+};
+thread_local WeightIndex index_buf;
+
+// Number of elements <= x in the ascending a[0, n) (std::upper_bound's index), without data-dependent
+// branches: the searches here land at unpredictable places, so a branchy search mispredicts often.
+int count_at_most(const double* a, int n, double x) {
+  if (n <= 0) return 0;
+  const double* base = a;
+  while (n > 1) {
+    const int half = n / 2;
+    base += (base[half - 1] <= x) ? half : 0;
+    n -= half;
+  }
+  return static_cast<int>(base - a) + (*base <= x ? 1 : 0);
+}
+
+}  // namespace
+
+void MoveFinder::build_index(std::span<const int> heaviest_first) {
+  if (origin_ != nullptr) return;
+  const Layout& L = layout_;
+  const int per_gpu = L.slots_per_gpu;
+  WeightIndex& ix = index_buf;
+  const int s0 = g0_ * per_gpu, s1 = g1_ * per_gpu;
+  // Every replica of an expert weighs the same: sort the experts (fewer than the slots), then list
+  // each expert's slots in place (slots chained per expert, highest first, so the walk is ascending).
+  thread_local std::vector<std::pair<double, int>> experts;
+  thread_local std::vector<int> head, next;
+  head.assign(L.num_experts, -1);
+  next.resize(L.num_slots);
+  for (int s = s1 - 1; s >= s0; --s) {
+    next[s] = head[L.expert[s]];
+    head[L.expert[s]] = s;
+  }
+  experts.clear();
+  if (static_cast<int>(heaviest_first.size()) == L.num_experts) {
+    for (auto it = heaviest_first.rbegin(); it != heaviest_first.rend(); ++it) {
+      if (head[*it] >= 0) experts.emplace_back(0.0, *it);
+    }
+  } else {
+    for (int e = 0; e < L.num_experts; ++e) {
+      if (head[e] >= 0) experts.emplace_back(L.replica_w(e), e);
+    }
+    std::sort(experts.begin(), experts.end());
+  }
+  ix.slot.resize(s1 - s0);
+  ix.weight.resize(s1 - s0);
+  ix.pos.resize(L.num_slots);
+  ix.gpu.resize(L.num_slots);
+  for (int s = 0; s < L.num_slots; ++s) ix.gpu[s] = L.gpu_of(s);
+  int i = 0;
+  for (const auto& [w, e] : experts) {
+    for (int s = head[e]; s >= 0; s = next[s], ++i) {
+      ix.slot[i] = s;
+      ix.weight[i] = L.slot_w[s];
+      ix.pos[s] = i;
+    }
+  }
+  indexed_ = true;
+}
+
+void MoveFinder::swap(int s1, int s2) {
+  layout_.swap_slots(s1, s2);
+  if (!indexed_) return;
+  WeightIndex& ix = index_buf;
+  std::swap(ix.pos[s1], ix.pos[s2]);
+  ix.slot[ix.pos[s1]] = s1;
+  ix.slot[ix.pos[s2]] = s2;
+}
+
+// Same moves and gains as the partner scan below, found through the weight index: for a replica a of
+// h (weight wa, rest of h R = L_h - wa) and b on GPU o, gain = min(wa - wb, R - (L_o - wb)), so only
+// wb in (L_min - R + best, wa - best) can beat `best`, where L_min is the lightest other GPU's load.
+Move MoveFinder::best_swap_indexed(int h) const {
+  const Layout& L = layout_;
+  const WeightIndex& ix = index_buf;
+  const int per_gpu = L.slots_per_gpu;
+  const double load_h = L.gpu_load[h];
+  const double eps = 1e-12 * load_h;
+  double min_other = std::numeric_limits<double>::infinity();
+  for (int o = g0_; o < g1_; ++o) {
+    if (o != h) min_other = std::min(min_other, L.gpu_load[o]);
+  }
+  Move best;
+  const double* w = ix.weight.data();
+  const int n = static_cast<int>(ix.weight.size());
+  for (int sa = h * per_gpu; sa < (h + 1) * per_gpu; ++sa) {
+    const double wa = L.slot_w[sa];
+    if (wa <= eps) continue;
+    const int ea = L.expert[sa];
+    const double rest = load_h - wa;
+    double floor = std::max(best.score, eps);
+    const double lo_w = min_other - rest + floor;
+    int i = count_at_most(w, n, lo_w);
+    for (; i < n && w[i] < wa - floor; ++i) {
+      const int sb = ix.slot[i];
+      const int o = ix.gpu[sb];
+      if (o == h) continue;
+      const double d = wa - w[i];
+      const double gain = std::min(d, rest - L.gpu_load[o] + w[i]);
+      if (gain <= floor) continue;
+      const int eb = L.expert[sb];
+      if (ea == eb || (!L.allow_dup && (L.on(ea, o) != 0 || L.on(eb, h) != 0))) continue;
+      best = {Move::kSwap, sa, sb, gain};
+      floor = gain;
+    }
+  }
+  return best;
+}
 
 Move MoveFinder::best_swap(int h, Move best) const {
+  if (indexed_ && !best.valid()) return best_swap_indexed(h);
   const Layout& L = layout_;
   const int per_gpu = L.slots_per_gpu;
   const double load_h = L.gpu_load[h];
@@ -51,13 +170,21 @@ Move MoveFinder::best_pair_swap(int h) const {
   if (per_gpu < 2) return best;
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
+  // h's pairs by weight sum, ascending: for a pair of o with sum s, only pairs of h with sum in
+  // (s + best, s + gap - best) can beat the best gain, since gain = min(d, gap - d) with d their difference.
   thread_local std::vector<std::pair<double, int>> pairs_h;  // (sum, i * per_gpu + j)
+  thread_local std::vector<double> sums_h;
   pairs_h.clear();
   for (int i = 0; i < per_gpu; ++i) {
     for (int j = i + 1; j < per_gpu; ++j) {
       pairs_h.emplace_back(L.slot_w[h * per_gpu + i] + L.slot_w[h * per_gpu + j], i * per_gpu + j);
     }
   }
+  std::sort(pairs_h.begin(), pairs_h.end());
+  sums_h.resize(pairs_h.size());
+  for (size_t k = 0; k < pairs_h.size(); ++k) sums_h[k] = pairs_h[k].first;
+  const double* sums = sums_h.data();
+  const int num_pairs = static_cast<int>(sums_h.size());
   thread_local std::vector<int> partners;
   partners.clear();
   for (int o = g0_; o < g1_; ++o) {
@@ -74,14 +201,19 @@ Move MoveFinder::best_pair_swap(int h) const {
       for (int j = i + 1; j < per_gpu; ++j) {
         const int sj = o * per_gpu + j;
         const double sum_o = L.slot_w[si] + L.slot_w[sj];
-        for (const auto& [sum_h, code] : pairs_h) {
-          const double d = sum_h - sum_o;
+        double floor = std::max(best.score, eps);
+        if (gap - floor <= floor) break;
+        int k = count_at_most(sums, num_pairs, sum_o + floor);
+        for (; k < num_pairs && sums[k] < sum_o + gap - floor; ++k) {
+          const double d = sums[k] - sum_o;
           const double gain = std::min(d, gap - d);
-          if (gain <= eps || gain <= best.score) continue;
+          if (gain <= floor) continue;
+          const int code = pairs_h[k].second;
           const int sa = h * per_gpu + code / per_gpu, sc = h * per_gpu + code % per_gpu;
           const int ea = L.expert[sa], ec = L.expert[sc], eb = L.expert[si], ed = L.expert[sj];
           if (!L.allow_dup && (L.on(ea, o) != 0 || L.on(ec, o) != 0 || L.on(eb, h) != 0 || L.on(ed, h) != 0)) continue;
           best = {Move::kSwapPairs, sa, si, gain, sc, sj};
+          floor = gain;
         }
       }
     }

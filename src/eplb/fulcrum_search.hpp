@@ -8,6 +8,7 @@
 // With an `origin` map (migration-aware replanning) a move's score is gain per slot changed against
 // origin (a move that restores an original expert counts as half a move); without one, score = gain.
 #include <cstdint>
+#include <span>
 
 #include "eplb/fulcrum_layout.hpp"
 
@@ -28,6 +29,10 @@ class MoveFinder {
   // Searches GPUs [g0, g1) (reassign moves assume the whole range). `origin` may be null.
   MoveFinder(Layout& layout, int g0, int g1, const int32_t* origin)
       : layout_(layout), g0_(g0), g1_(g1), origin_(origin) {}
+  // Without an origin, best_swap can instead use an index of the range's slots sorted by replica weight
+  // (thread-local buffers: at most one indexed finder per thread at a time). apply() keeps it current.
+  // `heaviest_first`, if given, lists every expert by replica weight, heaviest first (saves a sort).
+  void build_index(std::span<const int> heaviest_first = {});
 
   // Best swap of a replica on h with one on another GPU; returns `best` unless something scores higher.
   Move best_swap(int h, Move best = {}) const;
@@ -37,16 +42,20 @@ class MoveFinder {
   Move best_reassign(int h, Move best = {}) const;
   void apply(const Move& move) {
     if (move.kind == Move::kSwap) {
-      layout_.swap_slots(move.a, move.b);
+      swap(move.a, move.b);
     } else if (move.kind == Move::kReassign) {
       layout_.reassign(move.a, move.b);
+      if (indexed_) build_index();  // weights of two experts changed
     } else {
-      layout_.swap_slots(move.a, move.b);
-      layout_.swap_slots(move.c, move.d);
+      swap(move.a, move.b);
+      swap(move.c, move.d);
     }
   }
 
  private:
+  void swap(int s1, int s2);
+  Move best_swap_indexed(int h) const;
+
   // Change in the number of slots differing from origin if slot s gets expert e.
   int slot_cost(int s, int e) const {
     return static_cast<int>(e != origin_[s]) - static_cast<int>(layout_.expert[s] != origin_[s]);
@@ -56,6 +65,7 @@ class MoveFinder {
   Layout& layout_;
   int g0_, g1_;
   const int32_t* origin_;
+  bool indexed_ = false;
 };
 
 }  // namespace fulcrum::eplb::fulcrum_detail
