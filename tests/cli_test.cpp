@@ -180,12 +180,12 @@ TEST_F(CliTest, DemoPrintsTheTableAndWritesTheHeatmap) {
 
 // The model demo (the main job): a synthetic model, EP 4 with live EPLB, tokens equal to the plain run's.
 TEST_F(CliTest, ModelDemoRebalancesLiveAndPasses) {
-  const RunResult r = run("demo --max-new-tokens 6");
+  const RunResult r = run("demo --max-new-tokens 9");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("PASS: 8 of 8 sequences generate the same tokens"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("PASS: 16 of 16 sequences generate the same tokens"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("balancedness on the recorded loads"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(" -> after (rebalanced) "), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("rebalance 0 at pass 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rebalance 0 at pass 4: MoE layers 0..3"), std::string::npos) << r.out;
 }
 
 }  // namespace

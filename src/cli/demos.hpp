@@ -8,7 +8,7 @@ struct DemoFlags {
   bool planning = false;
   std::string loads_file;  // planning demo: instead of the embedded matrix
   std::string heatmap_file = "fulcrum_demo_heatmap.svg";
-  int max_new_tokens = 12;  // model demo
+  int max_new_tokens = 16;  // model demo
 };
 
 // Planning table at 8/16/32 GPUs and the before/after heatmap, on the embedded (or given) load matrix.

@@ -1,6 +1,7 @@
 // The model demo: EPLB closing its loop inside the engine on a model small enough for 2 CPU cores.
 // A tiny synthetic Qwen3-MoE (128 experts, top-8) whose routers follow the embedded real Qwen3-30B-A3B
-// loads is generated on EP 4 with 8 redundant slots, rebalancing every 2 forward passes; the tokens must
+// loads is generated on EP 4 with 8 redundant slots, rebalancing every 4 forward passes (a migration moves
+// one layer per pass, so each finishes before the next rebalance); the tokens must
 // equal those of the same layout without EPLB (placement never changes what a token computes).
 #include <chrono>
 #include <filesystem>
@@ -64,11 +65,11 @@ void run_model_demo(const DemoFlags& flags) {
              make.preset, made.config.num_hidden_layers, made.config.num_experts, made.config.num_experts_per_tok,
              embedded_loads_name(), made.fit ? made.fit->pearson_mean : 0.0, seconds_since(start));
 
-  // 8 prompts of 24 tokens, a pure function of the seed.
+  // 16 prompts of 32 tokens, a pure function of the seed.
   std::mt19937 gen(11);
-  std::vector<std::vector<int32_t>> prompts(8);
+  std::vector<std::vector<int32_t>> prompts(16);
   for (auto& prompt : prompts) {
-    for (int t = 0; t < 24; ++t) prompt.push_back(static_cast<int32_t>(gen() % made.config.vocab_size));
+    for (int t = 0; t < 32; ++t) prompt.push_back(static_cast<int32_t>(gen() % made.config.vocab_size));
   }
   engine::ParallelFlags parallel;
   parallel.tp = 4;
@@ -85,11 +86,12 @@ void run_model_demo(const DemoFlags& flags) {
   const double plain_seconds = seconds_since(start);
 
   run.eplb.enabled = true;
-  run.eplb.rebalance_num_iterations = 2;
-  run.eplb.recorder_buffer_size = 4;
+  run.eplb.rebalance_num_iterations = 4;
+  run.eplb.recorder_buffer_size = 8;
   run.eplb.log = [](const std::string& line) { fmt::print("  {}\n", line); };
-  fmt::print("with --enable-eplb --ep-num-redundant-experts 8 --eplb-rebalance-num-iterations 2 "
-             "--expert-distribution-recorder-buffer-size 4:\n");
+  fmt::print("{} sequences x {} new tokens with --enable-eplb --ep-num-redundant-experts 8 "
+             "--eplb-rebalance-num-iterations 4 --expert-distribution-recorder-buffer-size 8:\n",
+             prompts.size(), flags.max_new_tokens);
   start = std::chrono::steady_clock::now();
   const engine::InProcessResult live = engine::generate_in_process(make.output, made.config, layout, run, prompts);
   const double live_seconds = seconds_since(start);
