@@ -91,6 +91,23 @@ TEST(EngineCli, SeedsEplbConfigurationRebalancesAndKeepsThePlainTokens) {
   EXPECT_NE(plan.out.find("balancedness_mean"), std::string::npos) << plan.out;
 }
 
+// per_pass and per_token dumps (windows of passes, raw choices) are loads files `fulcrum plan` reads too.
+TEST(EngineCli, PerPassAndPerTokenDumpsAreReadByPlan) {
+  TempDir dir("engine_cli");
+  for (const std::string mode : {"per_pass", "per_token"}) {
+    const std::string dump = dir.file(mode + ".json");
+    const CliRun gen = run_cli(dir, "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 4" + kPrompts +
+                                        " --tp 2 --ep 2 --pp 3 --enable-eplb --eplb-rebalance-num-iterations 2 "
+                                        "--eplb-rebalance-layers-per-chunk 1 --expert-distribution-recorder-mode " +
+                                        mode + " --expert-distribution-dump " + dump);
+    ASSERT_EQ(gen.exit_code, 0) << mode << ": " << gen.err;
+    EXPECT_NE(gen.out.find("# eplb: rebalance 0 at pass 2: MoE layers 0..0 (1 layers)"), std::string::npos) << gen.out;
+    EXPECT_NE(gen.out.find("MoE layers 1..1 (1 layers)"), std::string::npos) << gen.out;
+    const CliRun plan = run_cli(dir, "plan --loads " + dump + " --gpus 2 --physical-experts 128");
+    EXPECT_EQ(plan.exit_code, 0) << mode << ": " << plan.err;
+  }
+}
+
 // Sampling flags: a seed gives the same tokens on every run and layout; EPLB on one EP rank is refused loudly.
 TEST(EngineCli, SeededSamplingAndEplbOnOneRankIsReported) {
   TempDir dir("engine_cli");

@@ -1,5 +1,6 @@
 // `fulcrum generate`: token-id prompts through a Qwen3-MoE checkpoint on the parallel engine (in-process
 // ranks; one rank by default), greedy or sampled, optionally with the EPLB loop running between passes.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -116,9 +117,11 @@ void run_generate(GenerateFlags& flags) {
   if (run.eplb.enabled) {
     const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
     const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);
-    fmt::print("# eplb: {} rebalances, {} slots received over the network by rank 0; recorder window balancedness: "
-               "initial placement {:.4f} -> live placement {:.4f}\n",
-               result.rebalances.size(), result.migration.num_received, before.balancedness_mean,
+    const auto changed = std::count_if(result.rebalances.begin(), result.rebalances.end(),
+                                       [](const auto& report) { return !report.skipped; });
+    fmt::print("# eplb: {} rebalances ({} changed the placement), {} slots received over the network by rank 0; "
+               "recorder window balancedness: initial placement {:.4f} -> live placement {:.4f}\n",
+               result.rebalances.size(), changed, result.migration.num_received, before.balancedness_mean,
                after.balancedness_mean);
   }
   if (!flags.dump_logits_file.empty()) fmt::print("# prompt logits written to {}\n", flags.dump_logits_file);
