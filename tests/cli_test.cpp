@@ -168,7 +168,7 @@ TEST_F(CliTest, SimulateRejectsBadInput) {
 
 TEST_F(CliTest, DemoPrintsTheTableAndWritesTheHeatmap) {
   const std::string svg = (dir_ / "heat.svg").string();
-  const RunResult r = run("demo --heatmap " + svg);
+  const RunResult r = run("demo --planning --heatmap " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* needle : {"trivial", "deepseek", "fulcrum", "lower bound"}) {
     EXPECT_NE(r.out.find(needle), std::string::npos) << needle;
@@ -176,6 +176,16 @@ TEST_F(CliTest, DemoPrintsTheTableAndWritesTheHeatmap) {
   const std::string text = eplb::read_text_file(svg);
   EXPECT_EQ(text.rfind("<svg", 0), 0u);
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n') > 48 * 32, true);  // one cell per layer and GPU, per panel
+}
+
+// The model demo (the main job): a synthetic model, EP 4 with live EPLB, tokens equal to the plain run's.
+TEST_F(CliTest, ModelDemoRebalancesLiveAndPasses) {
+  const RunResult r = run("demo --max-new-tokens 9");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("PASS: 16 of 16 sequences generate the same tokens"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("balancedness on the recorded loads"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" -> after (rebalanced) "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rebalance 0 at pass 4: MoE layers 0..3"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.hpp"
+#include "eplb/atomic_file.hpp"
 #include "eplb/placement_io.hpp"
 
 namespace fulcrum::test {
@@ -50,7 +51,7 @@ TEST(EngineCli, ImpossibleLayoutsAreOneLineErrors) {
       {" --tp 2 --ep 2 --ep-num-redundant-experts 1", "129 physical experts per MoE layer (128 + 1 redundant) are not "
                                                        "divisible by --ep 2"},
       {" --tp 2 --ep 2 --init-expert-location " + dir.file("p130.json"),
-       "the placement has 3 layers x 130 slots of 128 experts; this model and layout need 3 MoE layers x 128 slots"},
+       "130 slots on 2 GPUs; the model and EP group need 3 x 128, 128 slots on 2 GPUs"},
       {" --init-expert-location " + dir.file("missing.json"), "missing.json"},
   };
   for (const auto& [flags, needle] : cases) {
@@ -64,6 +65,94 @@ TEST(EngineCli, ImpossibleLayoutsAreOneLineErrors) {
   const CliRun bad_backend = run_cli(dir, base + " --moe-a2a-backend deepep");
   EXPECT_NE(bad_backend.exit_code, 0);
   EXPECT_NE(bad_backend.err.find("--moe-a2a-backend"), std::string::npos) << bad_backend.err;
+}
+
+// The seeds' EPLB configuration on 8 in-process ranks: rebalances happen (log lines), tokens are the plain
+// run's, and the recorder dump is a loads file `fulcrum plan` reads.
+TEST(EngineCli, SeedsEplbConfigurationRebalancesAndKeepsThePlainTokens) {
+  TempDir dir("engine_cli");
+  const std::string base = "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 12" + kPrompts;
+  const CliRun plain = run_cli(dir, base);
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const CliRun seeds = run_cli(
+      dir, base + " --tp 8 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --enable-eplb "
+                  "--ep-num-redundant-experts 8 --eplb-rebalance-num-iterations 5 --ep-dispatch-algorithm static "
+                  "--expert-distribution-recorder-mode stat --expert-distribution-recorder-buffer-size 5 "
+                  "--expert-distribution-dump " + dir.file("dump.json"));
+  ASSERT_EQ(seeds.exit_code, 0) << seeds.err;
+  EXPECT_EQ(seeds.err, "");
+  EXPECT_EQ(tokens_of(seeds.out), tokens_of(plain.out));
+  for (const char* line : {"# eplb: rebalance 0 at pass 5: MoE layers 0..2 (3 layers): balancedness ",
+                           "# eplb: rebalance 1 at pass 10: ", "# eplb: 2 rebalances"}) {
+    EXPECT_NE(seeds.out.find(line), std::string::npos) << line << "\n" << seeds.out;
+  }
+  const CliRun plan = run_cli(dir, "plan --loads " + dir.file("dump.json") + " --gpus 8 --physical-experts 136 --json");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("balancedness_mean"), std::string::npos) << plan.out;
+}
+
+// per_pass and per_token dumps (windows of passes, raw choices) are loads files `fulcrum plan` reads too.
+TEST(EngineCli, PerPassAndPerTokenDumpsAreReadByPlan) {
+  TempDir dir("engine_cli");
+  for (const std::string mode : {"per_pass", "per_token"}) {
+    const std::string dump = dir.file(mode + ".json");
+    const CliRun gen = run_cli(dir, "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 4" + kPrompts +
+                                        " --tp 2 --ep 2 --pp 3 --enable-eplb --eplb-rebalance-num-iterations 2 "
+                                        "--eplb-rebalance-layers-per-chunk 1 --expert-distribution-recorder-mode " +
+                                        mode + " --expert-distribution-dump " + dump);
+    ASSERT_EQ(gen.exit_code, 0) << mode << ": " << gen.err;
+    EXPECT_NE(gen.out.find("# eplb: rebalance 0 at pass 2: MoE layers 0..0 (1 layers)"), std::string::npos) << gen.out;
+    EXPECT_NE(gen.out.find("MoE layers 1..1 (1 layers)"), std::string::npos) << gen.out;
+    const CliRun plan = run_cli(dir, "plan --loads " + dump + " --gpus 2 --physical-experts 128");
+    EXPECT_EQ(plan.exit_code, 0) << mode << ": " << plan.err;
+  }
+}
+
+// Sampling flags: a seed gives the same tokens on every run and layout; EPLB on one EP rank is refused loudly.
+TEST(EngineCli, SeededSamplingAndEplbOnOneRankIsReported) {
+  TempDir dir("engine_cli");
+  const std::string base = "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 6" + kPrompts +
+                           " --temperature 0.8 --top-p 0.9 --top-k 50 --seed 5";
+  const CliRun one = run_cli(dir, base + " --enable-eplb");
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  EXPECT_NE(one.err.find("fulcrum: warning: --enable-eplb: EPLB disabled: a single EP rank"), std::string::npos)
+      << one.err;
+  const CliRun four = run_cli(dir, base + " --tp 4 --ep 4 --ep-num-redundant-experts 4 --enable-eplb "
+                                          "--eplb-rebalance-num-iterations 1");
+  ASSERT_EQ(four.exit_code, 0) << four.err;
+  EXPECT_EQ(tokens_of(four.out), tokens_of(one.out));
+  const CliRun greedy = run_cli(dir, "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 6" + kPrompts);
+  EXPECT_NE(tokens_of(greedy.out), tokens_of(one.out));
+  const CliRun unused = run_cli(dir, "generate --model " + golden_model_dir(k128e) +
+                                         " --max-new-tokens 1 --prompt-tokens 1 --eplb-rebalance-num-iterations 3");
+  EXPECT_NE(unused.err.find("--eplb-rebalance-num-iterations has no effect without --enable-eplb"), std::string::npos)
+      << unused.err;
+}
+
+TEST(EngineCli, BadEplbAndSamplingValuesAreOneLineErrors) {
+  TempDir dir("engine_cli");
+  const std::string base = "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 2 --prompt-tokens '1 2'" +
+                           " --tp 2 --ep 2 --enable-eplb";
+  write_file_atomically(dir.file("loads.csv"), "1,2,3\n");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" --expert-distribution-recorder-mode per_layer", "per_layer"},
+      {" --expert-distribution-recorder-buffer-size 0", "--expert-distribution-recorder-buffer-size must be positive"},
+      {" --eplb-rebalance-num-iterations 0", "--eplb-rebalance-num-iterations must be positive"},
+      {" --eplb-rebalance-layers-per-chunk -1", "--eplb-rebalance-layers-per-chunk must be >= 0"},
+      {" --ep-num-redundant-experts 3", "131 physical experts per MoE layer (128 + 3 redundant) are not divisible by --ep 2"},
+      {" --init-expert-location " + dir.file("loads.csv"), "loads are 1 MoE layers x 3 experts, the model has 3 x 128"},
+      {" --temperature -1", "temperature"},
+      {" --top-p 0", "top_p"},
+      {" --greedy --temperature 0.5", "--greedy conflicts with --temperature"},
+  };
+  for (const auto& [flags, needle] : cases) {
+    const CliRun run = run_cli(dir, base + flags);
+    EXPECT_EQ(run.exit_code, 1) << flags;
+    EXPECT_EQ(run.err.rfind("fulcrum: error: ", 0), 0u) << run.err;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+    EXPECT_NE(run.err.find(needle), std::string::npos) << flags << " -> " << run.err;
+    EXPECT_EQ(run.out, "") << flags;
+  }
 }
 
 }  // namespace

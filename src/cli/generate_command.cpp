@@ -1,4 +1,6 @@
-// `fulcrum generate`: greedy decoding of token-id prompts with a Qwen3-MoE checkpoint.
+// `fulcrum generate`: token-id prompts through a Qwen3-MoE checkpoint on the parallel engine (in-process
+// ranks; one rank by default), greedy or sampled, optionally with the EPLB loop running between passes.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -6,12 +8,10 @@
 
 #include <fmt/format.h>
 
-#include "backend/cpu/cpu_backend.hpp"
 #include "cli/commands.hpp"
 #include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
-#include "eplb/placement_io.hpp"
-#include "model/generate.hpp"
+#include "eplb/metrics.hpp"
 
 namespace fulcrum::cli {
 namespace {
@@ -21,19 +21,20 @@ struct GenerateFlags {
   std::string device = "cpu";
   std::vector<std::string> prompts;
   int max_new_tokens = 16;
-  bool greedy = true;
+  bool greedy = false;
+  model::SamplingParams sampling;
+  uint64_t seed = 0;
   std::string dump_logits_file;
-  // Parallel engine (in-process ranks); SGLang's flag names.
+  // Parallel engine and EPLB; SGLang's flag names.
   engine::ParallelFlags parallel;
   std::string moe_a2a_backend = "allgather";
   std::string dispatch_algorithm = "static";
   std::string init_expert_location = "trivial";
-
-  bool uses_engine() const {
-    return parallel.tp != 1 || parallel.dp != 1 || parallel.ep != 1 || parallel.pp != 1 || parallel.enable_dp_attention ||
-           parallel.num_redundant_experts != 0 || moe_a2a_backend != "allgather" || dispatch_algorithm != "static" ||
-           init_expert_location != "trivial";
-  }
+  bool enable_eplb = false;
+  std::string recorder_mode = "stat";
+  engine::EplbSettings eplb;
+  std::string expert_distribution_dump;
+  std::vector<std::string> eplb_only_flags_given;  // flags that do nothing without --enable-eplb
 };
 
 std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, int vocab_size) {
@@ -57,53 +58,74 @@ std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, in
   return ids;
 }
 
-void run_generate(const GenerateFlags& flags) {
+void warn(const std::string& line) { std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str()); }
+
+void run_generate(GenerateFlags& flags) {
   FULCRUM_CHECK(flags.device == "cpu", "unknown device '{}' (available: cpu)", flags.device);
   FULCRUM_CHECK(flags.max_new_tokens >= 0, "--max-new-tokens must not be negative, got {}", flags.max_new_tokens);
+  FULCRUM_CHECK(!(flags.greedy && flags.sampling.temperature > 0.0f), "--greedy conflicts with --temperature {}",
+                flags.sampling.temperature);
+  model::validate_sampling_params(flags.sampling);
+  flags.eplb.recorder_mode = eplb_runtime::parse_recorder_mode(flags.recorder_mode);
+  engine::validate_eplb_settings(flags.eplb);
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(flags.model_dir);
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
+  const engine::ParallelLayout layout(flags.parallel, config);
 
-  backend::CpuBackend backend;
-  const auto start = std::chrono::steady_clock::now();
-  model::GenerateResult result;
-  std::string where = backend.name();
-  if (flags.uses_engine()) {
-    const engine::ParallelLayout layout(flags.parallel, config);
-    engine::EngineOptions options;
-    options.moe_a2a_backend = flags.moe_a2a_backend;
-    options.dispatch_algorithm = eplb::parse_dispatch_algorithm(flags.dispatch_algorithm);
-    std::unique_ptr<eplb::Placement> placement;
-    if (flags.init_expert_location != "trivial") {
-      placement = std::make_unique<eplb::Placement>(eplb::read_placement_file(flags.init_expert_location));
+  engine::InProcessRun run;
+  run.init_expert_location = flags.init_expert_location;
+  run.engine.moe_a2a_backend = flags.moe_a2a_backend;
+  run.engine.dispatch_algorithm = eplb::parse_dispatch_algorithm(flags.dispatch_algorithm);
+  run.eplb = flags.eplb;
+  run.eplb.enabled = flags.enable_eplb;
+  run.eplb.log = [](const std::string& line) { fmt::print("# eplb: {}\n", line); };
+  run.dump_file = flags.expert_distribution_dump;
+  run.decode = {flags.max_new_tokens, flags.sampling, flags.seed};
+  // Conditions that turn EPLB off are said, never silently applied.
+  if (flags.enable_eplb) {
+    const std::string why = engine::why_eplb_cannot_run(layout, config);
+    if (!why.empty()) {
+      warn("--enable-eplb: EPLB disabled: " + why);
+      run.eplb.enabled = false;
     }
-    result = engine::generate_in_process(flags.model_dir, config, layout, placement.get(), options, prompts,
-                                         flags.max_new_tokens);
-    fmt::print("# layout: {}\n", layout.describe());
-    where = fmt::format("{} x {} in-process ranks", backend.name(), layout.world_size());
   } else {
-    model::Qwen3MoeModel qwen(config, backend);
-    model::Checkpoint checkpoint(flags.model_dir);
-    qwen.load_weights(checkpoint);
-    result = model::generate_greedy(qwen, backend, prompts, flags.max_new_tokens);
+    for (const std::string& flag : flags.eplb_only_flags_given) warn(flag + " has no effect without --enable-eplb");
   }
+
+  const auto start = std::chrono::steady_clock::now();
+  const engine::InProcessResult result = engine::generate_in_process(flags.model_dir, config, layout, run, prompts);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   if (!flags.dump_logits_file.empty()) {
     std::map<std::string, model::HostTensor> dump;
-    for (size_t i = 0; i < prompts.size(); ++i) dump["seq" + std::to_string(i) + ".logits"] = result.prompt_logits[i];
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      dump["seq" + std::to_string(i) + ".logits"] = result.generated.prompt_logits[i];
+    }
     model::write_safetensors(flags.dump_logits_file, dump, {{"format", "pt"}});
   }
+  fmt::print("# layout: {}\n", layout.describe());
   double checksum = 0;  // sum of all prompt logits: a quick fingerprint to compare runs and devices
   size_t num_tokens = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    for (const float v : result.prompt_logits[i].data) checksum += v;
-    num_tokens += prompts[i].size() + result.new_tokens[i].size();
-    fmt::print("seq{}: {}\n", i, fmt::join(result.new_tokens[i], " "));
+    for (const float v : result.generated.prompt_logits[i].data) checksum += v;
+    num_tokens += prompts[i].size() + result.generated.new_tokens[i].size();
+    fmt::print("seq{}: {}\n", i, fmt::join(result.generated.new_tokens[i], " "));
   }
-  fmt::print("# {} sequences, {} tokens in {:.3f} s on {}, prompt logits checksum {:.6f}\n", prompts.size(), num_tokens,
-             seconds, where, checksum);
+  fmt::print("# {} sequences, {} tokens in {:.3f} s on cpu x {} in-process ranks, prompt logits checksum {:.6f}\n",
+             prompts.size(), num_tokens, seconds, layout.world_size(), checksum);
+  if (run.eplb.enabled) {
+    const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
+    const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);
+    const auto changed = std::count_if(result.rebalances.begin(), result.rebalances.end(),
+                                       [](const auto& report) { return !report.skipped; });
+    fmt::print("# eplb: {} rebalances ({} changed the placement), {} slots received over the network by rank 0; "
+               "recorder window balancedness: initial placement {:.4f} -> live placement {:.4f}\n",
+               result.rebalances.size(), changed, result.migration.num_received, before.balancedness_mean,
+               after.balancedness_mean);
+  }
   if (!flags.dump_logits_file.empty()) fmt::print("# prompt logits written to {}\n", flags.dump_logits_file);
+  if (!run.dump_file.empty()) fmt::print("# expert distribution written to {}\n", run.dump_file);
 }
 
 }  // namespace
@@ -118,7 +140,11 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--prompt-tokens", flags->prompts, "Space-separated token ids of one sequence; repeat for a batch")
       ->required();
   cmd->add_option("--max-new-tokens", flags->max_new_tokens, "Tokens to generate per sequence")->capture_default_str();
-  cmd->add_flag("--greedy", flags->greedy, "Greedy decoding (argmax, lowest id on ties); the only decoding mode");
+  cmd->add_flag("--greedy", flags->greedy, "Greedy decoding (argmax, lowest id on ties); the default");
+  cmd->add_option("--temperature", flags->sampling.temperature, "Sampling temperature (0: greedy)")->capture_default_str();
+  cmd->add_option("--top-p", flags->sampling.top_p, "Nucleus sampling threshold in (0, 1]")->capture_default_str();
+  cmd->add_option("--top-k", flags->sampling.top_k, "Keep the k most likely tokens (0: all)")->capture_default_str();
+  cmd->add_option("--seed", flags->seed, "Sampling seed (every rank draws the same tokens)")->capture_default_str();
   cmd->add_option("--dump-logits", flags->dump_logits_file, "Write prompt logits seq{i}.logits [T][V] (safetensors)");
   cmd->add_option("--tp", flags->parallel.tp, "Ranks per pipeline stage (tensor parallel)")->capture_default_str();
   cmd->add_option("--dp", flags->parallel.dp, "Attention data-parallel groups (with --enable-dp-attention)")
@@ -137,8 +163,24 @@ void register_generate_command(CLI::App& app) {
                   "Redundant expert slots per MoE layer (P = num_experts + R, divisible by --ep)")
       ->capture_default_str();
   cmd->add_option("--init-expert-location", flags->init_expert_location,
-                  "'trivial' or a placement JSON file (physical_to_logical_map [MoE layers][P])")
+                  "'trivial', a placement JSON (physical_to_logical_map [MoE layers][P]) or a loads file planned at start")
       ->capture_default_str();
+  cmd->add_flag("--enable-eplb", flags->enable_eplb, "Rebalance expert placement live (needs --ep > 1)");
+  cmd->add_option("--eplb-rebalance-num-iterations", flags->eplb.rebalance_num_iterations,
+                  "Forward passes between rebalances")
+      ->capture_default_str()
+      ->each([flags](const std::string&) { flags->eplb_only_flags_given.push_back("--eplb-rebalance-num-iterations"); });
+  cmd->add_option("--eplb-rebalance-layers-per-chunk", flags->eplb.rebalance_layers_per_chunk,
+                  "MoE layers per rebalance (0: all)")
+      ->capture_default_str()
+      ->each([flags](const std::string&) { flags->eplb_only_flags_given.push_back("--eplb-rebalance-layers-per-chunk"); });
+  cmd->add_option("--expert-distribution-recorder-mode", flags->recorder_mode, "stat | per_pass | per_token")
+      ->capture_default_str();
+  cmd->add_option("--expert-distribution-recorder-buffer-size", flags->eplb.recorder_buffer_size,
+                  "Forward passes in the recorder's window")
+      ->capture_default_str();
+  cmd->add_option("--expert-distribution-dump", flags->expert_distribution_dump,
+                  "Write the recorder's window (JSON that `fulcrum plan --loads` reads)");
   cmd->callback([flags] { run_generate(*flags); });
 }
 

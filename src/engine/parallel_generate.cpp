@@ -1,52 +1,60 @@
 #include "engine/parallel_generate.hpp"
 
-#include <algorithm>
-#include <mutex>
-
 #include "backend/cpu/cpu_backend.hpp"
 #include "comm/in_process_communicator.hpp"
 #include "eplb/error.hpp"
+#include "eplb_runtime/eplb_manager.hpp"
+#include "eplb_runtime/initial_placement.hpp"
 
 namespace fulcrum::engine {
 
-model::GenerateResult generate_greedy(RankEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                      int max_new_tokens) {
-  FULCRUM_CHECK(max_new_tokens >= 0, "max_new_tokens must not be negative, got {}", max_new_tokens);
-  std::vector<int64_t> capacities;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    FULCRUM_CHECK(!prompts[i].empty(), "prompt {} is empty", i);
-    capacities.push_back(static_cast<int64_t>(prompts[i].size()) + std::max(max_new_tokens, 1));
-  }
-  engine.reset(capacities);
-  model::GenerateResult result;
-  result.new_tokens.resize(prompts.size());
-  result.prompt_logits = engine.forward(prompts);  // per sequence [prompt_len, vocab_size]
-  const auto vocab_size = static_cast<size_t>(engine.model().config().vocab_size);
-  std::vector<std::vector<int32_t>> next(prompts.size());  // one token per sequence
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    next[i] = {model::argmax(std::span<const float>(result.prompt_logits[i].data).last(vocab_size))};
-  }
-  for (int step = 0; step < max_new_tokens; ++step) {
-    for (size_t i = 0; i < prompts.size(); ++i) result.new_tokens[i].push_back(next[i][0]);
-    if (step + 1 == max_new_tokens) break;
-    const std::vector<model::HostTensor> logits = engine.forward(next);  // per sequence [1, vocab_size]
-    for (size_t i = 0; i < prompts.size(); ++i) next[i] = {model::argmax(logits[i].data)};
-  }
-  return result;
+std::vector<model::HostTensor> RankDecodeTarget::forward(const std::vector<std::vector<int32_t>>& new_tokens) {
+  std::vector<model::HostTensor> logits = engine_.forward(new_tokens);
+  if (eplb_ != nullptr) eplb_->after_forward_pass();
+  return logits;
 }
 
-model::GenerateResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
-                                          const ParallelLayout& layout, const eplb::Placement* placement,
-                                          const EngineOptions& options,
-                                          const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens) {
-  model::GenerateResult result;
+InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
+                                    const ParallelLayout& layout, const InProcessRun& run,
+                                    const std::vector<std::vector<int32_t>>& prompts) {
+  const int num_moe_layers = static_cast<int>(config.moe_layer_indices().size());
+  const bool has_moe = num_moe_layers > 0;
+  const bool record = has_moe && (run.record || run.eplb.enabled || !run.dump_file.empty());
+  FULCRUM_CHECK(has_moe || run.dump_file.empty(), "--expert-distribution-dump: the model has no MoE layer to record");
+  if (run.eplb.enabled) {
+    const std::string why = why_eplb_cannot_run(layout, config);
+    FULCRUM_CHECK(why.empty(), "EPLB cannot run: {}", why);
+  }
+  if (record) validate_eplb_settings(run.eplb);
+  InProcessResult result;
+  if (has_moe) {
+    const eplb::Topology topo{layout.num_physical_experts(), layout.ep(), 1};
+    result.initial_placement = eplb_runtime::make_initial_placement(run.init_expert_location, topo, num_moe_layers,
+                                                                    config.num_experts,
+                                                                    eplb_runtime::default_planner_name());
+  }
   comm::run_in_process(layout.world_size(), [&](int rank, comm::Communicator& world) {
     backend::CpuBackend backend;
-    RankEngine engine(config, layout, world, backend, placement, options);
+    RankEngine engine(config, layout, world, backend, has_moe ? &result.initial_placement : nullptr, run.engine);
     model::Checkpoint checkpoint(model_dir);
     engine.load_weights(checkpoint);
-    model::GenerateResult mine = generate_greedy(engine, prompts, max_new_tokens);
-    if (rank == 0) result = std::move(mine);
+    std::unique_ptr<RankEplb> eplb;
+    if (record) eplb = std::make_unique<RankEplb>(engine, world, backend, result.initial_placement, run.eplb);
+    RankDecodeTarget target(engine, eplb.get());
+    model::GenerateResult mine = model::generate(target, prompts, run.decode);
+    eplb::LoadMatrix window;
+    if (eplb != nullptr) {
+      window = eplb->merged_window_loads();
+      if (!run.dump_file.empty()) eplb->dump(run.dump_file);
+    }
+    if (rank != 0) return;
+    result.generated = std::move(mine);
+    result.window_loads = std::move(window);
+    result.final_placement = eplb != nullptr ? eplb->live_placement() : result.initial_placement;
+    if (eplb != nullptr) {
+      result.rebalances = eplb->rebalances();
+      result.migration = eplb->migration_totals();
+    }
   });
   return result;
 }

@@ -1,25 +1,53 @@
 #pragma once
-// Greedy decoding on the parallel engine, its ranks run as threads of this process (CPU backend).
+// Generation on the parallel engine, its ranks run as threads of this process (CPU backend), with the
+// EPLB loop between forward passes. The decode loop itself is model::generate (one loop for every path).
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/engine_options.hpp"
 #include "engine/parallel_layout.hpp"
+#include "engine/rank_eplb.hpp"
 #include "engine/rank_engine.hpp"
 #include "model/generate.hpp"
 
 namespace fulcrum::engine {
 
-// Greedy decoding on one rank (collective: every rank calls it with the same prompts). Same contract as
-// model::generate_greedy: prompts prefilled in one batch, then one token per sequence per step.
-model::GenerateResult generate_greedy(RankEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                      int max_new_tokens);
+// One rank as a model::DecodeTarget: engine forward passes, then the EPLB step (when `eplb` is given).
+class RankDecodeTarget final : public model::DecodeTarget {
+ public:
+  RankDecodeTarget(RankEngine& engine, RankEplb* eplb) : engine_(engine), eplb_(eplb) {}
+  void reset(const std::vector<int64_t>& capacities) override { engine_.reset(capacities); }
+  std::vector<model::HostTensor> forward(const std::vector<std::vector<int32_t>>& new_tokens) override;
 
-// Loads `model_dir` on layout.world_size() in-process ranks (each reads only its slices) and decodes;
-// returns rank 0's result (every rank has the same). `placement`: null for the trivial placement.
-model::GenerateResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
-                                          const ParallelLayout& layout, const eplb::Placement* placement,
-                                          const EngineOptions& options,
-                                          const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens);
+ private:
+  RankEngine& engine_;
+  RankEplb* eplb_;
+};
+
+struct InProcessRun {
+  std::string init_expert_location = "trivial";  // --init-expert-location (eplb_runtime/initial_placement.hpp)
+  EngineOptions engine;
+  bool record = false;        // count routing (implied by EPLB and by a dump)
+  EplbSettings eplb;          // used when record; eplb.enabled: rebalance
+  std::string dump_file;      // --expert-distribution-dump: the recorder's JSON, merged over ranks
+  model::DecodeOptions decode;
+};
+
+struct InProcessResult {
+  model::GenerateResult generated;  // world rank 0's (every rank has the same)
+  eplb::Placement initial_placement;
+  eplb::Placement final_placement;  // the live placement after the last pass
+  std::vector<eplb_runtime::RebalanceReport> rebalances;
+  eplb_runtime::MigrationStats migration;  // world rank 0's
+  eplb::LoadMatrix window_loads;           // the recorder's window at the end, summed over ranks (when recording)
+};
+
+// Loads `model_dir` on layout.world_size() in-process ranks (each reads only its slices) and generates.
+// With run.eplb.enabled and a layout EPLB cannot run on (why_eplb_cannot_run), throws: the caller decides
+// whether to turn EPLB off and say so.
+InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
+                                    const ParallelLayout& layout, const InProcessRun& run,
+                                    const std::vector<std::vector<int32_t>>& prompts);
 
 }  // namespace fulcrum::engine

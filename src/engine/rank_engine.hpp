@@ -31,8 +31,12 @@ class RankEngine {
   RankEngine& operator=(const RankEngine&) = delete;
 
   const RankCoords& coords() const { return coords_; }
+  const ParallelLayout& layout() const { return layout_; }
   model::Qwen3MoeModel& model() { return *model_; }
   const TokenDispatcher* dispatcher() const { return ops_ ? &ops_->dispatcher() : nullptr; }
+
+  // Replaces the routing hook (between forward passes): how the EPLB recorder attaches to a built engine.
+  void set_routing_hook(RoutingHook hook) { options_.on_routing = std::move(hook); }
 
   // Reads this rank's slices of the weights.
   void load_weights(model::Checkpoint& checkpoint);

@@ -6,9 +6,10 @@ namespace fulcrum::eplb_runtime {
 
 EplbRuntime::EplbRuntime(ExpertRecorder& recorder, EplbManager& manager, std::vector<model::ExpertSlotView> views,
                          SlotCopyExecutor& executor, comm::Communicator& load_comm, comm::Communicator& ep_comm,
-                         MigrationOptions migration_options)
+                         MigrationOptions migration_options, LayerSwitchedFn on_layer_switched)
     : recorder_(recorder), manager_(manager), views_(std::move(views)), executor_(executor), load_comm_(load_comm),
-      ep_comm_(ep_comm), migration_options_(migration_options), live_(manager.placement()) {
+      ep_comm_(ep_comm), migration_options_(migration_options), live_(manager.placement()),
+      on_layer_switched_(std::move(on_layer_switched)) {
   const auto& recorder_options = recorder.options();
   FULCRUM_CHECK(recorder_options.num_moe_layers == live_.num_layers &&
                     recorder_options.num_logical_experts == live_.num_logical_experts,
@@ -26,6 +27,7 @@ std::vector<int> EplbRuntime::step_migration() {
   for (const int layer_idx : switched) {
     const auto row = migration_->live_placement().layer(layer_idx);
     std::copy(row.begin(), row.end(), live_.layer(layer_idx).begin());
+    if (on_layer_switched_) on_layer_switched_(layer_idx, row);
   }
   if (migration_->done()) {
     const MigrationStats& s = migration_->stats();

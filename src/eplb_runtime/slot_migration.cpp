@@ -35,6 +35,12 @@ PlacementMigration::PlacementMigration(const eplb::Placement& from, const eplb::
                       view.down.dim(0) == slots_per_rank,
                   "slot migration: MoE layer {}: the view holds {} slots, EP rank {} of {} should hold {} (P = {})",
                   view.moe_layer_idx, view.num_slots, rank, topo.num_gpus, slots_per_rank, topo.num_physical_experts);
+    // An engine view knows where its slots sit; a bare view (slot_begin 0, no layer size) is taken at face value.
+    FULCRUM_CHECK(view.num_physical_experts == 0 || (view.slot_begin == rank * slots_per_rank &&
+                                                      view.num_physical_experts == topo.num_physical_experts),
+                  "slot migration: MoE layer {}: the view holds slots [{}, +{}) of {}, EP rank {} should hold [{}, +{}) of {}",
+                  view.moe_layer_idx, view.slot_begin, view.num_slots, view.num_physical_experts, rank,
+                  rank * slots_per_rank, slots_per_rank, topo.num_physical_experts);
     const auto old_map = from.layer(view.moe_layer_idx);
     for (int local = 0; local < slots_per_rank; ++local) {
       const int global = rank * slots_per_rank + local;

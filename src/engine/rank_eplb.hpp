@@ -1,0 +1,75 @@
+#pragma once
+// The EPLB loop on one rank of the parallel engine (--enable-eplb): the recorder counts this rank's
+// routing through the engine's RoutingHook, the manager rebalances every N forward passes on the loads
+// merged over the whole world (so every rank derives the same placement), and the migration moves slots
+// layer by layer between forward passes.
+//
+// Groups: every rank records the tokens it originates in the MoE exchange, so the world's recorders
+// together saw every token once (load_comm = world). Slots migrate among the EP ranks of a stage that
+// hold the same slice of moe_intermediate_size (ep_comm: same stage, same moe_tp_rank, rank = ep_rank);
+// each of the M = tp / ep slices migrates on its own, with the same plan. A layer's whole map (what
+// replica choice reads) switches when its slots are complete (RankEngine::commit_layer_placement).
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "engine/parallel_layout.hpp"
+#include "engine/rank_engine.hpp"
+#include "eplb_runtime/eplb_runtime.hpp"
+#include "eplb_runtime/expert_recorder.hpp"
+
+namespace fulcrum::engine {
+
+struct EplbSettings {
+  bool enabled = false;  // --enable-eplb: rebalance and migrate (else the recorder only counts, for a dump)
+  eplb_runtime::RecorderMode recorder_mode = eplb_runtime::RecorderMode::kStat;  // --expert-distribution-recorder-mode
+  int recorder_buffer_size = 1000;        // --expert-distribution-recorder-buffer-size
+  int rebalance_num_iterations = 1000;    // --eplb-rebalance-num-iterations
+  int rebalance_layers_per_chunk = 0;     // --eplb-rebalance-layers-per-chunk (0: all)
+  double skip_balancedness = 0.95;        // layers at or above it are kept (ManagerOptions)
+  std::function<void(const std::string&)> log;  // world rank 0's line per rebalance; empty: stderr
+};
+
+// Throws fulcrum::Error (one line) on a bad value; what the CLI checks before starting ranks.
+void validate_eplb_settings(const EplbSettings& settings);
+
+// Why EPLB cannot run with this layout and model ("" when it can): a single EP rank, no MoE layer.
+std::string why_eplb_cannot_run(const ParallelLayout& layout, const model::Qwen3MoeConfig& config);
+
+class RankEplb {
+ public:
+  // Collective over `world` (it splits ep_comm). `initial`: the placement the engine was built with
+  // (its topology is set to the layout's). The engine, world and backend must outlive this object.
+  RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend& backend, const eplb::Placement& initial,
+           const EplbSettings& settings);
+  ~RankEplb();
+
+  // Collective: closes the recorder's pass; with EPLB, rebalances when due and moves one layer.
+  void after_forward_pass();
+
+  // Collective: the recorder's window summed over every rank (exact, the same on every rank).
+  eplb::LoadMatrix merged_window_loads();
+  // Collective: merges the recorders over the world, then world rank 0 writes the dump `fulcrum plan` reads.
+  void dump(const std::string& path);
+
+  bool enabled() const { return runtime_ != nullptr; }
+  // The rebalances so far (every rank has the same).
+  std::vector<eplb_runtime::RebalanceReport> rebalances() const;
+  // The placement dispatch runs on now (rows of other stages' layers: as planned).
+  const eplb::Placement& live_placement() const;
+  eplb_runtime::MigrationStats migration_totals() const;
+
+ private:
+  RankEngine& engine_;
+  comm::Communicator& world_;
+  eplb::Placement initial_;
+  std::unique_ptr<eplb_runtime::ExpertRecorder> recorder_;
+  std::unique_ptr<comm::Communicator> ep_comm_;
+  std::unique_ptr<eplb_runtime::EplbManager> manager_;
+  std::unique_ptr<eplb_runtime::SlotCopyExecutor> executor_;
+  std::unique_ptr<eplb_runtime::EplbRuntime> runtime_;
+};
+
+}  // namespace fulcrum::engine
