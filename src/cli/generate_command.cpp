@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "backend/cpu/cpu_backend.hpp"
+#include "cli/backend_factory.hpp"
 #include "cli/commands.hpp"
 #include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
@@ -58,13 +58,15 @@ std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, in
 }
 
 void run_generate(const GenerateFlags& flags) {
-  FULCRUM_CHECK(flags.device == "cpu", "unknown device '{}' (available: cpu)", flags.device);
+  FULCRUM_CHECK(flags.device != "cuda" || !flags.uses_engine(), "--device {}: the parallel engine runs on cpu only",
+                flags.device);
   FULCRUM_CHECK(flags.max_new_tokens >= 0, "--max-new-tokens must not be negative, got {}", flags.max_new_tokens);
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(flags.model_dir);
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
 
-  backend::CpuBackend backend;
+  const std::unique_ptr<model::Backend> backend_owner = make_backend(flags.device);  // "cpu" or "cuda"
+  model::Backend& backend = *backend_owner;
   const auto start = std::chrono::steady_clock::now();
   model::GenerateResult result;
   std::string where = backend.name();
@@ -114,7 +116,7 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--model", flags->model_dir, "Checkpoint folder (config.json, *.safetensors)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  cmd->add_option("--device", flags->device, "Backend")->capture_default_str();
+  cmd->add_option("--device", flags->device, "Backend: cpu | cuda")->capture_default_str();
   cmd->add_option("--prompt-tokens", flags->prompts, "Space-separated token ids of one sequence; repeat for a batch")
       ->required();
   cmd->add_option("--max-new-tokens", flags->max_new_tokens, "Tokens to generate per sequence")->capture_default_str();
