@@ -58,18 +58,26 @@ __global__ void attention_kernel(const float* q, const float* k_cache, const flo
   }
 }
 
+
+constexpr size_t kStaticSharedBytes = 32 * sizeof(float);  // attention_kernel's reduction scratch
+
+// Dynamic shared memory: the query and the scores.
+size_t dynamic_shared_bytes(int64_t head_dim, int64_t num_keys) {
+  return static_cast<size_t>(head_dim + num_keys) * sizeof(float);
+}
+
 }  // namespace
 
 size_t attention_shared_bytes(int64_t head_dim, int64_t num_keys) {
-  return static_cast<size_t>(head_dim + num_keys) * sizeof(float);
+  return dynamic_shared_bytes(head_dim, num_keys) + kStaticSharedBytes;
 }
 
 cudaError_t launch_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                              int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t start_pos, cudaStream_t stream) {
   if (num_tokens == 0 || num_heads == 0 || head_dim == 0) return cudaSuccess;
-  const size_t shared_bytes = attention_shared_bytes(head_dim, start_pos + num_tokens);
-  if (shared_bytes > kDefaultSharedBytes) {
+  const size_t shared_bytes = dynamic_shared_bytes(head_dim, start_pos + num_tokens);
+  if (shared_bytes + kStaticSharedBytes > kDefaultSharedBytes) {
     const cudaError_t status = cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(shared_bytes));
     if (status != cudaSuccess) return status;

@@ -269,8 +269,8 @@ model::RouterChoice CudaBackend::route(const Tensor& router_logits, int top_k, b
   check_cuda_tensor(router_logits, "router logits");
   const int64_t num_tokens = router_logits.dim(0), num_experts = router_logits.dim(1);
   FULCRUM_CHECK(top_k > 0 && top_k <= num_experts, "route: top-k {} out of range for {} experts", top_k, num_experts);
-  FULCRUM_CHECK(num_experts * sizeof(float) <= max_shared_bytes_per_block_, "route: {} experts do not fit a block",
-                num_experts);
+  FULCRUM_CHECK(num_experts <= cuda::kMaxRouteExperts, "route: {} experts, the CUDA router handles at most {}",
+                num_experts, cuda::kMaxRouteExperts);
   model::RouterChoice choice;
   choice.top_k = top_k;
   const size_t num_entries = static_cast<size_t>(num_tokens * top_k);

@@ -31,7 +31,7 @@ cudaError_t launch_rms_norm(const float* x, const float* weight, float* out, int
 cudaError_t launch_rope(float* x, const float* cos_sin, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                         cudaStream_t stream);
 
-// Bytes of dynamic shared memory the attention kernel needs for a query seeing `num_keys` keys.
+// Bytes of shared memory (dynamic plus static) the attention kernel needs for a query seeing `num_keys` keys.
 size_t attention_shared_bytes(int64_t head_dim, int64_t num_keys);
 // Causal GQA of one sequence: q [num_tokens, num_heads, head_dim]; caches [capacity, num_kv_heads, head_dim];
 // query t sees cache rows [0, start_pos + t]; out [num_tokens, num_heads * head_dim].
@@ -39,6 +39,8 @@ cudaError_t launch_attention(const float* q, const float* k_cache, const float* 
                              int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t start_pos, cudaStream_t stream);
 
+// Most experts launch_route handles (its probabilities live in shared memory without an opt-in).
+constexpr int kMaxRouteExperts = 8192;
 // Per token: softmax of router_logits [num_tokens, num_experts] (double accumulation, fp32 probabilities),
 // top-k by descending probability (ties: lower expert index first), optional renormalization (fp32 sum in
 // j order). expert_ids and weights are [num_tokens, top_k].

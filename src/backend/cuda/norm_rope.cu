@@ -18,11 +18,12 @@ __global__ void rms_norm_kernel(const float* x, const float* weight, float* out,
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = __fmul_rn(weight[i], __fmul_rn(in[i], inv_rms));
 }
 
-__global__ void rope_kernel(float* x, const float* cos_sin, int64_t num_tokens, int64_t num_heads, int64_t half) {
+__global__ void rope_kernel(float* x, const float* cos_sin, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                            int64_t half) {
   const int64_t n = num_tokens * num_heads * half;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n; idx += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = idx % half, th = idx / half, t = th / num_heads;
-    float* v = x + th * 2 * half;
+    float* v = x + th * head_dim;  // (token, head) row; an odd head_dim's last value stays, as on the CPU
     const float c = cos_sin[t * 2 * half + i], s = cos_sin[t * 2 * half + half + i];
     const float a = v[i], b = v[i + half];
     v[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
@@ -44,7 +45,7 @@ cudaError_t launch_rope(float* x, const float* cos_sin, int64_t num_tokens, int6
   const int64_t half = head_dim / 2;
   if (num_tokens * num_heads * half == 0) return cudaSuccess;
   rope_kernel<<<grid_for(num_tokens * num_heads * half), kThreadsPerBlock, 0, stream>>>(x, cos_sin, num_tokens,
-                                                                                         num_heads, half);
+                                                                                         num_heads, head_dim, half);
   return cudaGetLastError();
 }
 
