@@ -145,7 +145,9 @@ TEST_F(CudaBackendTest, RmsNormMatchesCpu) {
 TEST_F(CudaBackendTest, MatmulMatchesCpu) {
   for (const int64_t in_features : {64, 2048}) {
     for (const int64_t out_features : {int64_t{256}, int64_t{96}, in_features}) {
-      const auto [w_cpu, w_cuda] = random_both({out_features, in_features}, 7);
+      // Weights scaled like an initializer (1 / sqrt(in_features)), so outputs are O(1) as in the model.
+      const float w_scale = 1.0f / std::sqrt(static_cast<float>(in_features));
+      const auto [w_cpu, w_cuda] = random_both({out_features, in_features}, 7, -w_scale, w_scale);
       for (const int64_t rows : {0, 1, 19, 33}) {  // 0: an expert with no tokens
         const auto [x_cpu, x_cuda] = random_both({rows, in_features}, 8 + static_cast<uint32_t>(rows));
         expect_close(cuda_->matmul(x_cuda, w_cuda), cpu_.matmul(x_cpu, w_cpu), kMatmulTolerance,
