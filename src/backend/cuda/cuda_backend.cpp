@@ -43,14 +43,16 @@ class Scratch {
   cudaStream_t stream_;
 };
 
-// Copies a host span into fresh stream-ordered device memory. From pageable memory cudaMemcpyAsync returns
-// once the source has been staged, so the span may go away right after.
+// Copies a host span into fresh stream-ordered device memory. The runtime documents an asynchronous copy
+// from pageable memory only as "might be synchronous", so the stream is synchronized before returning: the
+// span may go away right after (a pinned staging buffer would remove this wait; correctness first).
 template <typename T>
 Scratch upload_span(std::span<const T> values, cudaStream_t stream) {
   Scratch scratch(values.size_bytes(), stream);
   if (!values.empty()) {
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(scratch.as<void>(), values.data(), values.size_bytes(), cudaMemcpyHostToDevice,
                                        stream));
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   return scratch;
 }
