@@ -227,7 +227,8 @@ TEST_F(CudaBackendTest, SiluMulAndAddMatchCpu) {
   }
 }
 
-void expect_same_choice(const model::RouterChoice& on_cuda, const model::RouterChoice& on_cpu, const std::string& what) {
+void expect_same_choice(const model::RouterChoice& on_cuda, const model::RouterChoice& on_cpu,
+                        const std::string& what) {
   EXPECT_EQ(on_cuda.top_k, on_cpu.top_k) << what;
   EXPECT_EQ(on_cuda.expert_ids, on_cpu.expert_ids) << what;
   EXPECT_LE(scaled_error(on_cuda.weights, on_cpu.weights), kRouteWeightTolerance) << what;

@@ -58,7 +58,8 @@ TEST_P(CudaGoldenModelTest, LogitsRouterLogitsAndGreedyMatchTransformers) {
     worst_logits = std::max(worst_logits, logits_diff);
     for (int k = 0; k < num_moe_layers; ++k) {
       const std::vector<float>& all = prefill_router.at(moe_layers[k]);
-      const std::span<const float> mine(all.data() + token_offset * config.num_experts, num_tokens * config.num_experts);
+      const std::span<const float> mine(all.data() + token_offset * config.num_experts,
+                                        num_tokens * config.num_experts);
       const float router_diff = max_abs_diff(mine, seq.router_logits[k].data);
       EXPECT_LE(router_diff, kLogitTolerance) << "sequence " << i << " MoE layer " << k;
       worst_router = std::max(worst_router, router_diff);
@@ -103,7 +104,8 @@ TEST_P(CudaGoldenModelTest, CudaMatchesCpuModel) {
   std::cout << "[ cuda vs cpu ] " << GetParam() << ": max |logits difference| = " << worst << "\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGoldenModelTest, ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix"),
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGoldenModelTest,
+                         ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');

@@ -190,8 +190,8 @@ Tensor CudaBackend::matmul(const Tensor& x, const Tensor& weight) {
             k = checked_int(in_features, "in_features");
   const float alpha = 1.0f, beta = 0.0f;
   FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, weight.data(), CUDA_R_32F, k,
-                                    x.data(), CUDA_R_32F, k, &beta, out.data(), CUDA_R_32F, m, CUBLAS_COMPUTE_32F_PEDANTIC,
-                                    CUBLAS_GEMM_DEFAULT));
+                                    x.data(), CUDA_R_32F, k, &beta, out.data(), CUDA_R_32F, m,
+                                    CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
   return out;
 }
 
