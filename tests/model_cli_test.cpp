@@ -55,7 +55,7 @@ TEST(ModelCli, GenerateErrorsAreOneLine) {
   TempDir dir("cli");
   const std::string model = "generate --model " + golden_model_dir("qwen3moe-tiny-128e");
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {model + " --prompt-tokens '1 2' --device cuda", "unknown device 'cuda'"},
+      {model + " --prompt-tokens '1 2' --device tpu", "unknown device 'tpu'"},
       {model + " --prompt-tokens '1 x'", "'x' is not a token id"},
       {model + " --prompt-tokens '1 256'", "token id 256 out of range [0, 256)"},
       {model + " --prompt-tokens ' '", "no token ids"},
@@ -69,6 +69,21 @@ TEST(ModelCli, GenerateErrorsAreOneLine) {
     EXPECT_NE(run.err.find(needle), std::string::npos) << args << " -> " << run.err;
     EXPECT_EQ(run.out, "") << args;
   }
+}
+
+// --device cuda runs where there is CUDA (build and device); elsewhere it fails with a one-line reason.
+TEST(ModelCli, GenerateOnCudaRunsOrSaysWhyNot) {
+  TempDir dir("cli");
+  const CliRun run =
+      run_cli(dir, "generate --model " + golden_model_dir("qwen3moe-tiny-128e") + " --prompt-tokens '1 2' --device cuda");
+  if (run.exit_code == 0) {
+    EXPECT_NE(run.out.find("on cuda"), std::string::npos) << run.out;
+    return;
+  }
+  EXPECT_EQ(run.err.rfind("fulcrum: error: ", 0), 0u) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  EXPECT_TRUE(run.err.find("no CUDA support") != std::string::npos || run.err.find("no CUDA device") != std::string::npos)
+      << run.err;
 }
 
 }  // namespace

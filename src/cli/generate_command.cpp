@@ -61,7 +61,8 @@ std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, in
 void warn(const std::string& line) { std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str()); }
 
 void run_generate(GenerateFlags& flags) {
-  FULCRUM_CHECK(flags.device == "cpu", "unknown device '{}' (available: cpu)", flags.device);
+  FULCRUM_CHECK(flags.device == "cpu" || flags.device == "cuda", "unknown device '{}' (available: cpu, cuda)",
+                flags.device);
   FULCRUM_CHECK(flags.max_new_tokens >= 0, "--max-new-tokens must not be negative, got {}", flags.max_new_tokens);
   FULCRUM_CHECK(!(flags.greedy && flags.sampling.temperature > 0.0f), "--greedy conflicts with --temperature {}",
                 flags.sampling.temperature);
@@ -73,7 +74,12 @@ void run_generate(GenerateFlags& flags) {
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
   const engine::ParallelLayout layout(flags.parallel, config);
 
+  // The MoE exchange between in-process ranks goes through host memory: CUDA runs the single-rank path.
+  FULCRUM_CHECK(flags.device == "cpu" || layout.world_size() == 1,
+                "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)",
+                flags.device, layout.world_size());
   engine::InProcessRun run;
+  run.device = flags.device;
   run.init_expert_location = flags.init_expert_location;
   run.engine.moe_a2a_backend = flags.moe_a2a_backend;
   run.engine.dispatch_algorithm = eplb::parse_dispatch_algorithm(flags.dispatch_algorithm);
@@ -112,8 +118,8 @@ void run_generate(GenerateFlags& flags) {
     num_tokens += prompts[i].size() + result.generated.new_tokens[i].size();
     fmt::print("seq{}: {}\n", i, fmt::join(result.generated.new_tokens[i], " "));
   }
-  fmt::print("# {} sequences, {} tokens in {:.3f} s on cpu x {} in-process ranks, prompt logits checksum {:.6f}\n",
-             prompts.size(), num_tokens, seconds, layout.world_size(), checksum);
+  fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} in-process ranks, prompt logits checksum {:.6f}\n",
+             prompts.size(), num_tokens, seconds, flags.device, layout.world_size(), checksum);
   if (run.eplb.enabled) {
     const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
     const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);

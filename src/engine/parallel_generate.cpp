@@ -1,6 +1,6 @@
 #include "engine/parallel_generate.hpp"
 
-#include "backend/cpu/cpu_backend.hpp"
+#include "engine/backend_factory.hpp"
 #include "comm/in_process_communicator.hpp"
 #include "eplb/error.hpp"
 #include "eplb_runtime/eplb_manager.hpp"
@@ -34,7 +34,8 @@ InProcessResult generate_in_process(const std::string& model_dir, const model::Q
                                                                     eplb_runtime::default_planner_name());
   }
   comm::run_in_process(layout.world_size(), [&](int rank, comm::Communicator& world) {
-    backend::CpuBackend backend;
+    const std::unique_ptr<model::Backend> backend_owner = make_backend(run.device);
+    model::Backend& backend = *backend_owner;
     RankEngine engine(config, layout, world, backend, has_moe ? &result.initial_placement : nullptr, run.engine);
     model::Checkpoint checkpoint(model_dir);
     engine.load_weights(checkpoint);

@@ -26,6 +26,7 @@ class RankDecodeTarget final : public model::DecodeTarget {
 };
 
 struct InProcessRun {
+  std::string device = "cpu";  // each rank's backend (backend_factory.hpp)
   std::string init_expert_location = "trivial";  // --init-expert-location (eplb_runtime/initial_placement.hpp)
   EngineOptions engine;
   bool record = false;        // count routing (implied by EPLB and by a dump)
