@@ -33,28 +33,43 @@ int idx_of_descending(uint64_t key) { return static_cast<int>(0xffffffffu - (key
 
 // Items (weights) into num_packs packs of equal item count; heaviest first into the lightest pack with room.
 // Equal weights keep index order; equal pack sums pick the lowest pack index.
-Packing balanced_packing(const std::vector<float>& weight, int num_packs) {
+// Scratch buffers are thread_local so that planning a layer does not allocate.
+void balanced_packing(const std::vector<float>& weight, int num_packs, Packing& packing) {
   const int num_items = static_cast<int>(weight.size());
   const int items_per_pack = num_items / num_packs;
-  Packing packing{std::vector<int>(num_items), std::vector<int>(num_items, 0)};
+  packing.pack_idx.resize(num_items);
+  packing.rank_in_pack.assign(num_items, 0);
   if (items_per_pack == 1) {
     std::iota(packing.pack_idx.begin(), packing.pack_idx.end(), 0);
-    return packing;
+    return;
   }
-  std::vector<uint64_t> order(num_items);
+  thread_local std::vector<uint64_t> order, tree;
+  thread_local std::vector<float> pack_weight;
+  thread_local std::vector<int> pack_items;
+  order.resize(num_items);
   for (int i = 0; i < num_items; ++i) order[i] = key_descending(weight[i], i);
   std::sort(order.begin(), order.end(), std::greater<>());
   // The lightest pack with room, lowest index on ties: a tournament tree of (sum, index) keys whose root is
   // the minimum; a full pack's key is the maximum. One update costs log2(packs) integer mins.
   int num_leaves = 1;
   while (num_leaves < num_packs) num_leaves *= 2;
-  std::vector<uint64_t> tree(2 * static_cast<size_t>(num_leaves), UINT64_MAX);
+  tree.assign(2 * static_cast<size_t>(num_leaves), UINT64_MAX);
   for (int p = 0; p < num_packs; ++p) tree[num_leaves + p] = key_ascending(0.0f, p);
+  pack_weight.assign(num_packs, 0.0f);
+  pack_items.assign(num_packs, 0);
+  // While every pack is empty and items weigh > 0, the lightest pack with room is simply the next one.
+  int num_dealt = 0;
+  while (num_dealt < num_packs && weight[idx_of_descending(order[num_dealt])] > 0.0f) {
+    const int item = idx_of_descending(order[num_dealt]);
+    packing.pack_idx[item] = num_dealt;
+    pack_items[num_dealt] = 1;
+    pack_weight[num_dealt] = weight[item];
+    tree[num_leaves + num_dealt] = key_ascending(pack_weight[num_dealt], num_dealt);
+    ++num_dealt;
+  }
   for (int i = num_leaves - 1; i >= 1; --i) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
-  std::vector<float> pack_weight(num_packs, 0.0f);
-  std::vector<int> pack_items(num_packs, 0);
-  for (uint64_t item_key : order) {
-    const int item = idx_of_descending(item_key);
+  for (size_t k = num_dealt; k < order.size(); ++k) {
+    const int item = idx_of_descending(order[k]);
     const int best = idx_of_ascending(tree[1]);
     packing.pack_idx[item] = best;
     packing.rank_in_pack[item] = pack_items[best]++;
@@ -63,7 +78,6 @@ Packing balanced_packing(const std::vector<float>& weight, int num_packs) {
     tree[node] = pack_items[best] < items_per_pack ? key_ascending(pack_weight[best], best) : UINT64_MAX;
     for (node /= 2; node >= 1; node /= 2) tree[node] = std::min(tree[2 * node], tree[2 * node + 1]);
   }
-  return packing;
 }
 
 // Replicates experts into num_physical slots: slot i < E holds expert i, each later slot the expert with
@@ -74,7 +88,8 @@ void replicate_experts(const std::vector<float>& weight, int num_physical, std::
   slot_to_expert.resize(num_physical);
   std::iota(slot_to_expert.begin(), slot_to_expert.begin() + num_experts, 0);
   counts.assign(num_experts, 1);
-  std::vector<uint64_t> heap(num_experts);  // max-heap on load per replica
+  thread_local std::vector<uint64_t> heap;  // max-heap on load per replica
+  heap.resize(num_experts);
   for (int e = 0; e < num_experts; ++e) heap[e] = key_descending(weight[e], e);
   std::make_heap(heap.begin(), heap.end());
   for (int slot = num_experts; slot < num_physical; ++slot) {
@@ -115,18 +130,21 @@ class DeepSeekPlanner final : public Planner {
     const int gpus_per_node = num_gpus / num_nodes;
     const int slots_per_gpu = num_physical / num_gpus;
 
-    std::vector<float> weight(expert_load.begin(), expert_load.end());
+    thread_local std::vector<float> weight, group_weight, node_weight, replica_weight;
+    thread_local std::vector<int> node_expert_to_logical, slot_to_node_expert, counts;
+    thread_local Packing group_packing, gpu_packing;
+    weight.assign(expert_load.begin(), expert_load.end());
 
     // Step 1: groups onto nodes. A group's token count is its float32 sum (computed exactly, then rounded).
-    std::vector<float> group_weight(num_groups);
+    group_weight.resize(num_groups);
     for (int g = 0; g < num_groups; ++g) {
       double sum = 0.0;
       for (int j = 0; j < group_size; ++j) sum += weight[g * group_size + j];
       group_weight[g] = static_cast<float>(sum);
     }
-    const Packing group_packing = balanced_packing(group_weight, num_nodes);
+    balanced_packing(group_weight, num_nodes, group_packing);
     // node_expert_to_logical: experts reordered so node n owns [n * experts_per_node, (n+1) * experts_per_node).
-    std::vector<int> node_expert_to_logical(num_experts);
+    node_expert_to_logical.resize(num_experts);
     for (int e = 0; e < num_experts; ++e) {
       const int g = e / group_size;
       const int position =
@@ -134,10 +152,8 @@ class DeepSeekPlanner final : public Planner {
       node_expert_to_logical[position] = e;
     }
 
-    std::vector<float> node_weight(experts_per_node);
-    std::vector<int> slot_to_node_expert;
-    std::vector<int> counts;
-    std::vector<float> replica_weight(physical_per_node);
+    node_weight.resize(experts_per_node);
+    replica_weight.resize(physical_per_node);
     for (int node = 0; node < num_nodes; ++node) {
       // Step 2: replicas within the node.
       for (int j = 0; j < experts_per_node; ++j) {
@@ -149,7 +165,7 @@ class DeepSeekPlanner final : public Planner {
         const int j = slot_to_node_expert[i];
         replica_weight[i] = node_weight[j] / static_cast<float>(counts[j]);
       }
-      const Packing gpu_packing = balanced_packing(replica_weight, gpus_per_node);
+      balanced_packing(replica_weight, gpus_per_node, gpu_packing);
       for (int i = 0; i < physical_per_node; ++i) {
         const int slot = node * physical_per_node + gpu_packing.pack_idx[i] * slots_per_gpu + gpu_packing.rank_in_pack[i];
         out_map[slot] = node_expert_to_logical[node * experts_per_node + slot_to_node_expert[i]];

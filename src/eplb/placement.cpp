@@ -10,17 +10,26 @@ void Placement::validate() const {
   FULCRUM_CHECK(physical_to_logical_map.size() == expected,
                 "physical_to_logical_map has {} entries, expected {} layers x {} slots", physical_to_logical_map.size(),
                 num_layers, num_physical_experts());
-  std::vector<int> counts;
+  // Per layer: every id in range, every expert seen (a layer stamp avoids clearing the table per layer).
+  std::vector<int> seen_in_layer(num_logical_experts, -1);
   for (int layer_idx = 0; layer_idx < num_layers; ++layer_idx) {
     auto map = layer(layer_idx);
+    int num_seen = 0;
     for (int slot_idx = 0; slot_idx < num_physical_experts(); ++slot_idx) {
-      FULCRUM_CHECK(map[slot_idx] >= 0 && map[slot_idx] < num_logical_experts,
-                    "layer {} slot {}: logical expert {} out of range [0, {})", layer_idx, slot_idx, map[slot_idx],
+      const int32_t expert_idx = map[slot_idx];
+      FULCRUM_CHECK(expert_idx >= 0 && expert_idx < num_logical_experts,
+                    "layer {} slot {}: logical expert {} out of range [0, {})", layer_idx, slot_idx, expert_idx,
                     num_logical_experts);
+      if (seen_in_layer[expert_idx] != layer_idx) {
+        seen_in_layer[expert_idx] = layer_idx;
+        ++num_seen;
+      }
     }
-    counts = replica_counts(map, num_logical_experts);
-    for (int expert_idx = 0; expert_idx < num_logical_experts; ++expert_idx) {
-      FULCRUM_CHECK(counts[expert_idx] > 0, "layer {}: logical expert {} has no replica", layer_idx, expert_idx);
+    if (num_seen < num_logical_experts) {
+      for (int expert_idx = 0; expert_idx < num_logical_experts; ++expert_idx) {
+        FULCRUM_CHECK(seen_in_layer[expert_idx] == layer_idx, "layer {}: logical expert {} has no replica", layer_idx,
+                      expert_idx);
+      }
     }
   }
 }
