@@ -17,6 +17,9 @@
 // tokens. Per-token outputs are combined in ascending logical-expert order (as HF's expert loop does), so
 // logits do not depend on the placement at all.
 #include <functional>
+#include <map>
+#include <string>
+#include <utility>
 #include <memory>
 #include <span>
 #include <vector>
@@ -109,6 +112,13 @@ class Qwen3MoeModel {
   // With tie_word_embeddings, a stored lm_head.weight is accepted and ignored.
   void load_weights(Checkpoint& checkpoint);
 
+  // The weight cache (weight_cache.cpp): every tensor this stage and rank holds, in its own layout (expert
+  // slots as placed), in one safetensors file, so a restart skips per-tensor checkpoint loading. Loading
+  // it fills the same tensors the expert-slot views describe (they exist from construction either way);
+  // the file must have been written for this config, stage, shard and placement, else a one-line error.
+  void save_weight_cache(const std::string& path);
+  void load_weight_cache(const std::string& path);
+
   KvCache create_kv_cache(int64_t capacity);
 
   // Whole-model step (the stage must own every layer): logits [num_new_tokens, vocab_size] per sequence.
@@ -131,6 +141,8 @@ class Qwen3MoeModel {
   void load_layer(Layer& layer, Checkpoint& checkpoint);
   void load_expert_slot(Layer& layer, Checkpoint& checkpoint, int local_slot, int expert_idx);
   ExpertSlotView slot_view(Layer& layer);
+  std::vector<std::pair<std::string, Tensor>> named_tensors();  // weight cache names of every held tensor
+  std::map<std::string, std::string> weight_cache_identity();   // what a cache must match to be loaded
   Layer& checked_moe_layer(int layer_idx, std::span<const int32_t> layer_map);
 
   Qwen3MoeConfig config_;
