@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -130,6 +131,38 @@ TEST(WeightCache, RefusesACacheWrittenForSomethingElse) {
   model::Qwen3MoeModel fresh(config, cpu);
   EXPECT_FALSE(error_of([&] { fresh.load_weight_cache(truncated); }).empty());
   EXPECT_FALSE(error_of([&] { fresh.load_weight_cache(dir.file("absent.safetensors")); }).empty());
+}
+
+}  // namespace
+}  // namespace fulcrum::test
+
+namespace fulcrum::test {
+namespace {
+
+// generate --weight-cache: the first run writes one file per rank, the second reads only those (the
+// checkpoint file is gone by then) and prints the same tokens, on a layout whose stage 2 is dense only.
+TEST(WeightCache, GenerateRestartsFromTheCacheWithoutTheCheckpoint) {
+  TempDir dir("weight_cache_cli");
+  const std::string model_dir = dir.file("model");
+  std::filesystem::create_directories(model_dir);
+  for (const char* name : {"config.json", "model.safetensors"}) {
+    std::filesystem::copy_file(golden_model_dir(kMix) + "/" + name, model_dir + "/" + name);
+  }
+  const std::string args = "generate --model " + model_dir + " --prompt-tokens '4 8 15 16' --max-new-tokens 5 --pp 4 " +
+                           "--tp 2 --ep 2 --weight-cache " + dir.file("cache");
+  const CliRun first = run_cli(dir, args);
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  for (int rank = 0; rank < 8; ++rank) {
+    EXPECT_TRUE(std::filesystem::exists(dir.file("cache/rank" + std::to_string(rank) + ".safetensors"))) << rank;
+  }
+  std::filesystem::remove(model_dir + "/model.safetensors");
+  const CliRun second = run_cli(dir, args);
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  const auto tokens = [](const std::string& out) {
+    const size_t begin = out.find("seq0:");
+    return out.substr(begin, out.find('\n', begin) - begin);
+  };
+  EXPECT_EQ(tokens(second.out), tokens(first.out));
 }
 
 }  // namespace

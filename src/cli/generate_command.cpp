@@ -19,6 +19,7 @@ namespace {
 struct GenerateFlags {
   std::string model_dir;
   std::string device = "cpu";
+  std::string weight_cache_dir;
   std::vector<std::string> prompts;
   int max_new_tokens = 16;
   bool greedy = false;
@@ -80,6 +81,7 @@ void run_generate(GenerateFlags& flags) {
                 flags.device, layout.world_size());
   engine::InProcessRun run;
   run.device = flags.device;
+  run.weight_cache_dir = flags.weight_cache_dir;
   run.init_expert_location = flags.init_expert_location;
   run.engine.moe_a2a_backend = flags.moe_a2a_backend;
   run.engine.dispatch_algorithm = eplb::parse_dispatch_algorithm(flags.dispatch_algorithm);
@@ -143,6 +145,8 @@ void register_generate_command(CLI::App& app) {
       ->required()
       ->check(CLI::ExistingDirectory);
   cmd->add_option("--device", flags->device, "Backend")->capture_default_str();
+  cmd->add_option("--weight-cache", flags->weight_cache_dir,
+                  "Folder of per-rank weight caches: loaded when present (skipping the checkpoint), else written");
   cmd->add_option("--prompt-tokens", flags->prompts, "Space-separated token ids of one sequence; repeat for a batch")
       ->required();
   cmd->add_option("--max-new-tokens", flags->max_new_tokens, "Tokens to generate per sequence")->capture_default_str();

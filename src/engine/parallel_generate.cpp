@@ -1,5 +1,9 @@
 #include "engine/parallel_generate.hpp"
 
+#include <filesystem>
+
+#include <fmt/format.h>
+
 #include "engine/backend_factory.hpp"
 #include "comm/in_process_communicator.hpp"
 #include "eplb/error.hpp"
@@ -7,6 +11,24 @@
 #include "eplb_runtime/initial_placement.hpp"
 
 namespace fulcrum::engine {
+namespace {
+
+void load_rank_weights(model::Qwen3MoeModel& model, const std::string& model_dir, const std::string& cache_dir,
+                       int rank) {
+  const std::string cache_file = cache_dir.empty() ? "" : fmt::format("{}/rank{}.safetensors", cache_dir, rank);
+  if (!cache_file.empty() && std::filesystem::exists(cache_file)) {
+    model.load_weight_cache(cache_file);
+    return;
+  }
+  model::Checkpoint checkpoint(model_dir);
+  model.load_weights(checkpoint);
+  if (!cache_file.empty()) {
+    std::filesystem::create_directories(cache_dir);
+    model.save_weight_cache(cache_file);
+  }
+}
+
+}  // namespace
 
 std::vector<model::HostTensor> RankDecodeTarget::forward(const std::vector<std::vector<int32_t>>& new_tokens) {
   std::vector<model::HostTensor> logits = engine_.forward(new_tokens);
@@ -37,8 +59,7 @@ InProcessResult generate_in_process(const std::string& model_dir, const model::Q
     const std::unique_ptr<model::Backend> backend_owner = make_backend(run.device);
     model::Backend& backend = *backend_owner;
     RankEngine engine(config, layout, world, backend, has_moe ? &result.initial_placement : nullptr, run.engine);
-    model::Checkpoint checkpoint(model_dir);
-    engine.load_weights(checkpoint);
+    load_rank_weights(engine.model(), model_dir, run.weight_cache_dir, rank);
     std::unique_ptr<RankEplb> eplb;
     if (record) eplb = std::make_unique<RankEplb>(engine, world, backend, result.initial_placement, run.eplb);
     RankDecodeTarget target(engine, eplb.get());

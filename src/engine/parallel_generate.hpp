@@ -27,6 +27,9 @@ class RankDecodeTarget final : public model::DecodeTarget {
 
 struct InProcessRun {
   std::string device = "cpu";  // each rank's backend (backend_factory.hpp)
+  // --weight-cache DIR: each rank loads DIR/rank{r}.safetensors when present (no checkpoint reading), else
+  // loads the checkpoint and writes that file (Qwen3MoeModel::save_weight_cache).
+  std::string weight_cache_dir;
   std::string init_expert_location = "trivial";  // --init-expert-location (eplb_runtime/initial_placement.hpp)
   EngineOptions engine;
   bool record = false;        // count routing (implied by EPLB and by a dump)
