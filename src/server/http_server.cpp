@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include "server/api_error.hpp"
 #include "server/responses.hpp"
@@ -29,6 +30,7 @@ struct HttpServer::Impl {
   HttpServerOptions options;
   httplib::Server http;
   std::atomic<bool> draining{false};
+  int listen_socket = -1;
 
   Impl(Scheduler& s, ServerMetrics& m, ExpertDistributionRecorder* r, HttpServerOptions o)
       : scheduler(s), metrics(m), recorder(r), options(std::move(o)) {}
@@ -167,6 +169,13 @@ HttpServer::HttpServer(Scheduler& scheduler, ServerMetrics& metrics, ExpertDistr
   const int threads = impl_->options.threads;
   impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   impl_->http.set_payload_max_length(impl_->options.max_body_bytes);
+  // Reuse connections for long (each reconnect costs an accept), and remember the listening socket:
+  // bind() widens its backlog, which the packaged library fixes at 5 (a burst of clients would overflow it).
+  impl_->http.set_keep_alive_max_count(100000);
+  impl_->http.set_socket_options([impl = impl_.get()](int sock) {
+    httplib::default_socket_options(sock);
+    impl->listen_socket = sock;
+  });
   impl_->routes();
 }
 
@@ -175,6 +184,8 @@ HttpServer::~HttpServer() = default;
 int HttpServer::bind(const std::string& host, int port) {
   const int bound = port == 0 ? impl_->http.bind_to_any_port(host) : (impl_->http.bind_to_port(host, port) ? port : -1);
   FULCRUM_CHECK(bound > 0, "cannot listen on {}:{}", host, port);
+  FULCRUM_CHECK(impl_->listen_socket >= 0 && ::listen(impl_->listen_socket, SOMAXCONN) == 0,
+                "cannot widen the listen backlog on {}:{}", host, bound);
   return bound;
 }
 

@@ -82,7 +82,11 @@ std::string one_request(httplib::Client& client, const ServedModel& model, const
   const Clock::time_point start = Clock::now();
   const httplib::Result res = client.send(req);
   const Clock::time_point end = Clock::now();
-  if (!res) return error.empty() ? "transport: " + httplib::to_string(res.error()) : error;
+  if (!res) {
+    return fmt::format("{} after {:.3f} s and {} token event(s)",
+                       error.empty() ? "transport: " + httplib::to_string(res.error()) : error, since(start, end),
+                       token_times.size());
+  }
   if (res->status != 200) return fmt::format("HTTP {}: {}", res->status, res->body.substr(0, 200));
   if (!saw_done) return "stream ended without [DONE]";
   if (usage_tokens != static_cast<int64_t>(token_times.size())) {
