@@ -197,5 +197,19 @@ TEST(ServerScheduler, ShutdownRefusesNewRequestsAndCancelAllAnswersEveryone) {
   EXPECT_TRUE(s.idle());
 }
 
+TEST(ServerScheduler, AFailedStepEndsItsRequestsAndTheNextOnesRun) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 5));
+  exec.fail_next_step = true;
+  s.step();
+  EXPECT_EQ(a->finish_reason(), FinishReason::kError);
+  EXPECT_EQ(s.gauges().kv_pages_used, 0);
+  EXPECT_TRUE(exec.live.empty());
+  auto b = s.submit(request(iota_prompt(4), 5));
+  run_until_idle(s);
+  EXPECT_EQ(b->wait_finished(), FakeExecutor::expected(iota_prompt(4), 5, 50));
+}
+
 }  // namespace
 }  // namespace fulcrum::server

@@ -33,6 +33,10 @@ class FakeExecutor final : public server::StepExecutor {
     capacity_.erase(id);
   }
   std::vector<std::vector<float>> step(std::span<const server::StepInput> batch) override {
+    if (fail_next_step) {
+      fail_next_step = false;
+      throw Error("injected step failure");
+    }
     std::vector<std::vector<float>> out;
     for (const server::StepInput& in : batch) {
       std::vector<int32_t>& history = live.at(in.id);
@@ -62,6 +66,7 @@ class FakeExecutor final : public server::StepExecutor {
 
   std::map<server::SequenceId, std::vector<int32_t>> live;
   int steps = 0;
+  bool fail_next_step = false;
 
  private:
   int vocab_;

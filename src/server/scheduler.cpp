@@ -106,7 +106,13 @@ void Scheduler::admit() {
          pages_used_ + waiting_.front()->pages <= options_.kv_pages) {
     std::unique_ptr<Sequence> seq = std::move(waiting_.front());
     waiting_.pop_front();
-    executor_.allocate(seq->handle->id(), static_cast<int64_t>(seq->params.prompt.size()) + seq->params.max_tokens);
+    try {
+      executor_.allocate(seq->handle->id(), static_cast<int64_t>(seq->params.prompt.size()) + seq->params.max_tokens);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "fulcrum serve: request {} could not get its KV cache: {}\n", seq->handle->id(), e.what());
+      finish(*seq, FinishReason::kError);
+      continue;
+    }
     pages_used_ += seq->pages;
     running_.push_back(std::move(seq));
   }
@@ -190,8 +196,14 @@ bool Scheduler::step() {
       if (metrics_) metrics_->add_prompt_tokens(record.entries[i].num_tokens);
       if (seq.prefilled < static_cast<int64_t>(seq.params.prompt.size())) continue;
     }
-    const int32_t token = model::sample_token(logits[i], seq.params.sampling, seq.rng);
-    if (after_token(seq, token)) finished.push_back(&seq);
+    try {
+      const int32_t token = model::sample_token(logits[i], seq.params.sampling, seq.rng);
+      if (after_token(seq, token)) finished.push_back(&seq);
+    } catch (const std::exception& e) {  // e.g. non-finite logits: this request ends, the others go on
+      fmt::print(stderr, "fulcrum serve: request {} failed: {}\n", seq.handle->id(), e.what());
+      finish(seq, FinishReason::kError);
+      finished.push_back(&seq);
+    }
   }
   retire(finished);
   return true;
