@@ -53,8 +53,20 @@ TEST(ServerGreedy, BatchedEqualsStandalone) {
       handles[i] = scheduler.submit(p);
     });
   }
+  // Sampled requests share the batch; a seeded one gives the same tokens whatever runs beside it.
+  const auto sampled = [&] {
+    RequestParams p;
+    p.prompt = prompts[2];
+    p.max_tokens = kNew;
+    p.sampling = {.temperature = 0.9f, .top_p = 0.95f, .top_k = 50};
+    p.seed = 1234;
+    return scheduler.submit(p);
+  };
+  auto sampled_a = sampled();
   for (std::thread& t : clients) t.join();
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(handles[i]->wait_finished(), expected[i]) << "prompt " << i;
+  auto sampled_b = sampled();  // alone in the batch now
+  EXPECT_EQ(sampled_a->wait_finished(), sampled_b->wait_finished());
   scheduler.stop();
   loop.join();
   EXPECT_EQ(scheduler.gauges().kv_pages_used, 0);
