@@ -10,6 +10,7 @@ void register_demo_command(CLI::App& app);
 void register_generate_command(CLI::App& app);
 void register_make_model_command(CLI::App& app);
 void register_tokenize_command(CLI::App& app);
+void register_serve_command(CLI::App& app);  // also `bench serve`
 
 inline void register_commands(CLI::App& app) {
   register_demo_command(app);
@@ -18,6 +19,7 @@ inline void register_commands(CLI::App& app) {
   register_generate_command(app);
   register_make_model_command(app);
   register_tokenize_command(app);
+  register_serve_command(app);
 }
 
 }  // namespace fulcrum::cli

@@ -49,6 +49,8 @@ void register_make_model_command(CLI::App& app) {
   cmd->add_option("--layers", o.layers, "num_hidden_layers (default: the preset's)")->check(CLI::Range(1, 1024));
   cmd->add_option("--experts", o.experts, "num_experts (default: the preset's; top-k shrinks to fit)")
       ->check(CLI::Range(1, 4096));
+  cmd->add_option("--vocab-size", o.vocab_size, "vocab_size (default: the preset's), e.g. a tokenizer's id bound")
+      ->check(CLI::Range(1, 1 << 22));
   cmd->add_option("--seed", o.seed, "Weights are a function of the seed")->capture_default_str();
   cmd->add_option("--dtype", flags->dtype, "bf16 | fp32")->capture_default_str();
   cmd->add_option("--router-skew", o.router_skew,

@@ -74,7 +74,7 @@ Dtype parse_make_model_dtype(const std::string& text) {
 
 MakeModelResult make_model(const MakeModelOptions& options) {
   const nlohmann::json config_json =
-      preset_config_json(options.preset, PresetOverrides{options.layers, options.experts, options.dtype});
+      preset_config_json(options.preset, PresetOverrides{options.layers, options.experts, options.dtype, options.vocab_size});
   MakeModelResult result;
   result.config = parse_qwen3_moe_config(config_json, "preset " + options.preset);
   const Qwen3MoeConfig& config = result.config;

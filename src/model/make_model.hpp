@@ -21,6 +21,7 @@ struct MakeModelOptions {
   std::string output;
   int layers = 0;   // 0: the preset's num_hidden_layers
   int experts = 0;  // 0: the preset's num_experts
+  int vocab_size = 0;  // 0: the preset's vocab_size
   uint64_t seed = 0;
   Dtype dtype = Dtype::kBF16;
   std::string router_skew;  // load matrix file (CSV or JSON); empty: no skew

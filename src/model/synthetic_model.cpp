@@ -67,6 +67,9 @@ nlohmann::json preset_config_json(const std::string& preset, const PresetOverrid
   FULCRUM_CHECK(overrides.dtype == Dtype::kBF16 || overrides.dtype == Dtype::kF32, "dtype must be bf16 or fp32");
   const int layers = overrides.num_hidden_layers > 0 ? overrides.num_hidden_layers : p.num_hidden_layers;
   const int experts = overrides.num_experts > 0 ? overrides.num_experts : p.num_experts;
+  FULCRUM_CHECK(overrides.vocab_size >= 0 && overrides.vocab_size <= (1 << 22), "--vocab-size must be in [1, 4194304], got {}",
+                overrides.vocab_size);
+  const int vocab_size = overrides.vocab_size > 0 ? overrides.vocab_size : p.vocab_size;
   return nlohmann::json{
       {"architectures", {"Qwen3MoeForCausalLM"}},
       {"attention_bias", false},
@@ -101,7 +104,7 @@ nlohmann::json preset_config_json(const std::string& preset, const PresetOverrid
       {"transformers_version", "4.51.0"},
       {"use_cache", true},
       {"use_sliding_window", false},
-      {"vocab_size", p.vocab_size},
+      {"vocab_size", vocab_size},
   };
 }
 

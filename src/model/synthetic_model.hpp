@@ -36,6 +36,7 @@ struct PresetOverrides {
   int num_hidden_layers = 0;  // 0: the preset's
   int num_experts = 0;        // 0: the preset's (num_experts_per_tok becomes min(top-k, experts))
   Dtype dtype = Dtype::kBF16; // written as torch_dtype
+  int vocab_size = 0;         // 0: the preset's (e.g. sized to a tokenizer's id bound)
 };
 
 // The config.json of a preset (HF key names, hub convention: num_experts, rope_theta).

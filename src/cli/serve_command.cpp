@@ -1,0 +1,70 @@
+// `fulcrum serve` and `fulcrum bench serve`: the OpenAI-compatible server and its load generator (both
+// registered here so the pair stays together).
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "eplb/error.hpp"
+#include "server/load_generator.hpp"
+#include "server/serve.hpp"
+
+namespace fulcrum::cli {
+namespace {
+
+void parse_range(const std::string& text, int& lo, int& hi) {
+  const size_t colon = text.find(':');
+  try {
+    lo = std::stoi(text.substr(0, colon));
+    hi = colon == std::string::npos ? lo : std::stoi(text.substr(colon + 1));
+  } catch (const std::exception&) {
+    throw Error(fmt::format("--prompt-len: '{}' is not A:B", text));
+  }
+}
+
+}  // namespace
+
+void register_serve_command(CLI::App& app) {
+  auto o = std::make_shared<server::ServeOptions>();
+  CLI::App* cmd = app.add_subcommand("serve", "Serve a Qwen3-MoE checkpoint over HTTP (OpenAI-compatible)");
+  cmd->add_option("--model", o->model_dir, "Checkpoint folder (config.json, *.safetensors, optional tokenizer.json)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  cmd->add_option("--host", o->host, "Address to listen on")->capture_default_str();
+  cmd->add_option("--port", o->port, "Port (0: any free port; the log names it)")->capture_default_str()->check(CLI::Range(0, 65535));
+  cmd->add_option("--max-running-requests", o->scheduler.max_running_requests, "Requests in the running batch")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-pages", o->scheduler.kv_pages, "KV cache pool, in pages")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--page-size", o->scheduler.page_size, "Tokens per KV page")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--max-prefill-tokens", o->scheduler.max_prefill_tokens, "Prompt tokens per step (chunked prefill)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--default-max-tokens", o->default_max_tokens, "max_tokens of requests that give none")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--served-model-name", o->served_model_name, "Model id in the API (default: the folder name)");
+  cmd->add_option("--expert-distribution-dir", o->expert_distribution_dir,
+                  "Folder /dump_expert_distribution_record writes to")->capture_default_str();
+  cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
+      ->capture_default_str();
+  cmd->callback([o] { server::serve(*o); });
+
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks against a running fulcrum");
+  bench->require_subcommand(1);
+  auto l = std::make_shared<server::LoadOptions>();
+  auto prompt_len = std::make_shared<std::string>("16:64");
+  CLI::App* load = bench->add_subcommand("serve", "Load a running server with concurrent streaming clients");
+  load->add_option("--url", l->url, "Server base URL")->capture_default_str();
+  load->add_option("--clients", l->clients, "Concurrent clients")->capture_default_str();
+  load->add_option("--requests", l->requests, "Requests in total")->capture_default_str();
+  load->add_option("--duration", l->duration_s, "Run for this many seconds instead of --requests");
+  load->add_option("--prompt-len", *prompt_len, "Prompt length range A:B (uniform, token ids)")->capture_default_str();
+  load->add_option("--max-tokens", l->max_tokens, "Tokens generated per request")->capture_default_str();
+  load->add_option("--seed", l->seed, "Prompt seed")->capture_default_str();
+  load->callback([l, prompt_len] {
+    parse_range(*prompt_len, l->prompt_min, l->prompt_max);
+    const server::LoadReport report = server::run_load(*l);
+    fmt::print("{}", server::format_load_report(*l, report));
+    FULCRUM_CHECK(report.failed == 0, "{} of {} requests failed", report.failed, report.failed + report.succeeded);
+  });
+}
+
+}  // namespace fulcrum::cli

@@ -1,0 +1,196 @@
+#include "server/http_server.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <httplib.h>
+#include <sys/socket.h>
+
+#include "server/api_error.hpp"
+#include "server/responses.hpp"
+
+namespace fulcrum::server {
+namespace {
+
+using nlohmann::json;
+
+void send_json(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(body.dump() + "\n", "application/json");
+}
+
+}  // namespace
+
+struct HttpServer::Impl {
+  Scheduler& scheduler;
+  ServerMetrics& metrics;
+  ExpertDistributionRecorder* recorder;
+  HttpServerOptions options;
+  httplib::Server http;
+  std::atomic<bool> draining{false};
+  int listen_socket = -1;
+
+  Impl(Scheduler& s, ServerMetrics& m, ExpertDistributionRecorder* r, HttpServerOptions o)
+      : scheduler(s), metrics(m), recorder(r), options(std::move(o)) {}
+
+  // Runs `handler`; an exception becomes an error response and the server keeps serving.
+  template <typename F>
+  httplib::Server::Handler guarded(F handler) {
+    return [this, handler](const httplib::Request& req, httplib::Response& res) {
+      try {
+        handler(req, res);
+      } catch (const ApiError& e) {
+        metrics.on_request_rejected();
+        send_json(res, e.status(), error_body(e.what(), e.type()));
+      } catch (const std::exception& e) {
+        metrics.on_request_rejected();
+        send_json(res, 500, error_body(e.what(), "internal_error"));
+      }
+    };
+  }
+
+  void generation(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_json_body(req.body);
+    const ProtocolContext& ctx = options.protocol;
+    ParsedRequest parsed = endpoint == Endpoint::kCompletion ? parse_completion_request(body, ctx)
+                           : endpoint == Endpoint::kChat     ? parse_chat_request(body, ctx)
+                                                             : parse_generate_request(body, ctx);
+    std::vector<std::string> stop = parsed.params.stop;
+    std::shared_ptr<RequestHandle> handle = scheduler.submit(std::move(parsed.params));
+    auto writer = std::make_shared<ResponseWriter>(endpoint, handle, ctx.tokenizer, std::move(stop), ctx.model_name,
+                                                   parsed.include_usage);
+    if (!parsed.stream) {
+      const json out = writer->complete();
+      if (handle->finish_reason() == FinishReason::kError) {
+        send_json(res, 500, error_body("the model step failed; see the server log", "internal_error"));
+      } else {
+        send_json(res, 200, out);
+      }
+      return;
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [writer](size_t, httplib::DataSink& sink) {
+          if (writer->done()) {
+            sink.done();
+            return true;
+          }
+          std::string events = writer->next_events(std::chrono::milliseconds(1000));
+          if (events.empty()) events = ": keep-alive\n\n";  // also finds out whether the client is still there
+          if (!sink.write(events.data(), events.size())) {
+            writer->handle().cancel();
+            return false;
+          }
+          if (writer->done()) sink.done();
+          return true;
+        },
+        [writer](bool success) {
+          if (!success) writer->handle().cancel();
+        });
+  }
+
+  void expert_distribution(const std::string& action, const httplib::Request& req, httplib::Response& res) {
+    if (!recorder) throw ApiError(501, "not_implemented", "this executor records no expert distribution");
+    if (action == "start") {
+      recorder->start();
+      send_json(res, 200, {{"status", "recording"}});
+    } else if (action == "stop") {
+      recorder->stop();
+      send_json(res, 200, {{"status", "stopped"}});
+    } else {
+      std::string name = fmt::format("expert_distribution_{}.json",
+                                     std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         std::chrono::system_clock::now().time_since_epoch()).count());
+      if (!req.body.empty()) {
+        const json body = parse_json_body(req.body);
+        for (const auto& [key, value] : body.items()) FULCRUM_REQUIRE(key == "name", "unknown field '{}'", key);
+        if (body.contains("name")) {
+          FULCRUM_REQUIRE(body["name"].is_string(), "'name' must be a string");
+          name = body["name"].get<std::string>();
+          FULCRUM_REQUIRE(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
+                          "'name' must be a plain file name");
+        }
+      }
+      const std::string path = (std::filesystem::absolute(options.expert_distribution_dir) / name).string();
+      json out = recorder->dump(path);
+      out["path"] = path;
+      send_json(res, 200, out);
+    }
+  }
+
+  void routes() {
+    http.Get("/health", guarded([this](const httplib::Request&, httplib::Response& res) {
+      if (draining) throw ApiError(503, "unavailable", "shutting down");
+      send_json(res, 200, {{"status", "ok"}});
+    }));
+    http.Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
+      send_json(res, 200, {{"object", "list"},
+                           {"data", json::array({{{"id", options.protocol.model_name}, {"object", "model"},
+                                                  {"owned_by", "fulcrum"}, {"max_model_len", options.max_model_len},
+                                                  {"vocab_size", options.vocab_size},
+                                                  {"has_tokenizer", options.protocol.tokenizer != nullptr}}})}});
+    }));
+    http.Get("/metrics", guarded([this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics.render(scheduler.gauges()), "text/plain; version=0.0.4");
+    }));
+    const std::pair<const char*, Endpoint> generation_routes[] = {
+        {"/v1/completions", Endpoint::kCompletion}, {"/v1/chat/completions", Endpoint::kChat},
+        {"/generate", Endpoint::kGenerate}};
+    for (const auto& [path, endpoint] : generation_routes) {
+      http.Post(path, guarded([this, endpoint = endpoint](const httplib::Request& req, httplib::Response& res) {
+        generation(endpoint, req, res);
+      }));
+    }
+    for (const char* action : {"start", "stop", "dump"}) {
+      const std::string path = fmt::format("/{}_expert_distribution_record", action);
+      const auto handler = guarded([this, action](const httplib::Request& req, httplib::Response& res) {
+        expert_distribution(action, req, res);
+      });
+      http.Post(path, handler);
+      http.Get(path, handler);
+    }
+    // Unrouted paths and refusals by httplib itself (413, 400 on a bad request line) get a JSON body.
+    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      const std::string message = res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
+                                                    : fmt::format("HTTP {}", res.status);
+      res.set_content(error_body(message, res.status == 404 ? "not_found" : "invalid_request_error").dump() + "\n",
+                      "application/json");
+    });
+  }
+};
+
+HttpServer::HttpServer(Scheduler& scheduler, ServerMetrics& metrics, ExpertDistributionRecorder* recorder,
+                       HttpServerOptions options)
+    : impl_(std::make_unique<Impl>(scheduler, metrics, recorder, std::move(options))) {
+  const int threads = impl_->options.threads;
+  impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  impl_->http.set_payload_max_length(impl_->options.max_body_bytes);
+  // Reuse connections for long (each reconnect costs an accept), and remember the listening socket:
+  // bind() widens its backlog, which the packaged library fixes at 5 (a burst of clients would overflow it).
+  impl_->http.set_keep_alive_max_count(100000);
+  impl_->http.set_socket_options([impl = impl_.get()](int sock) {
+    httplib::default_socket_options(sock);
+    impl->listen_socket = sock;
+  });
+  impl_->routes();
+}
+
+HttpServer::~HttpServer() = default;
+
+int HttpServer::bind(const std::string& host, int port) {
+  const int bound = port == 0 ? impl_->http.bind_to_any_port(host) : (impl_->http.bind_to_port(host, port) ? port : -1);
+  FULCRUM_CHECK(bound > 0, "cannot listen on {}:{}", host, port);
+  FULCRUM_CHECK(impl_->listen_socket >= 0 && ::listen(impl_->listen_socket, SOMAXCONN) == 0,
+                "cannot widen the listen backlog on {}:{}", host, bound);
+  return bound;
+}
+
+void HttpServer::listen() { impl_->http.listen_after_bind(); }
+void HttpServer::stop() { impl_->http.stop(); }
+void HttpServer::set_draining() { impl_->draining = true; }
+
+}  // namespace fulcrum::server

@@ -1,0 +1,178 @@
+#include "server/load_generator.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "eplb/error.hpp"
+#include "model/rng.hpp"
+
+namespace fulcrum::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double since(Clock::time_point t0, Clock::time_point t1) { return std::chrono::duration<double>(t1 - t0).count(); }
+
+struct ServedModel {
+  std::string name;
+  int vocab_size = 0;
+};
+
+ServedModel query_model(const std::string& url) {
+  httplib::Client client(url);
+  client.set_connection_timeout(5);
+  const httplib::Result res = client.Get("/v1/models");
+  FULCRUM_CHECK(res && res->status == 200, "{}/v1/models: {}", url, res ? fmt::format("HTTP {}", res->status) : httplib::to_string(res.error()));
+  const json body = json::parse(res->body);
+  const json& model = body.at("data").at(0);
+  return {model.at("id").get<std::string>(), model.at("vocab_size").get<int>()};
+}
+
+// One streaming request; appends its timings to `local` and returns an error message or "".
+std::string one_request(httplib::Client& client, const ServedModel& model, const LoadOptions& o, model::Rng& rng,
+                        LoadReport& local) {
+  const int span = o.prompt_max - o.prompt_min + 1;
+  const int length = o.prompt_min + static_cast<int>(rng.next() % static_cast<uint64_t>(span));
+  std::vector<int32_t> prompt(static_cast<size_t>(length));
+  for (int32_t& id : prompt) id = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(model.vocab_size));
+  const json body = {{"model", model.name}, {"prompt", prompt}, {"max_tokens", o.max_tokens}, {"ignore_eos", true},
+                     {"stream", true}, {"stream_options", {{"include_usage", true}}}};
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  std::string buffer;
+  std::vector<Clock::time_point> token_times;
+  bool saw_done = false;
+  int64_t usage_tokens = -1;
+  std::string error;
+  req.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+    const Clock::time_point now = Clock::now();
+    buffer.append(data, size);
+    for (size_t end; (end = buffer.find("\n\n")) != std::string::npos; buffer.erase(0, end + 2)) {
+      const std::string event = buffer.substr(0, end);
+      if (!event.starts_with("data: ")) continue;  // keep-alive comment
+      if (event == "data: [DONE]") {
+        saw_done = true;
+        continue;
+      }
+      const json chunk = json::parse(event.substr(6), nullptr, false);
+      if (chunk.is_discarded()) {
+        error = "unparsable SSE event";
+        return false;
+      }
+      if (chunk.contains("usage")) usage_tokens = chunk["usage"].value("completion_tokens", -1);
+      if (chunk.contains("choices") && !chunk["choices"].empty()) {
+        const json& choice = chunk["choices"][0];
+        for (size_t i = 0; i < choice.value("token_ids", json::array()).size(); ++i) token_times.push_back(now);
+      }
+    }
+    return true;
+  };
+  const Clock::time_point start = Clock::now();
+  const httplib::Result res = client.send(req);
+  const Clock::time_point end = Clock::now();
+  if (!res) {
+    return fmt::format("{} after {:.3f} s and {} token event(s)",
+                       error.empty() ? "transport: " + httplib::to_string(res.error()) : error, since(start, end),
+                       token_times.size());
+  }
+  if (res->status != 200) return fmt::format("HTTP {}: {}", res->status, res->body.substr(0, 200));
+  if (!saw_done) return "stream ended without [DONE]";
+  if (usage_tokens != static_cast<int64_t>(token_times.size())) {
+    return fmt::format("usage says {} tokens, the stream carried {}", usage_tokens, token_times.size());
+  }
+  if (!token_times.empty()) {
+    local.ttft_s.push_back(since(start, token_times.front()));
+    for (size_t i = 1; i < token_times.size(); ++i) local.itl_s.push_back(since(token_times[i - 1], token_times[i]));
+  }
+  local.latency_s.push_back(since(start, end));
+  local.prompt_tokens += length;
+  local.output_tokens += static_cast<int64_t>(token_times.size());
+  return {};
+}
+
+}  // namespace
+
+double percentile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(values.size())));
+  return values[std::clamp<size_t>(rank, 1, values.size()) - 1];
+}
+
+LoadReport run_load(const LoadOptions& o) {
+  FULCRUM_CHECK(o.clients > 0, "--clients must be positive, got {}", o.clients);
+  FULCRUM_CHECK(o.duration_s > 0 || o.requests > 0, "--requests must be positive, got {}", o.requests);
+  FULCRUM_CHECK(o.prompt_min >= 1 && o.prompt_min <= o.prompt_max, "--prompt-len A:B needs 1 <= A <= B");
+  FULCRUM_CHECK(o.max_tokens >= 1, "--max-tokens must be positive, got {}", o.max_tokens);
+  const ServedModel model = query_model(o.url);
+  std::atomic<int> issued{0};
+  std::mutex mutex;
+  LoadReport report;
+  const Clock::time_point start = Clock::now();
+  const auto more = [&] {
+    if (o.duration_s > 0) return since(start, Clock::now()) < o.duration_s;
+    return issued.fetch_add(1) < o.requests;
+  };
+  std::vector<std::thread> threads;
+  for (int c = 0; c < o.clients; ++c) {
+    threads.emplace_back([&, c] {
+      httplib::Client client(o.url);
+      client.set_read_timeout(120);
+      client.set_connection_timeout(10);
+      model::Rng rng(o.seed, fmt::format("client{}", c));
+      LoadReport local;
+      while (more()) {
+        const std::string error = one_request(client, model, o, rng, local);
+        if (error.empty()) {
+          ++local.succeeded;
+        } else {
+          ++local.failed;
+          if (local.errors.size() < 5) local.errors.push_back(error);
+        }
+      }
+      std::lock_guard lock(mutex);
+      report.succeeded += local.succeeded;
+      report.failed += local.failed;
+      report.prompt_tokens += local.prompt_tokens;
+      report.output_tokens += local.output_tokens;
+      report.ttft_s.insert(report.ttft_s.end(), local.ttft_s.begin(), local.ttft_s.end());
+      report.itl_s.insert(report.itl_s.end(), local.itl_s.begin(), local.itl_s.end());
+      report.latency_s.insert(report.latency_s.end(), local.latency_s.begin(), local.latency_s.end());
+      for (std::string& e : local.errors) {
+        if (report.errors.size() < 5) report.errors.push_back(std::move(e));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  report.seconds = since(start, Clock::now());
+  return report;
+}
+
+std::string format_load_report(const LoadOptions& o, const LoadReport& r) {
+  const auto ms = [](const std::vector<double>& v, double q) { return 1000.0 * percentile(v, q); };
+  std::string out = fmt::format("requests: {} ok, {} failed in {:.2f} s ({} clients, prompt {}:{}, max_tokens {})\n",
+                                r.succeeded, r.failed, r.seconds, o.clients, o.prompt_min, o.prompt_max, o.max_tokens);
+  out += fmt::format("throughput: {:.2f} req/s, {:.1f} output tok/s, {:.1f} prompt tok/s\n", r.succeeded / r.seconds,
+                     static_cast<double>(r.output_tokens) / r.seconds, static_cast<double>(r.prompt_tokens) / r.seconds);
+  for (const auto& [name, values] : {std::pair<const char*, const std::vector<double>*>{"TTFT", &r.ttft_s},
+                                     {"ITL", &r.itl_s}, {"latency", &r.latency_s}}) {
+    out += fmt::format("{:8} ms: p50 {:.2f}  p90 {:.2f}  p99 {:.2f}  ({} samples)\n", name, ms(*values, 0.5),
+                       ms(*values, 0.9), ms(*values, 0.99), values->size());
+  }
+  for (const std::string& e : r.errors) out += "error: " + e + "\n";
+  return out;
+}
+
+}  // namespace fulcrum::server

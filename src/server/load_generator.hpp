@@ -1,0 +1,42 @@
+#pragma once
+// `fulcrum bench serve`: closed-loop load on a running server over loopback. N client threads each send
+// streaming /v1/completions requests (random token-id prompts of a length drawn from [min, max], fixed
+// max_tokens, ignore_eos) one after another until the request count (or the duration) is reached, and
+// time every SSE token event: TTFT = first token - send, ITL = gaps between later tokens.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fulcrum::server {
+
+struct LoadOptions {
+  std::string url = "http://127.0.0.1:8000";
+  int clients = 8;
+  int requests = 64;         // total over all clients (ignored when duration_s > 0)
+  double duration_s = 0;     // > 0: send until this many seconds passed
+  int prompt_min = 16;
+  int prompt_max = 64;
+  int max_tokens = 32;
+  uint64_t seed = 0;
+};
+
+struct LoadReport {
+  int succeeded = 0;
+  int failed = 0;
+  double seconds = 0;
+  int64_t prompt_tokens = 0;
+  int64_t output_tokens = 0;
+  std::vector<double> ttft_s;     // per request
+  std::vector<double> itl_s;      // per token gap
+  std::vector<double> latency_s;  // per request
+  std::vector<std::string> errors;  // the first few failures
+};
+
+LoadReport run_load(const LoadOptions& options);
+
+// Value at quantile q in [0, 1] (nearest rank); 0 for an empty list.
+double percentile(std::vector<double> values, double q);
+
+std::string format_load_report(const LoadOptions& options, const LoadReport& report);
+
+}  // namespace fulcrum::server

@@ -1,0 +1,91 @@
+#include "server/metrics.hpp"
+
+#include <fmt/format.h>
+
+namespace fulcrum::server {
+namespace {
+
+void header(std::string& out, const char* name, const char* type, const char* help) {
+  out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+}
+
+}  // namespace
+
+void ServerMetrics::on_request_finished(const std::string& finish_reason) {
+  std::lock_guard lock(mutex_);
+  for (auto& [reason, count] : finished_) {
+    if (reason == finish_reason) {
+      ++count;
+      return;
+    }
+  }
+  finished_.emplace_back(finish_reason, 1);
+}
+
+void ServerMetrics::observe_step(double seconds, int64_t batch_tokens) {
+  std::lock_guard lock(mutex_);
+  for (size_t i = 0; i < kStepBuckets.size(); ++i) {
+    if (seconds <= kStepBuckets[i]) ++step_buckets_[i];  // cumulative buckets
+  }
+  ++step_count_;
+  step_sum_ += seconds;
+  batch_tokens_ += batch_tokens;
+}
+
+void ServerMetrics::set_eplb_balancedness(const std::vector<double>& per_layer, double mean) {
+  std::lock_guard lock(mutex_);
+  balancedness_ = per_layer;
+  balancedness_mean_ = mean;
+  has_balancedness_ = true;
+}
+
+void ServerMetrics::add_eplb_rebalance(int64_t bytes_migrated) {
+  std::lock_guard lock(mutex_);
+  ++rebalances_;
+  bytes_migrated_ += bytes_migrated;
+}
+
+std::string ServerMetrics::render(const QueueGauges& g) const {
+  std::lock_guard lock(mutex_);
+  std::string out;
+  header(out, "fulcrum_requests_total", "counter", "Finished requests by finish reason.");
+  if (finished_.empty()) out += "fulcrum_requests_total{finish_reason=\"stop\"} 0\n";
+  for (const auto& [reason, count] : finished_) {
+    out += fmt::format("fulcrum_requests_total{{finish_reason=\"{}\"}} {}\n", reason, count);
+  }
+  header(out, "fulcrum_requests_rejected_total", "counter", "Requests refused with a 4xx or 5xx before running.");
+  out += fmt::format("fulcrum_requests_rejected_total {}\n", rejected_.load());
+  header(out, "fulcrum_requests_running", "gauge", "Requests in the running batch.");
+  out += fmt::format("fulcrum_requests_running {}\n", g.running);
+  header(out, "fulcrum_requests_waiting", "gauge", "Requests queued for admission.");
+  out += fmt::format("fulcrum_requests_waiting {}\n", g.waiting);
+  header(out, "fulcrum_prompt_tokens_total", "counter", "Prompt tokens prefilled.");
+  out += fmt::format("fulcrum_prompt_tokens_total {}\n", prompt_tokens_.load());
+  header(out, "fulcrum_generation_tokens_total", "counter", "Tokens generated.");
+  out += fmt::format("fulcrum_generation_tokens_total {}\n", generation_tokens_.load());
+  header(out, "fulcrum_step_seconds", "histogram", "Wall time of one forward step of the running batch.");
+  for (size_t i = 0; i < kStepBuckets.size(); ++i) {
+    out += fmt::format("fulcrum_step_seconds_bucket{{le=\"{}\"}} {}\n", kStepBuckets[i], step_buckets_[i]);
+  }
+  out += fmt::format("fulcrum_step_seconds_bucket{{le=\"+Inf\"}} {}\n", step_count_);
+  out += fmt::format("fulcrum_step_seconds_sum {}\nfulcrum_step_seconds_count {}\n", step_sum_, step_count_);
+  header(out, "fulcrum_step_tokens_total", "counter", "Tokens run through forward steps (prefill and decode).");
+  out += fmt::format("fulcrum_step_tokens_total {}\n", batch_tokens_);
+  header(out, "fulcrum_kv_pages_used", "gauge", "KV cache pages reserved by admitted requests.");
+  out += fmt::format("fulcrum_kv_pages_used {}\n", g.kv_pages_used);
+  header(out, "fulcrum_kv_pages_total", "gauge", "KV cache pages in the pool.");
+  out += fmt::format("fulcrum_kv_pages_total {}\n", g.kv_pages_total);
+  header(out, "fulcrum_eplb_balancedness", "gauge", "Balancedness (mean GPU load / max GPU load) per MoE layer.");
+  for (size_t l = 0; l < balancedness_.size(); ++l) {
+    out += fmt::format("fulcrum_eplb_balancedness{{layer=\"{}\"}} {}\n", l, balancedness_[l]);
+  }
+  header(out, "fulcrum_eplb_balancedness_mean", "gauge", "Balancedness averaged over MoE layers (NaN before EPLB).");
+  out += fmt::format("fulcrum_eplb_balancedness_mean {}\n", has_balancedness_ ? fmt::format("{}", balancedness_mean_) : "NaN");
+  header(out, "fulcrum_eplb_rebalances_total", "counter", "Expert rebalances applied.");
+  out += fmt::format("fulcrum_eplb_rebalances_total {}\n", rebalances_);
+  header(out, "fulcrum_eplb_bytes_migrated_total", "counter", "Expert weight bytes moved by rebalances.");
+  out += fmt::format("fulcrum_eplb_bytes_migrated_total {}\n", bytes_migrated_);
+  return out;
+}
+
+}  // namespace fulcrum::server

@@ -1,0 +1,57 @@
+#pragma once
+// Server metrics in Prometheus text format (exposition format 0.0.4). Counters and the step-time
+// histogram are updated by the scheduler; gauges of the queue and KV pool are sampled when rendered.
+// EPLB gauges (balancedness per layer and mean, rebalances, bytes migrated) are set by whoever runs the
+// EPLB loop through set_eplb_*; they read 0 / absent until then.
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fulcrum::server {
+
+struct QueueGauges {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t kv_pages_used = 0;
+  int64_t kv_pages_total = 0;
+};
+
+class ServerMetrics {
+ public:
+  // Upper bounds (seconds) of the step-time histogram buckets; +Inf is implicit.
+  static constexpr std::array<double, 12> kStepBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                          0.1,   0.25,   0.5,   1.0,  2.5,   5.0};
+
+  void on_request_finished(const std::string& finish_reason);  // "stop", "length", "cancelled", "error"
+  void on_request_rejected() { rejected_.fetch_add(1); }
+  void add_prompt_tokens(int64_t n) { prompt_tokens_.fetch_add(n); }
+  void add_generation_tokens(int64_t n) { generation_tokens_.fetch_add(n); }
+  void observe_step(double seconds, int64_t batch_tokens);
+
+  // EPLB hooks.
+  void set_eplb_balancedness(const std::vector<double>& per_layer, double mean);
+  void add_eplb_rebalance(int64_t bytes_migrated);
+
+  std::string render(const QueueGauges& gauges) const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::pair<std::string, int64_t>> finished_;  // by finish reason
+  std::atomic<int64_t> rejected_{0};
+  std::atomic<int64_t> prompt_tokens_{0};
+  std::atomic<int64_t> generation_tokens_{0};
+  std::array<int64_t, kStepBuckets.size()> step_buckets_{};
+  int64_t step_count_ = 0;
+  double step_sum_ = 0;
+  int64_t batch_tokens_ = 0;
+  std::vector<double> balancedness_;
+  double balancedness_mean_ = 0;
+  bool has_balancedness_ = false;
+  int64_t rebalances_ = 0;
+  int64_t bytes_migrated_ = 0;
+};
+
+}  // namespace fulcrum::server

@@ -1,0 +1,81 @@
+#include "server/request.hpp"
+
+namespace fulcrum::server {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+    case FinishReason::kNone: break;
+  }
+  return "none";
+}
+
+RequestUpdate RequestHandle::wait(size_t seen, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  cv_.wait_for(lock, timeout, [&] { return tokens_.size() > seen || reason_ != FinishReason::kNone; });
+  RequestUpdate update;
+  if (tokens_.size() > seen) update.new_tokens.assign(tokens_.begin() + static_cast<ptrdiff_t>(seen), tokens_.end());
+  update.finished = reason_ != FinishReason::kNone;
+  update.reason = reason_;
+  return update;
+}
+
+std::vector<int32_t> RequestHandle::wait_finished() {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return reason_ != FinishReason::kNone; });
+  return tokens_;
+}
+
+FinishReason RequestHandle::finish_reason() const {
+  std::lock_guard lock(mutex_);
+  return reason_;
+}
+
+std::optional<size_t> RequestHandle::stop_text_length() const {
+  std::lock_guard lock(mutex_);
+  return stop_text_length_;
+}
+
+void RequestHandle::cancel() {
+  std::function<void()> wake;
+  {
+    std::lock_guard lock(mutex_);
+    if (cancel_ || reason_ != FinishReason::kNone) return;
+    cancel_ = true;
+    wake = wake_;
+  }
+  if (wake) wake();
+}
+
+bool RequestHandle::cancel_requested() const {
+  std::lock_guard lock(mutex_);
+  return cancel_;
+}
+
+void RequestHandle::push_token(int32_t token) {
+  {
+    std::lock_guard lock(mutex_);
+    tokens_.push_back(token);
+  }
+  cv_.notify_all();
+}
+
+void RequestHandle::finish(FinishReason reason, std::optional<size_t> stop_text_length) {
+  {
+    std::lock_guard lock(mutex_);
+    if (reason_ != FinishReason::kNone) return;
+    reason_ = reason;
+    stop_text_length_ = stop_text_length;
+  }
+  cv_.notify_all();
+}
+
+void RequestHandle::set_wake(std::function<void()> wake) {
+  std::lock_guard lock(mutex_);
+  wake_ = std::move(wake);
+}
+
+}  // namespace fulcrum::server

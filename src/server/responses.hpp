@@ -1,0 +1,51 @@
+#pragma once
+// Response bodies: OpenAI completion / chat completion objects and their SSE chunks, SGLang's /generate
+// object, and the error body. One ResponseWriter follows one request from submit to its last byte.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "server/request.hpp"
+#include "server/text_stream.hpp"
+
+namespace fulcrum::server {
+
+enum class Endpoint { kCompletion, kChat, kGenerate };
+
+nlohmann::json error_body(const std::string& message, const std::string& type);
+
+class ResponseWriter {
+ public:
+  ResponseWriter(Endpoint endpoint, std::shared_ptr<RequestHandle> handle, const tokenizer::Tokenizer* tokenizer,
+                 std::vector<std::string> stop, std::string model_name, bool include_usage);
+
+  // Waits for the request to finish; the whole JSON body.
+  nlohmann::json complete();
+
+  // Streaming: waits up to `timeout` for progress and returns the SSE bytes to send now ("" when none;
+  // then a keep-alive comment is due). After the last event (finish, usage, [DONE]) done() is true.
+  std::string next_events(std::chrono::milliseconds timeout);
+  bool done() const { return done_; }
+  RequestHandle& handle() { return *handle_; }
+
+ private:
+  nlohmann::json usage() const;
+  std::string chunk(const std::string& text, std::span<const int32_t> ids, const char* finish_reason);
+  std::string generate_event(const char* finish_reason) const;
+
+  const Endpoint endpoint_;
+  std::shared_ptr<RequestHandle> handle_;
+  TextStream text_;
+  const std::string model_name_;
+  const bool include_usage_;
+  const std::string id_;
+  const int64_t created_;
+  std::vector<int32_t> tokens_;  // seen so far
+  bool sent_role_ = false;
+  bool done_ = false;
+};
+
+}  // namespace fulcrum::server

@@ -1,0 +1,267 @@
+#include "server/scheduler.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "eplb/error.hpp"
+#include "server/api_error.hpp"
+
+namespace fulcrum::server {
+
+Scheduler::Scheduler(StepExecutor& executor, SchedulerOptions options, Detokenizer detokenizer, ServerMetrics* metrics)
+    : executor_(executor), options_(options), detokenizer_(std::move(detokenizer)), metrics_(metrics) {
+  FULCRUM_CHECK(options.max_running_requests > 0, "max running requests must be positive, got {}",
+                options.max_running_requests);
+  FULCRUM_CHECK(options.kv_pages > 0, "KV pages must be positive, got {}", options.kv_pages);
+  FULCRUM_CHECK(options.page_size > 0, "page size must be positive, got {}", options.page_size);
+  FULCRUM_CHECK(options.max_prefill_tokens > 0, "max prefill tokens must be positive, got {}",
+                options.max_prefill_tokens);
+}
+
+int64_t Scheduler::pages_for(const RequestParams& params) const {
+  const int64_t tokens = static_cast<int64_t>(params.prompt.size()) + params.max_tokens;
+  return (tokens + options_.page_size - 1) / options_.page_size;
+}
+
+std::shared_ptr<RequestHandle> Scheduler::submit(RequestParams params) {
+  FULCRUM_REQUIRE(!params.prompt.empty(), "the prompt is empty");
+  const int vocab = executor_.vocab_size();
+  for (const int32_t id : params.prompt) FULCRUM_REQUIRE(id >= 0 && id < vocab, "token id {} outside [0, {})", id, vocab);
+  FULCRUM_REQUIRE(params.max_tokens >= 1, "max_tokens must be at least 1, got {}", params.max_tokens);
+  try {
+    model::validate_sampling_params(params.sampling);
+  } catch (const Error& e) {
+    throw ApiError(400, "invalid_request_error", e.what());
+  }
+  FULCRUM_REQUIRE(params.stop.empty() || detokenizer_, "stop strings need a tokenizer; this server has none");
+  for (const std::string& s : params.stop) FULCRUM_REQUIRE(!s.empty(), "stop strings must not be empty");
+  const int64_t length = static_cast<int64_t>(params.prompt.size()) + params.max_tokens;
+  FULCRUM_REQUIRE(length <= executor_.max_sequence_length(),
+                  "prompt ({} tokens) + max_tokens ({}) exceeds the model's {} positions", params.prompt.size(),
+                  params.max_tokens, executor_.max_sequence_length());
+  const int64_t pages = pages_for(params);
+  FULCRUM_REQUIRE(pages <= options_.kv_pages,
+                  "prompt ({} tokens) + max_tokens ({}) needs {} KV pages of {} tokens; the pool has {}",
+                  params.prompt.size(), params.max_tokens, pages, options_.page_size, options_.kv_pages);
+
+  std::lock_guard lock(mutex_);
+  if (!accepting_) throw ApiError(503, "unavailable", "the server is shutting down");
+  const int64_t id = next_id_++;
+  auto handle = std::make_shared<RequestHandle>(id, static_cast<int>(params.prompt.size()));
+  handle->set_wake([this] { wake(); });
+  uint64_t seed_state = static_cast<uint64_t>(id);
+  const uint64_t seed = params.seed.value_or(model::splitmix64(seed_state));
+  auto seq = std::make_unique<Sequence>();
+  seq->handle = handle;
+  seq->params = std::move(params);
+  seq->rng = model::Rng(seed);
+  seq->pages = pages;
+  waiting_.push_back(std::move(seq));
+  work_pending_ = true;
+  cv_.notify_one();
+  return handle;
+}
+
+void Scheduler::wake() {
+  std::lock_guard lock(mutex_);
+  work_pending_ = true;
+  cv_.notify_one();
+}
+
+void Scheduler::finish(Sequence& seq, FinishReason reason, std::optional<size_t> stop_text_length) {
+  seq.handle->finish(reason, stop_text_length);
+  if (metrics_) metrics_->on_request_finished(finish_reason_name(reason));
+}
+
+void Scheduler::drop_cancelled() {
+  std::lock_guard lock(mutex_);
+  const auto cancelled = [&](const std::unique_ptr<Sequence>& s) { return cancel_all_ || s->handle->cancel_requested(); };
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    if (!cancelled(*it)) {
+      ++it;
+      continue;
+    }
+    finish(**it, FinishReason::kCancelled);
+    it = waiting_.erase(it);
+  }
+  for (auto it = running_.begin(); it != running_.end();) {
+    if (!cancelled(*it)) {
+      ++it;
+      continue;
+    }
+    executor_.release((*it)->handle->id());
+    pages_used_ -= (*it)->pages;
+    finish(**it, FinishReason::kCancelled);
+    it = running_.erase(it);
+  }
+  cancel_all_ = false;
+  num_running_ = static_cast<int64_t>(running_.size());
+}
+
+void Scheduler::admit() {
+  std::lock_guard lock(mutex_);
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_running_requests &&
+         pages_used_ + waiting_.front()->pages <= options_.kv_pages) {
+    std::unique_ptr<Sequence> seq = std::move(waiting_.front());
+    waiting_.pop_front();
+    try {
+      executor_.allocate(seq->handle->id(), static_cast<int64_t>(seq->params.prompt.size()) + seq->params.max_tokens);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "fulcrum serve: request {} could not get its KV cache: {}\n", seq->handle->id(), e.what());
+      finish(*seq, FinishReason::kError);
+      continue;
+    }
+    pages_used_ += seq->pages;
+    running_.push_back(std::move(seq));
+  }
+  num_running_ = static_cast<int64_t>(running_.size());
+}
+
+bool Scheduler::after_token(Sequence& seq, int32_t token) {
+  const RequestParams& p = seq.params;
+  if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end()) {
+    finish(seq, FinishReason::kStop);
+    return true;
+  }
+  seq.generated.push_back(token);
+  if (metrics_) metrics_->add_generation_tokens(1);
+  seq.handle->push_token(token);
+  if (!p.stop.empty()) {
+    const std::string text = detokenizer_(seq.generated);
+    size_t first = std::string::npos;
+    for (const std::string& s : p.stop) first = std::min(first, text.find(s));
+    if (first != std::string::npos) {
+      finish(seq, FinishReason::kStop, first);
+      return true;
+    }
+  }
+  if (static_cast<int>(seq.generated.size()) >= p.max_tokens) {
+    finish(seq, FinishReason::kLength);
+    return true;
+  }
+  return false;
+}
+
+bool Scheduler::step() {
+  drop_cancelled();
+  admit();
+
+  // Batch: decodes first (one token each), then prompt chunks within the prefill budget.
+  StepRecord record;
+  std::vector<StepInput> batch;
+  std::vector<Sequence*> members;
+  for (const auto& seq : running_) {
+    if (seq->prefilled < static_cast<int64_t>(seq->params.prompt.size())) continue;
+    batch.push_back({seq->handle->id(), std::span<const int32_t>(&seq->generated.back(), 1)});
+    members.push_back(seq.get());
+    record.entries.push_back({seq->handle->id(), 1, false});
+  }
+  int budget = options_.max_prefill_tokens;
+  for (const auto& seq : running_) {
+    const int64_t left = static_cast<int64_t>(seq->params.prompt.size()) - seq->prefilled;
+    if (left == 0 || budget == 0) continue;
+    const int n = static_cast<int>(std::min<int64_t>(left, budget));
+    budget -= n;
+    batch.push_back({seq->handle->id(), std::span<const int32_t>(seq->params.prompt).subspan(seq->prefilled, n)});
+    members.push_back(seq.get());
+    record.entries.push_back({seq->handle->id(), n, true});
+    record.prefill_tokens += n;
+  }
+  last_step_ = record;
+  if (batch.empty()) return false;
+
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::vector<float>> logits;
+  try {
+    logits = executor_.step(batch);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "fulcrum serve: step failed, ending its {} request(s): {}\n", members.size(), e.what());
+    for (Sequence* seq : members) finish(*seq, FinishReason::kError);
+    retire(members);
+    return true;
+  }
+  int64_t batch_tokens = 0;
+  for (const StepInput& in : batch) batch_tokens += static_cast<int64_t>(in.token_ids.size());
+  if (metrics_) {
+    metrics_->observe_step(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), batch_tokens);
+  }
+
+  std::vector<Sequence*> finished;
+  for (size_t i = 0; i < members.size(); ++i) {
+    Sequence& seq = *members[i];
+    if (record.entries[i].prefill) {
+      seq.prefilled += record.entries[i].num_tokens;
+      if (metrics_) metrics_->add_prompt_tokens(record.entries[i].num_tokens);
+      if (seq.prefilled < static_cast<int64_t>(seq.params.prompt.size())) continue;
+    }
+    try {
+      const int32_t token = model::sample_token(logits[i], seq.params.sampling, seq.rng);
+      if (after_token(seq, token)) finished.push_back(&seq);
+    } catch (const std::exception& e) {  // e.g. non-finite logits: this request ends, the others go on
+      fmt::print(stderr, "fulcrum serve: request {} failed: {}\n", seq.handle->id(), e.what());
+      finish(seq, FinishReason::kError);
+      finished.push_back(&seq);
+    }
+  }
+  retire(finished);
+  return true;
+}
+
+void Scheduler::retire(const std::vector<Sequence*>& done) {
+  if (done.empty()) return;
+  std::lock_guard lock(mutex_);
+  for (Sequence* seq : done) {
+    executor_.release(seq->handle->id());
+    pages_used_ -= seq->pages;
+  }
+  std::erase_if(running_, [&](const std::unique_ptr<Sequence>& s) {
+    return std::find(done.begin(), done.end(), s.get()) != done.end();
+  });
+  num_running_ = static_cast<int64_t>(running_.size());
+}
+
+void Scheduler::run() {
+  for (;;) {
+    const bool did = step();
+    std::unique_lock lock(mutex_);
+    if (stop_ && waiting_.empty() && running_.empty()) break;
+    if (!did) {
+      cv_.wait(lock, [&] { return work_pending_ || stop_; });
+      work_pending_ = false;
+    }
+  }
+}
+
+void Scheduler::stop_accepting() {
+  std::lock_guard lock(mutex_);
+  accepting_ = false;
+}
+
+void Scheduler::cancel_all() {
+  std::lock_guard lock(mutex_);
+  cancel_all_ = true;
+  work_pending_ = true;
+  cv_.notify_one();
+}
+
+void Scheduler::stop() {
+  std::lock_guard lock(mutex_);
+  accepting_ = false;
+  stop_ = true;
+  cancel_all_ = true;
+  cv_.notify_one();
+}
+
+QueueGauges Scheduler::gauges() const {
+  std::lock_guard lock(mutex_);
+  return {num_running_, static_cast<int64_t>(waiting_.size()), pages_used_, options_.kv_pages};
+}
+
+bool Scheduler::idle() const {
+  std::lock_guard lock(mutex_);
+  return waiting_.empty() && num_running_ == 0;
+}
+
+}  // namespace fulcrum::server

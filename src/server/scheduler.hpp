@@ -1,0 +1,114 @@
+#pragma once
+// Continuous batching over a StepExecutor. Each step():
+//   1. drops cancelled requests (waiting or running) and frees their KV pages;
+//   2. admits waiting requests in arrival order while the running batch has room (max_running_requests)
+//      and the KV pool has the pages a request needs for its whole life, ceil((prompt + max_tokens) /
+//      page_size); the first request that does not fit waits, and so does everything behind it (no
+//      overtaking, no starvation). Nothing is dropped for lack of room;
+//   3. builds the batch: every running request past its prompt contributes its last sampled token; the
+//      rest get prompt chunks, in admission order, within max_prefill_tokens per step (chunked prefill);
+//   4. runs the executor, samples a token for each request whose prompt is complete, checks stop token
+//      ids, stop strings and max_tokens, and frees the pages of finished requests.
+// Requests join and leave the batch at every step. A request whose pages exceed the whole pool, or whose
+// length exceeds the model's, is refused at submit() with an ApiError (400).
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/rng.hpp"
+#include "server/metrics.hpp"
+#include "server/request.hpp"
+#include "server/step_executor.hpp"
+
+namespace fulcrum::server {
+
+struct SchedulerOptions {
+  int max_running_requests = 32;
+  int64_t kv_pages = 512;
+  int page_size = 16;           // tokens per KV page
+  int max_prefill_tokens = 512; // prompt tokens per step, over all requests
+};
+
+// Text of generated ids, for stop strings; empty when the server has no tokenizer.
+using Detokenizer = std::function<std::string(std::span<const int32_t>)>;
+
+// One step's batch, for tests and logs.
+struct StepRecord {
+  struct Entry {
+    SequenceId id = 0;
+    int num_tokens = 0;
+    bool prefill = false;
+  };
+  std::vector<Entry> entries;
+  int prefill_tokens = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(StepExecutor& executor, SchedulerOptions options, Detokenizer detokenizer = {},
+            ServerMetrics* metrics = nullptr);
+
+  // Queues a request; throws ApiError 400 when it can never run, 503 once shutdown began. Thread-safe.
+  std::shared_ptr<RequestHandle> submit(RequestParams params);
+
+  // One scheduling step (see above); false when there was nothing to run. Call from one thread.
+  bool step();
+  // Runs steps until stop(); sleeps while idle.
+  void run();
+  // Refuse new requests from now on (503); queued and running ones continue.
+  void stop_accepting();
+  // Cancels every waiting and running request (each finishes with reason "cancelled").
+  void cancel_all();
+  // Makes run() return after its current step; pending requests are cancelled first.
+  void stop();
+
+  QueueGauges gauges() const;
+  bool idle() const;
+  const StepRecord& last_step() const { return last_step_; }
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Sequence {
+    std::shared_ptr<RequestHandle> handle;
+    RequestParams params;
+    model::Rng rng;
+    int64_t pages = 0;
+    int64_t prefilled = 0;  // prompt tokens already in the KV cache
+    std::vector<int32_t> generated;
+  };
+
+  int64_t pages_for(const RequestParams& params) const;
+  void drop_cancelled();
+  void admit();
+  void finish(Sequence& seq, FinishReason reason, std::optional<size_t> stop_text_length = std::nullopt);
+  bool after_token(Sequence& seq, int32_t token);  // true when the sequence finished
+  void retire(const std::vector<Sequence*>& done);  // releases KV and pages, leaves the batch
+  void wake();
+
+  StepExecutor& executor_;
+  const SchedulerOptions options_;
+  const Detokenizer detokenizer_;
+  ServerMetrics* metrics_;
+
+  mutable std::mutex mutex_;  // guards waiting_, counts, flags below
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  int64_t num_running_ = 0;   // mirrors running_.size() for gauges()
+  int64_t pages_used_ = 0;
+  int64_t next_id_ = 1;
+  bool accepting_ = true;
+  bool stop_ = false;
+  bool cancel_all_ = false;
+  bool work_pending_ = false;
+
+  std::vector<std::unique_ptr<Sequence>> running_;  // admission order; loop thread only
+  StepRecord last_step_;
+};
+
+}  // namespace fulcrum::server

@@ -1,0 +1,110 @@
+#include "server/serve.hpp"
+
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "eplb/error.hpp"
+#include "server/http_server.hpp"
+#include "server/model_step_executor.hpp"
+
+namespace fulcrum::server {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+void log(const std::string& line) {
+  fmt::print(stderr, "fulcrum serve: {}\n", line);
+  std::fflush(stderr);
+}
+
+bool wait_idle(const Scheduler& scheduler, double seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  while (!scheduler.idle()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+}  // namespace
+
+void serve(const ServeOptions& options) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  FULCRUM_CHECK(pthread_sigmask(SIG_BLOCK, &signals, nullptr) == 0, "cannot block SIGINT/SIGTERM");
+  std::signal(SIGPIPE, SIG_IGN);  // a vanished client must not kill the server
+
+  const auto load_start = Clock::now();
+  log(fmt::format("loading {}", options.model_dir));
+  ModelStepExecutor executor(options.model_dir);
+  std::unique_ptr<tokenizer::Tokenizer> tok;
+  const fs::path tokenizer_file = fs::path(options.model_dir) / "tokenizer.json";
+  if (fs::exists(tokenizer_file)) {
+    tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::from_file(tokenizer_file.string()));
+    FULCRUM_CHECK(tok->id_bound() <= executor.vocab_size(), "{}: token ids reach {}, the model's vocab_size is {}",
+                  tokenizer_file.string(), tok->id_bound(), executor.vocab_size());
+  }
+  HttpServerOptions http_options;
+  ProtocolContext& ctx = http_options.protocol;
+  ctx.tokenizer = tok.get();
+  ctx.model_name = options.served_model_name.empty() ? fs::absolute(options.model_dir).lexically_normal().filename().string()
+                                                     : options.served_model_name;
+  if (ctx.model_name.empty()) ctx.model_name = fs::absolute(options.model_dir).parent_path().filename().string();
+  ctx.default_max_tokens = options.default_max_tokens;
+  if (tok) {
+    for (const char* eos : {"<|endoftext|>", "<|im_end|>"}) {
+      if (const auto id = tok->token_to_id(eos)) ctx.eos_token_ids.push_back(*id);
+    }
+  }
+  http_options.max_model_len = executor.max_sequence_length();
+  http_options.vocab_size = executor.vocab_size();
+  http_options.expert_distribution_dir = options.expert_distribution_dir;
+  http_options.threads = std::max(64, 2 * options.scheduler.max_running_requests + 16);
+
+  ServerMetrics metrics;
+  Detokenizer detokenizer;
+  if (tok) {
+    detokenizer = [t = tok.get()](std::span<const int32_t> ids) { return t->decode({ids.begin(), ids.end()}); };
+  }
+  Scheduler scheduler(executor, options.scheduler, detokenizer, &metrics);
+  HttpServer http(scheduler, metrics, &executor.recorder(), http_options);
+  const int port = http.bind(options.host, options.port);
+  std::thread loop([&] { scheduler.run(); });
+  std::thread listener([&] { http.listen(); });
+  const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
+  log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s; {} KV pages of {} tokens, "
+                  "up to {} running requests, {} prefill tokens per step",
+                  ctx.model_name, executor.config().num_hidden_layers, executor.config().num_experts,
+                  executor.vocab_size(), tok ? ", tokenizer.json" : ", no tokenizer: token ids only", load_s,
+                  options.scheduler.kv_pages, options.scheduler.page_size, options.scheduler.max_running_requests,
+                  options.scheduler.max_prefill_tokens));
+  log(fmt::format("listening on http://{}:{}", options.host, port));
+
+  int signal = 0;
+  sigwait(&signals, &signal);
+  log(fmt::format("{}: draining (new requests get 503)", signal == SIGINT ? "SIGINT" : "SIGTERM"));
+  http.set_draining();
+  scheduler.stop_accepting();
+  if (!wait_idle(scheduler, options.shutdown_timeout_s)) {
+    const QueueGauges g = scheduler.gauges();
+    log(fmt::format("cancelling {} running and {} waiting request(s) after {:.0f} s", g.running, g.waiting,
+                    options.shutdown_timeout_s));
+    scheduler.cancel_all();
+    wait_idle(scheduler, 60);
+  }
+  http.stop();
+  listener.join();
+  scheduler.stop();
+  loop.join();
+  log("stopped");
+}
+
+}  // namespace fulcrum::server

@@ -1,0 +1,28 @@
+#pragma once
+// `fulcrum serve`: loads a checkpoint into a ModelStepExecutor, runs the scheduler loop on its own thread
+// and the HTTP server on a pool, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
+// shuts down gracefully: /health turns 503 and new requests are refused (503), in-flight requests finish
+// (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), then the
+// listener closes once every handler has sent its response.
+#include <string>
+
+#include "server/scheduler.hpp"
+
+namespace fulcrum::server {
+
+struct ServeOptions {
+  std::string model_dir;
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: any free port (the log line names it)
+  SchedulerOptions scheduler;
+  int default_max_tokens = 128;
+  std::string served_model_name;  // empty: the model folder's name
+  std::string expert_distribution_dir = ".";
+  double shutdown_timeout_s = 30;
+};
+
+// Blocks until a SIGINT or SIGTERM has been handled. Call before starting other threads (it blocks the
+// two signals in the calling thread so every thread it starts inherits the mask).
+void serve(const ServeOptions& options);
+
+}  // namespace fulcrum::server

@@ -1,0 +1,358 @@
+// A real `fulcrum serve` process on loopback with real HTTP clients.
+#include <thread>
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include "backend/cpu/cpu_backend.hpp"
+#include "model/generate.hpp"
+#include "server/load_generator.hpp"
+#include "server_process.hpp"
+#include "server_test_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+using nlohmann::json;
+
+struct Streamed {
+  int status = 0;
+  std::vector<json> events;
+  bool done = false;
+  std::string body;  // non-200 bodies
+};
+
+Streamed stream_post(int port, const std::string& path, const json& body) {
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(60);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = path;
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  Streamed out;
+  std::string buffer;
+  req.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+    buffer.append(data, size);
+    for (size_t end; (end = buffer.find("\n\n")) != std::string::npos; buffer.erase(0, end + 2)) {
+      const std::string event = buffer.substr(0, end);
+      if (event == "data: [DONE]") out.done = true;
+      else if (event.starts_with("data: ")) out.events.push_back(json::parse(event.substr(6)));
+    }
+    return true;
+  };
+  const httplib::Result res = client.send(req);
+  if (res) out.status = res->status;
+  if (res && res->status != 200) out.body = res->body;
+  return out;
+}
+
+std::pair<int, json> post(int port, const std::string& path, const std::string& body) {
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(60);
+  const httplib::Result res = client.Post(path.c_str(), body, "application/json");
+  if (!res) return {0, json()};
+  return {res->status, json::parse(res->body, nullptr, false)};
+}
+
+// Prometheus text: every sample line is `name{labels} value`; returns samples by "name{labels}".
+std::map<std::string, double> parse_prometheus(const std::string& text) {
+  std::map<std::string, double> samples;
+  const std::regex sample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})?) (\S+)$)");
+  const std::regex meta(R"(^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$)");
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with("#")) {
+      EXPECT_TRUE(std::regex_match(line, meta)) << line;
+      continue;
+    }
+    std::smatch m;
+    EXPECT_TRUE(std::regex_match(line, m, sample)) << line;
+    if (m.size() > 4) samples[m[1]] = std::strtod(m[4].str().c_str(), nullptr);
+  }
+  return samples;
+}
+
+std::map<std::string, double> metrics(int port) {
+  httplib::Client client("127.0.0.1", port);
+  const httplib::Result res = client.Get("/metrics");
+  EXPECT_TRUE(res && res->status == 200);
+  return res ? parse_prometheus(res->body) : std::map<std::string, double>{};
+}
+
+std::vector<int32_t> ids_of(const json& v) { return v.get<std::vector<int32_t>>(); }
+
+class ServerHttp : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::signal(SIGPIPE, SIG_IGN);
+    log_dir_ = new TempDir("serve_suite");
+    server_ = new ServerProcess(tiny_served_model(),
+                                {"--kv-pages", "48", "--page-size", "8", "--max-prefill-tokens", "64",
+                                 "--max-running-requests", "16", "--expert-distribution-dir", log_dir_->path()},
+                                log_dir_->file("serve.log"));
+  }
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->terminate(), 0) << server_->log();
+    delete server_;
+    delete log_dir_;
+  }
+  static int port() { return server_->port(); }
+
+  // Standalone greedy continuation (no server).
+  static std::vector<int32_t> greedy(const std::vector<int32_t>& prompt, int n) {
+    static backend::CpuBackend backend;
+    static std::unique_ptr<model::Qwen3MoeModel> solo = [] {
+      auto m = std::make_unique<model::Qwen3MoeModel>(model::load_qwen3_moe_config(tiny_served_model()), backend);
+      model::Checkpoint checkpoint(tiny_served_model());
+      m->load_weights(checkpoint);
+      return m;
+    }();
+    return model::generate_greedy(*solo, backend, {prompt}, n).new_tokens[0];
+  }
+
+  static TempDir* log_dir_;
+  static ServerProcess* server_;
+};
+TempDir* ServerHttp::log_dir_ = nullptr;
+ServerProcess* ServerHttp::server_ = nullptr;
+
+TEST_F(ServerHttp, ConcurrentStreamingAndNonStreamingMatchStandaloneGreedy) {
+  constexpr int kClients = 8, kNew = 8;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int c = 0; c < kClients; ++c) {
+    std::vector<int32_t> p;
+    for (int i = 0; i < 3 + 11 * c; ++i) p.push_back((37 * c + 101 * i + 5) % 1900);
+    prompts.push_back(p);
+  }
+  std::vector<std::vector<int32_t>> got(kClients);
+  std::vector<json> usage(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      const json body = {{"prompt", prompts[c]}, {"max_tokens", kNew}, {"ignore_eos", true}, {"stream", c % 2 == 0},
+                         {"stream_options", {{"include_usage", true}}}};
+      if (c % 2 == 0) {
+        const Streamed s = stream_post(port(), "/v1/completions", body);
+        ASSERT_EQ(s.status, 200) << s.body;
+        EXPECT_TRUE(s.done);
+        for (const json& e : s.events) {
+          if (e.contains("usage")) usage[c] = e["usage"];
+          if (!e["choices"].empty()) {
+            for (const auto& t : e["choices"][0]["token_ids"]) got[c].push_back(t.get<int32_t>());
+          }
+        }
+        EXPECT_EQ(s.events[s.events.size() - 2]["choices"][0]["finish_reason"], "length");
+      } else {
+        const auto [status, out] = post(port(), "/v1/completions", body.dump());
+        ASSERT_EQ(status, 200) << out.dump();
+        got[c] = ids_of(out["choices"][0]["token_ids"]);
+        usage[c] = out["usage"];
+        EXPECT_EQ(out["choices"][0]["finish_reason"], "length");
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int c = 0; c < kClients; ++c) {
+    EXPECT_EQ(got[c], greedy(prompts[c], kNew)) << "client " << c;
+    EXPECT_EQ(usage[c]["prompt_tokens"], prompts[c].size());
+    EXPECT_EQ(usage[c]["completion_tokens"], kNew);
+  }
+  // /generate with ids gives the same tokens.
+  const auto [status, out] = post(port(), "/generate",
+                                  json{{"input_ids", prompts[3]}, {"sampling_params", {{"max_new_tokens", kNew}}}}.dump());
+  ASSERT_EQ(status, 200) << out.dump();
+  EXPECT_EQ(ids_of(out["output_ids"]), got[3]);
+  EXPECT_EQ(out["meta_info"]["finish_reason"]["type"], "length");
+}
+
+TEST_F(ServerHttp, TextCompletionChatAndStopStrings) {
+  const json body = {{"prompt", "The quick brown fox"}, {"max_tokens", 12}, {"ignore_eos", true}};
+  const auto [status, out] = post(port(), "/v1/completions", body.dump());
+  ASSERT_EQ(status, 200) << out.dump();
+  const std::string text = out["choices"][0]["text"];
+  // Streaming gives the same text, delta by delta.
+  json streamed_body = body;
+  streamed_body["stream"] = true;
+  const Streamed s = stream_post(port(), "/v1/completions", streamed_body);
+  std::string joined;
+  for (const json& e : s.events) joined += e["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(joined, text);
+  // A stop string cuts the text before it.
+  size_t at = text.size() / 2;  // a stop string of two ASCII characters from the second half
+  while (at + 1 < text.size() && !(std::isalpha(static_cast<unsigned char>(text[at])) &&
+                                   std::isalpha(static_cast<unsigned char>(text[at + 1])))) {
+    ++at;
+  }
+  if (at + 1 < text.size()) {
+    json stop_body = body;
+    stop_body["stop"] = text.substr(at, 2);
+    SCOPED_TRACE("text '" + text + "', stop '" + text.substr(at, 2) + "'");
+    const size_t cut = text.find(stop_body["stop"].get<std::string>());
+    const auto [st, cut_out] = post(port(), "/v1/completions", stop_body.dump());
+    ASSERT_EQ(st, 200) << cut_out.dump();
+    EXPECT_EQ(cut_out["choices"][0]["text"], text.substr(0, cut));
+    EXPECT_EQ(cut_out["choices"][0]["finish_reason"], "stop");
+    stop_body["stream"] = true;
+    const Streamed ss = stream_post(port(), "/v1/completions", stop_body);
+    std::string streamed;
+    for (const json& e : ss.events) streamed += e["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(streamed, text.substr(0, cut));
+  }
+  // Chat, streaming with usage.
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi there"}}}}, {"max_tokens", 5}, {"stream", true},
+                     {"stream_options", {{"include_usage", true}}}};
+  const Streamed c = stream_post(port(), "/v1/chat/completions", chat);
+  ASSERT_EQ(c.status, 200) << c.body;
+  ASSERT_GE(c.events.size(), 3u);
+  EXPECT_EQ(c.events[0]["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(c.events[0]["object"], "chat.completion.chunk");
+  EXPECT_TRUE(c.events.back()["choices"].empty());
+  EXPECT_GT(c.events.back()["usage"]["prompt_tokens"].get<int>(), 2);
+  EXPECT_TRUE(c.done);
+}
+
+TEST_F(ServerHttp, MalformedRequestsGetJsonErrorsAndTheServerKeepsServing) {
+  const std::vector<std::tuple<std::string, std::string, int>> cases = {
+      {"/v1/completions", "{\"prompt\": [1, 2", 400},
+      {"/v1/completions", "[1, 2]", 400},
+      {"/v1/completions", R"({"prompt": [1, 2], "max_tokenz": 3})", 400},
+      {"/v1/completions", R"({"prompt": [1, 2], "max_tokens": "3"})", 400},
+      {"/v1/completions", R"({"prompt": [1, 2], "temperature": -1})", 400},
+      {"/v1/completions", R"({"prompt": [1, 99999]})", 400},
+      {"/v1/completions", R"({"prompt": [1, 2], "model": "gpt-4"})", 404},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user"}]})", 400},
+      {"/generate", R"({"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "bogus": 1}})", 400},
+      {"/generate", R"({"input_ids": [1], "sampling_params": {"max_new_tokens": 100000}})", 400},
+      {"/no/such/route", "{}", 404},
+  };
+  for (const auto& [path, body, expected] : cases) {
+    const auto [status, out] = post(port(), path, body);
+    EXPECT_EQ(status, expected) << path << " " << body;
+    EXPECT_TRUE(out.is_object() && out["error"]["message"].is_string() && out["error"]["type"].is_string())
+        << path << " " << body << " -> " << out.dump();
+  }
+  // Oversized prompts: longer than the model (512 positions), or than the whole KV pool (48 pages x 8).
+  const auto [long_status, long_out] = post(port(), "/v1/completions", json{{"prompt", std::vector<int32_t>(600, 7)}}.dump());
+  EXPECT_EQ(long_status, 400);
+  EXPECT_NE(long_out["error"]["message"].get<std::string>().find("512 positions"), std::string::npos) << long_out.dump();
+  const std::vector<int32_t> huge(400, 7);
+  const auto [status, out] = post(port(), "/v1/completions", json{{"prompt", huge}, {"max_tokens", 1}}.dump());
+  EXPECT_EQ(status, 400);
+  EXPECT_NE(out["error"]["message"].get<std::string>().find("KV pages"), std::string::npos) << out.dump();
+  httplib::Client client("127.0.0.1", port());
+  const httplib::Result health = client.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  const auto [ok, again] = post(port(), "/v1/completions", R"({"prompt": [1, 2], "max_tokens": 2})");
+  EXPECT_EQ(ok, 200) << again.dump();
+}
+
+TEST_F(ServerHttp, ClientThatDisconnectsMidStreamIsCancelledAndItsPagesFreed) {
+  std::map<std::string, double> before = metrics(port());
+  const double cancelled_before = before["fulcrum_requests_total{finish_reason=\"cancelled\"}"];
+  const double generated_before = before["fulcrum_generation_tokens_total"];
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const std::string body = json{{"prompt", {1, 2, 3}}, {"max_tokens", 300}, {"ignore_eos", true}, {"stream", true}}.dump();
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::write(fd, request.data(), request.size()), static_cast<ssize_t>(request.size()));
+  std::string received;
+  char buf[4096];
+  while (std::count(received.begin(), received.end(), '\n') < 20) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    ASSERT_GT(n, 0);
+    received.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_NE(received.find("data: {"), std::string::npos);
+  ::close(fd);
+  std::map<std::string, double> m;
+  for (int i = 0; i < 1000; ++i) {
+    m = metrics(port());
+    if (m["fulcrum_kv_pages_used"] == 0 && m["fulcrum_requests_total{finish_reason=\"cancelled\"}"] > cancelled_before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(m["fulcrum_kv_pages_used"], 0);
+  EXPECT_GT(m["fulcrum_requests_total{finish_reason=\"cancelled\"}"], cancelled_before);
+  EXPECT_LT(m["fulcrum_generation_tokens_total"] - generated_before, 300);  // it stopped early
+  const auto [ok, again] = post(port(), "/v1/completions", R"({"prompt": [1, 2], "max_tokens": 2})");
+  EXPECT_EQ(ok, 200);
+}
+
+TEST_F(ServerHttp, MetricsAreValidPrometheusText) {
+  post(port(), "/v1/completions", R"({"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": true})");
+  std::map<std::string, double> m = metrics(port());
+  for (const char* name : {"fulcrum_requests_running", "fulcrum_requests_waiting", "fulcrum_prompt_tokens_total",
+                           "fulcrum_generation_tokens_total", "fulcrum_step_seconds_count", "fulcrum_step_seconds_sum",
+                           "fulcrum_kv_pages_used", "fulcrum_kv_pages_total", "fulcrum_eplb_rebalances_total",
+                           "fulcrum_eplb_bytes_migrated_total", "fulcrum_step_seconds_bucket{le=\"+Inf\"}"}) {
+    EXPECT_TRUE(m.contains(name)) << name;
+  }
+  EXPECT_EQ(m["fulcrum_kv_pages_total"], 48);
+  EXPECT_GE(m["fulcrum_prompt_tokens_total"], 3);
+  EXPECT_GE(m["fulcrum_generation_tokens_total"], 3);
+  EXPECT_EQ(m["fulcrum_step_seconds_bucket{le=\"+Inf\"}"], m["fulcrum_step_seconds_count"]);
+}
+
+TEST_F(ServerHttp, ExpertDistributionDumpIsReadableByPlan) {
+  ASSERT_EQ(post(port(), "/start_expert_distribution_record", "").first, 200);
+  ASSERT_EQ(post(port(), "/v1/completions", R"({"prompt": [9, 8, 7, 6], "max_tokens": 4, "ignore_eos": true})").first, 200);
+  ASSERT_EQ(post(port(), "/stop_expert_distribution_record", "").first, 200);
+  const auto [status, out] = post(port(), "/dump_expert_distribution_record", R"({"name": "dist.json"})");
+  ASSERT_EQ(status, 200) << out.dump();
+  EXPECT_EQ(out["num_tokens"], 7);  // 4 prompt tokens + 3 decode steps
+  EXPECT_EQ(out["logical_count"].size(), 2u);
+  EXPECT_EQ(out["logical_count"][0].size(), 128u);
+  const std::string file = log_dir_->file("dist.json");
+  EXPECT_EQ(json::parse(slurp(file))["logical_count"], out["logical_count"]);
+  TempDir dir("plan_dump");
+  const CliRun plan = run_cli(dir, "plan --loads " + file + " --gpus 4 --physical-experts 136 --json");
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("balancedness_mean"), std::string::npos) << plan.out;
+}
+
+TEST_F(ServerHttp, ShortSoakHasNoErrorsAndReturnsEveryPage) {
+  server::LoadOptions o;
+  o.url = server_->url();
+  o.clients = 8;
+  o.duration_s = 10;
+  o.prompt_min = 4;
+  o.prompt_max = 48;
+  o.max_tokens = 16;
+  const server::LoadReport r = server::run_load(o);
+  EXPECT_EQ(r.failed, 0) << server::format_load_report(o, r);
+  EXPECT_GT(r.succeeded, 8);
+  EXPECT_EQ(r.output_tokens, int64_t{16} * r.succeeded);
+  std::map<std::string, double> m = metrics(port());
+  EXPECT_EQ(m["fulcrum_kv_pages_used"], 0);
+  EXPECT_EQ(m["fulcrum_requests_running"], 0);
+}
+
+TEST(ServerShutdown, SigtermFinishesInFlightStreamsAndExitsCleanly) {
+  std::signal(SIGPIPE, SIG_IGN);
+  TempDir dir("serve_shutdown");
+  ServerProcess server(tiny_served_model(), {}, dir.file("serve.log"));
+  Streamed s;
+  std::thread client([&] {
+    s = stream_post(server.port(), "/v1/completions",
+                    json{{"prompt", {4, 5, 6}}, {"max_tokens", 500}, {"ignore_eos", true}, {"stream", true}});
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+  client.join();
+  EXPECT_EQ(s.status, 200);
+  EXPECT_TRUE(s.done);
+  EXPECT_NE(server.log().find("SIGTERM: draining"), std::string::npos) << server.log();
+  EXPECT_NE(server.log().find("stopped"), std::string::npos) << server.log();
+}
+
+}  // namespace
+}  // namespace fulcrum::test

@@ -1,0 +1,81 @@
+#pragma once
+// A real `fulcrum serve` process for integration tests: started on port 0, its port read from the
+// "listening on" log line; stopped with SIGTERM (killed if it outlives the test).
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "eplb/error.hpp"
+#include "model_test_util.hpp"
+
+namespace fulcrum::test {
+
+class ServerProcess {
+ public:
+  ServerProcess(const std::string& model_dir, const std::vector<std::string>& flags, const std::string& log_file)
+      : log_file_(log_file) {
+    std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--model", model_dir, "--port", "0"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    pid_ = ::fork();
+    FULCRUM_CHECK(pid_ >= 0, "fork failed");
+    if (pid_ == 0) {
+      const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
+    for (int i = 0; i < 3000 && port_ == 0; ++i) {
+      std::smatch m;
+      const std::string log = slurp(log_file);
+      if (std::regex_search(log, m, listening)) port_ = std::stoi(m[1]);
+      int status = 0;
+      FULCRUM_CHECK(::waitpid(pid_, &status, WNOHANG) == 0, "fulcrum serve exited early: {}", log);
+      if (port_ == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    FULCRUM_CHECK(port_ > 0, "fulcrum serve did not start: {}", slurp(log_file));
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  int port() const { return port_; }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  std::string log() const { return slurp(log_file_); }
+
+  // SIGTERM, then waits (up to `timeout_s`) for the exit; returns the exit code (-1: did not exit or crashed).
+  int terminate(double timeout_s = 30) {
+    ::kill(pid_, SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  std::string log_file_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+}  // namespace fulcrum::test

@@ -1,0 +1,215 @@
+// Scheduler logic over a fake executor: admission control, page accounting, chunked prefill, batch
+// composition, stop conditions, cancellation.
+#include <gtest/gtest.h>
+
+#include "server/api_error.hpp"
+#include "server/scheduler.hpp"
+#include "server_test_util.hpp"
+
+namespace fulcrum::server {
+namespace {
+
+using test::FakeExecutor;
+
+RequestParams request(std::vector<int32_t> prompt, int max_tokens) {
+  RequestParams p;
+  p.prompt = std::move(prompt);
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+std::vector<int32_t> iota_prompt(int n, int start = 1) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back((start + i) % 50);
+  return p;
+}
+
+void run_until_idle(Scheduler& s, int max_steps = 10000) {
+  for (int i = 0; i < max_steps && !s.idle(); ++i) s.step();
+  ASSERT_TRUE(s.idle());
+}
+
+TEST(ServerScheduler, AdmissionWaitsForPagesInsteadOfDropping) {
+  FakeExecutor exec;
+  // Each request needs ceil((6 + 10) / 4) = 4 pages; the pool holds 9: two run, the third waits.
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 9, .page_size = 4, .max_prefill_tokens = 64});
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (int i = 0; i < 3; ++i) handles.push_back(s.submit(request(iota_prompt(6, i), 10)));
+  s.step();
+  QueueGauges g = s.gauges();
+  EXPECT_EQ(g.running, 2);
+  EXPECT_EQ(g.waiting, 1);
+  EXPECT_EQ(g.kv_pages_used, 8);
+  EXPECT_EQ(exec.live.size(), 2u);
+  run_until_idle(s);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(handles[i]->finish_reason(), FinishReason::kLength);
+    EXPECT_EQ(handles[i]->wait_finished(), FakeExecutor::expected(iota_prompt(6, i), 10, 50)) << i;
+  }
+  g = s.gauges();
+  EXPECT_EQ(g.kv_pages_used, 0);
+  EXPECT_TRUE(exec.live.empty());
+}
+
+TEST(ServerScheduler, RunningLimitAndFifoOrder) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 1, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(3), 2));
+  auto b = s.submit(request(iota_prompt(2), 1));
+  s.step();
+  EXPECT_EQ(s.last_step().entries.size(), 1u);
+  EXPECT_EQ(s.last_step().entries[0].id, a->id());
+  run_until_idle(s);
+  EXPECT_EQ(b->wait_finished().size(), 1u);
+}
+
+TEST(ServerScheduler, OversizedPromptIsRefused) {
+  FakeExecutor exec(50, 100);
+  Scheduler s(exec, {.max_running_requests = 4, .kv_pages = 4, .page_size = 4, .max_prefill_tokens = 64});
+  try {
+    s.submit(request(iota_prompt(15), 2));  // 17 tokens: 5 pages > 4
+    FAIL() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_NE(std::string(e.what()).find("KV pages"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(s.submit(request({}, 2)), ApiError);
+  EXPECT_THROW(s.submit(request({50}, 2)), ApiError);  // outside the vocabulary
+  EXPECT_THROW(s.submit(request({1}, 0)), ApiError);
+  EXPECT_TRUE(s.idle());
+  // A request that fits the pool exactly runs.
+  auto ok = s.submit(request(iota_prompt(14), 2));
+  run_until_idle(s);
+  EXPECT_EQ(ok->wait_finished().size(), 2u);
+}
+
+TEST(ServerScheduler, ChunkedPrefillRespectsTheBudget) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 5});
+  auto a = s.submit(request(iota_prompt(12), 3));
+  auto b = s.submit(request(iota_prompt(7, 3), 3));
+  int steps = 0;
+  while (!s.idle()) {
+    s.step();
+    ++steps;
+    EXPECT_LE(s.last_step().prefill_tokens, 5);
+  }
+  EXPECT_EQ(a->wait_finished(), FakeExecutor::expected(iota_prompt(12), 3, 50));
+  EXPECT_EQ(b->wait_finished(), FakeExecutor::expected(iota_prompt(7, 3), 3, 50));
+  EXPECT_GE(steps, (12 + 7 + 4) / 5);
+}
+
+TEST(ServerScheduler, BatchCompositionChangesEveryStep) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 3));
+  s.step();  // a: prefill (and its first token)
+  ASSERT_EQ(s.last_step().entries.size(), 1u);
+  EXPECT_TRUE(s.last_step().entries[0].prefill);
+  auto b = s.submit(request(iota_prompt(5, 9), 2));
+  s.step();  // a decodes while b joins with its prefill
+  ASSERT_EQ(s.last_step().entries.size(), 2u);
+  EXPECT_EQ(s.last_step().entries[0].id, a->id());
+  EXPECT_FALSE(s.last_step().entries[0].prefill);
+  EXPECT_EQ(s.last_step().entries[1].id, b->id());
+  EXPECT_TRUE(s.last_step().entries[1].prefill);
+  s.step();  // a's third token: a leaves; b decodes
+  EXPECT_EQ(a->finish_reason(), FinishReason::kLength);
+  EXPECT_EQ(b->finish_reason(), FinishReason::kLength);
+  s.step();
+  EXPECT_TRUE(s.last_step().entries.empty());
+  EXPECT_TRUE(s.idle());
+}
+
+TEST(ServerScheduler, StopTokenIdsEndWithoutTheToken) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  const std::vector<int32_t> full = FakeExecutor::expected(iota_prompt(5), 8, 50);
+  RequestParams p = request(iota_prompt(5), 8);
+  p.stop_token_ids = {full[3]};
+  const auto first = std::find(full.begin(), full.end(), full[3]);
+  auto h = s.submit(p);
+  run_until_idle(s);
+  EXPECT_EQ(h->finish_reason(), FinishReason::kStop);
+  EXPECT_EQ(h->wait_finished(), std::vector<int32_t>(full.begin(), first));
+}
+
+TEST(ServerScheduler, StopStringsCutTheText) {
+  FakeExecutor exec;
+  // Token t reads as the letter 'a' + t % 26.
+  const Detokenizer detok = [](std::span<const int32_t> ids) {
+    std::string text;
+    for (const int32_t t : ids) text += static_cast<char>('a' + t % 26);
+    return text;
+  };
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64}, detok);
+  const std::vector<int32_t> full = FakeExecutor::expected(iota_prompt(5), 8, 50);
+  const std::string text = detok(full);
+  RequestParams p = request(iota_prompt(5), 8);
+  p.stop = {text.substr(3, 2)};
+  auto h = s.submit(p);
+  run_until_idle(s);
+  EXPECT_EQ(h->finish_reason(), FinishReason::kStop);
+  const size_t at = text.find(p.stop[0]);
+  EXPECT_EQ(h->stop_text_length(), at);
+  EXPECT_EQ(h->wait_finished().size(), at + 2);  // tokens through the one completing the stop string
+  // Without a detokenizer, stop strings are refused.
+  Scheduler plain(exec, {});
+  EXPECT_THROW(plain.submit(p), ApiError);
+}
+
+TEST(ServerScheduler, CancelFreesPagesWaitingOrRunning) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 1, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 50));
+  auto b = s.submit(request(iota_prompt(4), 50));
+  s.step();
+  s.step();
+  EXPECT_EQ(s.gauges().kv_pages_used, 14);
+  a->cancel();
+  b->cancel();
+  s.step();
+  EXPECT_EQ(a->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(b->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(s.gauges().kv_pages_used, 0);
+  EXPECT_TRUE(s.idle());
+  EXPECT_TRUE(exec.live.empty());
+  EXPECT_EQ(b->wait_finished().size(), 0u);
+}
+
+TEST(ServerScheduler, ShutdownRefusesNewRequestsAndCancelAllAnswersEveryone) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 1, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 50));
+  auto b = s.submit(request(iota_prompt(4), 50));
+  s.step();
+  s.stop_accepting();
+  try {
+    s.submit(request(iota_prompt(4), 2));
+    FAIL() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 503);
+  }
+  s.cancel_all();
+  s.step();
+  EXPECT_EQ(a->finish_reason(), FinishReason::kCancelled);
+  EXPECT_EQ(b->finish_reason(), FinishReason::kCancelled);
+  EXPECT_TRUE(s.idle());
+}
+
+TEST(ServerScheduler, AFailedStepEndsItsRequestsAndTheNextOnesRun) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 5));
+  exec.fail_next_step = true;
+  s.step();
+  EXPECT_EQ(a->finish_reason(), FinishReason::kError);
+  EXPECT_EQ(s.gauges().kv_pages_used, 0);
+  EXPECT_TRUE(exec.live.empty());
+  auto b = s.submit(request(iota_prompt(4), 5));
+  run_until_idle(s);
+  EXPECT_EQ(b->wait_finished(), FakeExecutor::expected(iota_prompt(4), 5, 50));
+}
+
+}  // namespace
+}  // namespace fulcrum::server

@@ -1,0 +1,105 @@
+#pragma once
+// Helpers of the server tests: a fake StepExecutor whose logits are a pure function of each sequence's
+// own history (for scheduler logic), and a tiny synthetic model with a tokenizer, made once per process.
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "eplb/error.hpp"
+#include "model/make_model.hpp"
+#include "server/step_executor.hpp"
+#include "test_data.hpp"
+#include "tokenizer/tokenizer.hpp"
+
+namespace fulcrum::test {
+
+// Next token = a hash of the sequence's tokens so far, mod vocab; every step is recorded.
+class FakeExecutor final : public server::StepExecutor {
+ public:
+  explicit FakeExecutor(int vocab = 50, int64_t max_len = 4096) : vocab_(vocab), max_len_(max_len) {}
+
+  int vocab_size() const override { return vocab_; }
+  int64_t max_sequence_length() const override { return max_len_; }
+  void allocate(server::SequenceId id, int64_t capacity) override {
+    FULCRUM_CHECK(!live.contains(id), "double allocate {}", id);
+    live[id] = {};
+    capacity_[id] = capacity;
+  }
+  void release(server::SequenceId id) override {
+    live.erase(id);
+    capacity_.erase(id);
+  }
+  std::vector<std::vector<float>> step(std::span<const server::StepInput> batch) override {
+    if (fail_next_step) {
+      fail_next_step = false;
+      throw Error("injected step failure");
+    }
+    std::vector<std::vector<float>> out;
+    for (const server::StepInput& in : batch) {
+      std::vector<int32_t>& history = live.at(in.id);
+      history.insert(history.end(), in.token_ids.begin(), in.token_ids.end());
+      FULCRUM_CHECK(static_cast<int64_t>(history.size()) <= capacity_.at(in.id), "sequence {} over capacity", in.id);
+      std::vector<float> logits(static_cast<size_t>(vocab_), 0.0f);
+      logits[static_cast<size_t>(next_token(history, vocab_))] = 1.0f;
+      out.push_back(std::move(logits));
+    }
+    ++steps;
+    return out;
+  }
+  // The greedy continuation of `prompt` by `n` tokens, computed without any scheduler.
+  static std::vector<int32_t> expected(std::vector<int32_t> prompt, int n, int vocab) {
+    std::vector<int32_t> out;
+    for (int i = 0; i < n; ++i) {
+      out.push_back(next_token(prompt, vocab));
+      prompt.push_back(out.back());
+    }
+    return out;
+  }
+  static int32_t next_token(const std::vector<int32_t>& history, int vocab) {
+    uint64_t h = 1469598103934665603ull;
+    for (const int32_t t : history) h = (h ^ static_cast<uint64_t>(t)) * 1099511628211ull;
+    return static_cast<int32_t>(h % static_cast<uint64_t>(vocab));
+  }
+
+  std::map<server::SequenceId, std::vector<int32_t>> live;
+  int steps = 0;
+  bool fail_next_step = false;
+
+ private:
+  int vocab_;
+  int64_t max_len_;
+  std::map<server::SequenceId, int64_t> capacity_;
+};
+
+inline std::string golden_tokenizer_file() { return shared_path("golden/tokenizer/bpe-qwen-style-2k/tokenizer.json"); }
+
+// A tiny synthetic model (2 layers) with the golden tokenizer beside it, its vocabulary sized to the
+// tokenizer; made on first use, removed when the process exits.
+inline const std::string& tiny_served_model() {
+  static const std::string dir = [] {
+    const std::filesystem::path path =
+        std::filesystem::temp_directory_path() / ("fulcrum_server_model_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path);
+    const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_file(golden_tokenizer_file());
+    model::MakeModelOptions options;
+    options.preset = "tiny";
+    options.output = path.string();
+    options.layers = 2;
+    options.vocab_size = tok.id_bound();
+    options.seed = 7;
+    model::make_model(options);
+    std::filesystem::copy_file(golden_tokenizer_file(), path / "tokenizer.json");
+    std::atexit([] {
+      std::error_code ignored;
+      std::filesystem::remove_all(
+          std::filesystem::temp_directory_path() / ("fulcrum_server_model_" + std::to_string(::getpid())), ignored);
+    });
+    return path.string();
+  }();
+  return dir;
+}
+
+}  // namespace fulcrum::test
