@@ -1,4 +1,4 @@
-// Placements and the EPLB seam: 200 random valid placements swapped into live engines between forward
+// Placements and the EPLB seam: 1000 random valid placements swapped into live engines between forward
 // passes (replace_layer_placement) keep the single-rank logits; the routing hook reports every token once
 // per MoE layer with the slot that computed it, and both dispatch backends choose the same replicas.
 #include <mutex>
@@ -38,7 +38,7 @@ TEST(EnginePlacement, RandomPlacementsSwappedBetweenPassesKeepTheLogits) {
       {flags(4, 2, 4, 4), "alltoall", eplb::DispatchAlgorithm::kBalanced},
       {flags(4, 1, 4, 12), "allgather", eplb::DispatchAlgorithm::kDynamic},
   };
-  constexpr int kPlacementsPerCase = 50;
+  constexpr int kPlacementsPerCase = 250;
   const auto prefill = schedule()[0];
   int checked = 0;
   float worst = 0;
@@ -72,8 +72,8 @@ TEST(EnginePlacement, RandomPlacementsSwappedBetweenPassesKeepTheLogits) {
       ++checked;
     }
   }
-  EXPECT_EQ(checked, 200);
-  std::printf("[ layout   ] 200 random placements on EP 2/4: max |logit diff| %.3g\n", worst);
+  EXPECT_EQ(checked, 1000);
+  std::printf("[ layout   ] 1000 random placements on EP 2/4: max |logit diff| %.3g\n", worst);
 }
 
 // The migration seam: a rank writes its slots through expert_slot_views, then every rank commits the same
