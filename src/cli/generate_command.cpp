@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/token_ids.hpp"
 #include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
 #include "eplb/metrics.hpp"
@@ -39,23 +40,9 @@ struct GenerateFlags {
 };
 
 std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, int vocab_size) {
-  std::vector<int32_t> ids;
-  std::istringstream in(text);
-  std::string word;
-  while (in >> word) {
-    size_t used = 0;
-    long long id = -1;
-    try {
-      id = std::stoll(word, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    FULCRUM_CHECK(used == word.size(), "--prompt-tokens #{}: '{}' is not a token id", prompt_idx + 1, word);
-    FULCRUM_CHECK(id >= 0 && id < vocab_size, "--prompt-tokens #{}: token id {} out of range [0, {})", prompt_idx + 1,
-                  id, vocab_size);
-    ids.push_back(static_cast<int32_t>(id));
-  }
-  FULCRUM_CHECK(!ids.empty(), "--prompt-tokens #{}: no token ids", prompt_idx + 1);
+  const std::string what = fmt::format("--prompt-tokens #{}", prompt_idx + 1);
+  std::vector<int32_t> ids = parse_token_ids(text, what, vocab_size);
+  FULCRUM_CHECK(!ids.empty(), "{}: no token ids", what);
   return ids;
 }
 

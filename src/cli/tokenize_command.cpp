@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/token_ids.hpp"
 #include "eplb/error.hpp"
 #include "tokenizer/tokenizer.hpp"
 
@@ -17,29 +18,10 @@ struct TokenizeFlags {
   std::string decode;
 };
 
-std::vector<int32_t> parse_ids(const std::string& text, int32_t id_bound) {
-  std::vector<int32_t> ids;
-  std::istringstream in(text);
-  std::string word;
-  while (in >> word) {
-    size_t used = 0;
-    long long id = -1;
-    try {
-      id = std::stoll(word, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    FULCRUM_CHECK(used == word.size(), "--decode: '{}' is not a token id", word);
-    FULCRUM_CHECK(id >= 0 && id < id_bound, "--decode: token id {} out of range [0, {})", id, id_bound);
-    ids.push_back(static_cast<int32_t>(id));
-  }
-  return ids;
-}
-
 void run_tokenize(const TokenizeFlags& flags, bool decode) {
   const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_file(flags.model_dir);
   if (decode) {
-    fmt::print("{}\n", tok.decode(parse_ids(flags.decode, tok.id_bound())));
+    fmt::print("{}\n", tok.decode(parse_token_ids(flags.decode, "--decode", tok.id_bound())));
   } else {
     fmt::print("{}\n", fmt::join(tok.encode(flags.text), " "));
   }
