@@ -25,52 +25,9 @@ class GoldenModelTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(GoldenModelTest, LogitsRouterLogitsAndGreedyMatchTransformers) {
-  const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(dir());
   backend::CpuBackend cpu;
-  model::Qwen3MoeModel qwen(config, cpu);
-  model::Checkpoint checkpoint(dir());
-  qwen.load_weights(checkpoint);
-  const int num_moe_layers = static_cast<int>(config.moe_layer_indices().size());
-  const std::vector<GoldenSequence> golden = read_golden(dir(), num_moe_layers);
+  expect_model_matches_golden(cpu, GetParam());
 
-  // All sequences in one batch; the first router call per layer is the prefill of every prompt.
-  std::map<int, std::vector<float>> prefill_router;  // layer_idx -> [total prompt tokens, num_experts]
-  model::ForwardHooks hooks;
-  hooks.on_router = [&](int layer_idx, const model::Tensor& logits, const model::RouterChoice&) {
-    if (!prefill_router.count(layer_idx)) prefill_router[layer_idx] = cpu.download(logits);
-  };
-  std::vector<std::vector<int32_t>> prompts;
-  for (const auto& seq : golden) prompts.push_back(seq.input_ids);
-  const model::GenerateResult result = model::generate_greedy(qwen, cpu, prompts, 8, hooks);
-
-  float worst_logits = 0, worst_router = 0;
-  size_t token_offset = 0;
-  for (size_t i = 0; i < golden.size(); ++i) {
-    const GoldenSequence& seq = golden[i];
-    const size_t num_tokens = seq.input_ids.size();
-    EXPECT_EQ(result.prompt_logits[i].shape, seq.logits.shape);
-    const float logits_diff = max_abs_diff(result.prompt_logits[i].data, seq.logits.data);
-    EXPECT_LE(logits_diff, kLogitTolerance) << "sequence " << i;
-    worst_logits = std::max(worst_logits, logits_diff);
-    const auto moe_layers = config.moe_layer_indices();
-    for (int k = 0; k < num_moe_layers; ++k) {
-      const std::vector<float>& all = prefill_router.at(moe_layers[k]);
-      const std::span<const float> mine(all.data() + token_offset * config.num_experts, num_tokens * config.num_experts);
-      const float router_diff = max_abs_diff(mine, seq.router_logits[k].data);
-      EXPECT_LE(router_diff, kLogitTolerance) << "sequence " << i << " MoE layer " << k;
-      worst_router = std::max(worst_router, router_diff);
-    }
-    token_offset += num_tokens;
-    if (seq.last_top1_margin >= kNearTieMargin) {
-      EXPECT_EQ(result.new_tokens[i], seq.greedy_tokens) << "sequence " << i;
-    } else {
-      std::cout << "[ note ] " << GetParam() << " sequence " << i << ": near-tie margin " << seq.last_top1_margin
-                << ", greedy tokens not compared\n";
-    }
-  }
-  std::cout << "[ golden ] " << GetParam() << ": max |logits - golden| = " << worst_logits
-            << ", max |router logits - golden| = " << worst_router << "\n";
-  RecordProperty("max_abs_logit_diff", std::to_string(worst_logits));
 }
 
 // One sequence at a time gives the same logits as the batch; decoding with the KV cache gives the same
