@@ -109,8 +109,12 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   fulcrum_detail::repair_duplicates(spare, 0, spare.num_gpus);
   if (spare.max_load() >= layout.max_load()) return;
   fulcrum_detail::local_search(spare, 0, spare.num_gpus, bound, true, order);
+  // spare's state is current after the search (its moves keep it so): take it whole, no rebuild.
   std::swap(layout.expert, spare.expert);
-  layout.rebuild();
+  std::swap(layout.count, spare.count);
+  std::swap(layout.slot_w, spare.slot_w);
+  std::swap(layout.gpu_load, spare.gpu_load);
+  std::swap(layout.hosted, spare.hosted);
 }
 
 // One node: water-filling counts capped at G, packed and searched; hard layers get more tries.
