@@ -103,7 +103,10 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
       weighted[next_item] = {-w, e};
     }
   }
-  const double lower = count_bound(layout, counts);
+  // count_bound without its divisions: the largest load per replica heads `experts`.
+  double total = 0.0;
+  for (int e = 0; e < layout.num_experts; ++e) total += layout.load[e];
+  const double lower = std::max(total / layout.num_gpus, experts.empty() ? 0.0 : std::max(0.0, -experts.front().first));
   const double exact = lower * (1.0 + 1e-12);
   const double bound = lower * (1.0 + tolerance);
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed, weighted);
