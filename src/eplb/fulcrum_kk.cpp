@@ -21,31 +21,35 @@ struct Bin {
 }  // namespace
 
 void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
-                       uint32_t seed) {
+                       uint32_t seed, std::span<const std::pair<double, int>> weighted) {
   const int per_gpu = layout.slots_per_gpu;
   const int gpus = g1 - g0;
   const int num_items = gpus * per_gpu;
   thread_local std::vector<int> order, next, heap;
-  thread_local std::vector<std::pair<double, int>> sorted;
+  thread_local std::vector<std::pair<double, int>> own;
   thread_local std::vector<Bin> bins, merged;
   thread_local std::vector<char> taken;
-  sorted.clear();
-  // A nonzero seed perturbs the weights the merges see by up to +-2% (a deterministic LCG), to get
-  // a different packing; the layout always gets the true weights.
-  uint32_t state = seed;
-  for (int e : items) {
-    double w = layout.load[e] / counts[e];
-    if (seed != 0) {
-      state = state * 1664525u + 1013904223u;
-      w *= 1.0 + 0.04 * (static_cast<double>(state >> 8) / 16777216.0 - 0.5);
+  std::span<const std::pair<double, int>> sorted = weighted;
+  if (seed != 0 || sorted.size() != items.size()) {
+    own.clear();
+    // A nonzero seed perturbs the weights the merges see by up to +-2% (a deterministic LCG), to get
+    // a different packing; the layout always gets the true weights.
+    uint32_t state = seed;
+    for (int e : items) {
+      double w = layout.load[e] / counts[e];
+      if (seed != 0) {
+        state = state * 1664525u + 1013904223u;
+        w *= 1.0 + 0.04 * (static_cast<double>(state >> 8) / 16777216.0 - 0.5);
+      }
+      own.emplace_back(w, e);
     }
-    sorted.emplace_back(w, e);
+    // Heaviest first; replicas of one expert stay together (ties by expert id).
+    auto heavier = [](const auto& x, const auto& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    };
+    if (!std::is_sorted(own.begin(), own.end(), heavier)) std::sort(own.begin(), own.end(), heavier);
+    sorted = own;
   }
-  // Heaviest first; replicas of one expert stay together (ties by expert id).
-  auto heavier = [](const auto& x, const auto& y) {
-    return x.first > y.first || (x.first == y.first && x.second < y.second);
-  };
-  if (!std::is_sorted(sorted.begin(), sorted.end(), heavier)) std::sort(sorted.begin(), sorted.end(), heavier);
   order.resize(num_items);
   next.assign(num_items, -1);
   bins.resize(num_items);  // row r occupies bins [r * gpus, (r + 1) * gpus), kept sorted heaviest first
@@ -113,7 +117,7 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
     int slot = g * per_gpu;
     for (int item = result[i].head; item >= 0; item = next[item]) {
       layout.expert[slot] = order[item];
-      layout.slot_w[slot] = layout.load[order[item]] / counts[order[item]];
+      layout.slot_w[slot] = seed == 0 ? sorted[item].first : layout.load[order[item]] / counts[order[item]];
       layout.gpu_load[g] += layout.slot_w[slot];
       ++slot;
     }

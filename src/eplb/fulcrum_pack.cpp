@@ -160,17 +160,21 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 }
 
 bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
-                 double abort_at) {
+                 double abort_at, std::span<const std::pair<double, int>> weighted, bool* duplicated) {
   const int per_gpu = layout.slots_per_gpu;
-  thread_local std::vector<std::pair<double, int>> order;
+  thread_local std::vector<std::pair<double, int>> own;
   thread_local std::vector<int> fill, room, holders;
-  order.clear();
-  for (int e : items) order.emplace_back(layout.load[e] / counts[e], e);
-  // Heaviest first; replicas of one expert stay together (ties by expert id).
-  auto heavier = [](const auto& x, const auto& y) {
-    return x.first > y.first || (x.first == y.first && x.second < y.second);
-  };
-  if (!std::is_sorted(order.begin(), order.end(), heavier)) std::sort(order.begin(), order.end(), heavier);
+  std::span<const std::pair<double, int>> order = weighted;
+  if (order.size() != items.size()) {
+    own.clear();
+    for (int e : items) own.emplace_back(layout.load[e] / counts[e], e);
+    // Heaviest first; replicas of one expert stay together (ties by expert id).
+    auto heavier = [](const auto& x, const auto& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    };
+    if (!std::is_sorted(own.begin(), own.end(), heavier)) std::sort(own.begin(), own.end(), heavier);
+    order = own;
+  }
   fill.assign(layout.num_gpus, 0);
   for (int g = g0; g < g1; ++g) layout.gpu_load[g] = 0.0;
   // GPUs with room, lightest first (lowest index on ties); a placement only raises one GPU's load, so
@@ -216,27 +220,30 @@ bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int
       room[at - 1] = best;
     }
   }
+  if (duplicated != nullptr) *duplicated = forced;
   return true;
 }
 
 void repair_duplicates(Layout& layout, int g0, int g1) {
   if (layout.allow_dup) return;
   const int per_gpu = layout.slots_per_gpu;
-  for (int s = g0 * per_gpu; s < g1 * per_gpu; ++s) {
-    const int g = s / per_gpu, e = layout.expert[s];
-    if (layout.on(e, g) < 2) continue;
-    int best_t = -1;
-    double best_diff = 0.0;
-    for (int t = g0 * per_gpu; t < g1 * per_gpu; ++t) {
-      const int k = t / per_gpu, x = layout.expert[t];
-      if (k == g || layout.on(e, k) != 0 || layout.on(x, g) != 0) continue;
-      const double diff = std::abs(layout.slot_w[t] - layout.slot_w[s]);
-      if (best_t < 0 || diff < best_diff) {
-        best_t = t;
-        best_diff = diff;
+  for (int g = g0; g < g1; ++g) {
+    for (int s = g * per_gpu; s < (g + 1) * per_gpu; ++s) {
+      const int e = layout.expert[s];
+      if (layout.on(e, g) < 2) continue;
+      int best_t = -1;
+      double best_diff = 0.0;
+      for (int t = g0 * per_gpu; t < g1 * per_gpu; ++t) {
+        const int k = t / per_gpu, x = layout.expert[t];
+        if (k == g || layout.on(e, k) != 0 || layout.on(x, g) != 0) continue;
+        const double diff = std::abs(layout.slot_w[t] - layout.slot_w[s]);
+        if (best_t < 0 || diff < best_diff) {
+          best_t = t;
+          best_diff = diff;
+        }
       }
+      if (best_t >= 0) layout.swap_slots(s, best_t);
     }
-    if (best_t >= 0) layout.swap_slots(s, best_t);
   }
 }
 
@@ -245,11 +252,20 @@ void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign
   MoveFinder finder(layout, g0, g1, nullptr);
   finder.build_index(heaviest_first);
   const int max_steps = 8 * layout.num_slots + 64;
+  const double* load = layout.gpu_load.data();
   for (int step = 0; step < max_steps; ++step) {
-    const int h = layout.heaviest(g0, g1);
-    if (layout.gpu_load[h] <= stop_max) return;
+    // Heaviest GPU (lowest index on ties) and the lightest load in one pass: with h the heaviest, the
+    // lightest of the others is the lightest of all (h is only the lightest if all loads are equal).
+    int h = g0;
+    double lightest = load[g0];
+    for (int g = g0 + 1; g < g1; ++g) {
+      if (load[g] > load[h]) h = g;
+      lightest = std::min(lightest, load[g]);
+    }
+    if (load[h] <= stop_max) return;
+    if (g1 - g0 < 2) lightest = std::numeric_limits<double>::infinity();
     // Cheapest first: swaps, then pair swaps, then reassigns.
-    Move move = finder.best_swap(h);
+    Move move = finder.best_swap_indexed(h, lightest);
     if (!move.valid()) move = finder.best_pair_swap(h);
     if (!move.valid() && reassign) move = finder.best_reassign(h);
     if (!move.valid()) return;

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "eplb/fulcrum_layout.hpp"
@@ -29,12 +30,16 @@ bool fit_counts(std::span<const double> load, int slots, int cap, double item_ca
 // greedy_pack: heaviest first into the lightest GPU that has room and lacks the expert (LPT). GPU loads
 // only grow, so it stops early and returns false once a GPU reaches `abort_at` before any duplicate had
 // to be placed (the packing could then only end with a max load >= abort_at); otherwise true.
+// greedy_pack sets *duplicated (if given) to whether it had to put two replicas of an expert on a GPU.
+// Either packer may be given `weighted`: the items as (load[e] / counts[e], e), already heaviest first
+// with ties by expert id (the order they sort into), so they need not weigh and check them again.
 bool greedy_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
-                 double abort_at = std::numeric_limits<double>::infinity());
+                 double abort_at = std::numeric_limits<double>::infinity(),
+                 std::span<const std::pair<double, int>> weighted = {}, bool* duplicated = nullptr);
 // differencing_pack: balanced largest differencing (fulcrum_kk.cpp); a nonzero seed perturbs the weights
 // its decisions see (restarts on hard layers).
 void differencing_pack(Layout& layout, std::span<const int> items, std::span<const int> counts, int g0, int g1,
-                       uint32_t seed = 0);
+                       uint32_t seed = 0, std::span<const std::pair<double, int>> weighted = {});
 
 // After rebuild(): swaps away any duplicate a packer could not avoid, each with the closest-weight
 // replica of a GPU in [g0, g1) where neither expert would then be duplicated.

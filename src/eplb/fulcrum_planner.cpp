@@ -85,32 +85,53 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   // Items heaviest first (ties by expert id), the order both packers work in, so they need not sort.
   thread_local std::vector<std::pair<double, int>> experts;
   thread_local std::vector<int> items, order;
+  thread_local std::vector<std::pair<double, int>> weighted;  // (replica weight, expert) per item
   experts.clear();
   for (int e = 0; e < layout.num_experts; ++e) experts.emplace_back(-layout.load[e] / counts[e], e);
-  std::sort(experts.begin(), experts.end());
+  // Plain comparisons (the same order as pair's operator<, which goes through a slower <=>).
+  std::sort(experts.begin(), experts.end(), [](const auto& x, const auto& y) {
+    return x.first < y.first || (x.first == y.first && x.second < y.second);
+  });
   items.resize(layout.num_slots);
+  weighted.resize(layout.num_slots);
   order.clear();
   int next_item = 0;
   for (const auto& [w, e] : experts) {
     order.push_back(e);
-    for (int r = 0; r < counts[e]; ++r) items[next_item++] = e;
+    for (int r = 0; r < counts[e]; ++r, ++next_item) {
+      items[next_item] = e;
+      weighted[next_item] = {-w, e};
+    }
   }
-  const double lower = count_bound(layout, counts);
+  // count_bound without its divisions: the largest load per replica heads `experts`.
+  double total = 0.0;
+  for (int e = 0; e < layout.num_experts; ++e) total += layout.load[e];
+  const double lower = std::max(total / layout.num_gpus, experts.empty() ? 0.0 : std::max(0.0, -experts.front().first));
   const double exact = lower * (1.0 + 1e-12);
   const double bound = lower * (1.0 + tolerance);
-  fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed);
+  fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed, weighted);
   layout.rebuild();
   fulcrum_detail::repair_duplicates(layout, 0, layout.num_gpus);
   fulcrum_detail::local_search(layout, 0, layout.num_gpus, bound, true, order);
   if (layout.max_load() <= exact || seed != 0) return;
   spare.reset(layout.load, layout.num_slots, layout.num_gpus);
-  if (!fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus, layout.max_load())) return;
+  bool duplicated = true;
+  if (!fulcrum_detail::greedy_pack(spare, items, counts, 0, spare.num_gpus, layout.max_load(), weighted, &duplicated)) {
+    return;
+  }
+  // Without duplicates to repair, the packer's GPU loads are final (summed in slot order, as rebuild
+  // would): a losing LPT packing needs no rebuild.
+  if (!duplicated && spare.max_load() >= layout.max_load()) return;
   spare.rebuild();
   fulcrum_detail::repair_duplicates(spare, 0, spare.num_gpus);
   if (spare.max_load() >= layout.max_load()) return;
   fulcrum_detail::local_search(spare, 0, spare.num_gpus, bound, true, order);
+  // spare's state is current after the search (its moves keep it so): take it whole, no rebuild.
   std::swap(layout.expert, spare.expert);
-  layout.rebuild();
+  std::swap(layout.count, spare.count);
+  std::swap(layout.slot_w, spare.slot_w);
+  std::swap(layout.gpu_load, spare.gpu_load);
+  std::swap(layout.hosted, spare.hosted);
 }
 
 // One node: water-filling counts capped at G, packed and searched; hard layers get more tries.

@@ -63,7 +63,9 @@ void MoveFinder::build_index(std::span<const int> heaviest_first) {
   ix.weight.resize(s1 - s0);
   ix.pos.resize(L.num_slots);
   ix.gpu.resize(L.num_slots);
-  for (int s = 0; s < L.num_slots; ++s) ix.gpu[s] = L.gpu_of(s);
+  for (int g = 0, s = 0; g < L.num_gpus; ++g) {
+    for (int end = s + per_gpu; s < end; ++s) ix.gpu[s] = g;
+  }
   int i = 0;
   for (const auto& [w, e] : experts) {
     for (int s = head[e]; s >= 0; s = next[s], ++i) {
@@ -87,16 +89,12 @@ void MoveFinder::swap(int s1, int s2) {
 // Same moves and gains as the partner scan below, found through the weight index: for a replica a of
 // h (weight wa, rest of h R = L_h - wa) and b on GPU o, gain = min(wa - wb, R - (L_o - wb)), so only
 // wb in (L_min - R + best, wa - best) can beat `best`, where L_min is the lightest other GPU's load.
-Move MoveFinder::best_swap_indexed(int h) const {
+Move MoveFinder::best_swap_indexed(int h, double min_other) const {
   const Layout& L = layout_;
   const WeightIndex& ix = index_buf;
   const int per_gpu = L.slots_per_gpu;
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
-  double min_other = std::numeric_limits<double>::infinity();
-  for (int o = g0_; o < g1_; ++o) {
-    if (o != h) min_other = std::min(min_other, L.gpu_load[o]);
-  }
   Move best;
   const double* w = ix.weight.data();
   const int n = static_cast<int>(ix.weight.size());
@@ -125,8 +123,14 @@ Move MoveFinder::best_swap_indexed(int h) const {
 }
 
 Move MoveFinder::best_swap(int h, Move best) const {
-  if (indexed_ && !best.valid()) return best_swap_indexed(h);
   const Layout& L = layout_;
+  if (indexed_ && !best.valid()) {
+    double min_other = std::numeric_limits<double>::infinity();
+    for (int o = g0_; o < g1_; ++o) {
+      if (o != h) min_other = std::min(min_other, L.gpu_load[o]);
+    }
+    return best_swap_indexed(h, min_other);
+  }
   const int per_gpu = L.slots_per_gpu;
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
@@ -180,7 +184,9 @@ Move MoveFinder::best_pair_swap(int h) const {
       pairs_h.emplace_back(L.slot_w[h * per_gpu + i] + L.slot_w[h * per_gpu + j], i * per_gpu + j);
     }
   }
-  std::sort(pairs_h.begin(), pairs_h.end());
+  std::sort(pairs_h.begin(), pairs_h.end(), [](const auto& x, const auto& y) {
+    return x.first < y.first || (x.first == y.first && x.second < y.second);
+  });
   sums_h.resize(pairs_h.size());
   for (size_t k = 0; k < pairs_h.size(); ++k) sums_h[k] = pairs_h[k].first;
   const double* sums = sums_h.data();

@@ -36,6 +36,9 @@ class MoveFinder {
 
   // Best swap of a replica on h with one on another GPU; returns `best` unless something scores higher.
   Move best_swap(int h, Move best = {}) const;
+  // best_swap(h) of an indexed finder, given the lightest load among GPUs of the range other than h
+  // (equal to the range's lightest load, h being the heaviest).
+  Move best_swap_indexed(int h, double min_other) const;
   // Best exchange of two replicas of h with two of another GPU (origin must be null).
   Move best_pair_swap(int h) const;
   // Best reassign that lowers h: a slot of h to another expert, or a slot elsewhere to an expert of h.
@@ -54,7 +57,6 @@ class MoveFinder {
 
  private:
   void swap(int s1, int s2);
-  Move best_swap_indexed(int h) const;
 
   // Change in the number of slots differing from origin if slot s gets expert e.
   int slot_cost(int s, int e) const {
