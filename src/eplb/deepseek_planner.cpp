@@ -88,17 +88,20 @@ void replicate_experts(const std::vector<float>& weight, int num_physical, std::
   slot_to_expert.resize(num_physical);
   std::iota(slot_to_expert.begin(), slot_to_expert.begin() + num_experts, 0);
   counts.assign(num_experts, 1);
-  thread_local std::vector<uint64_t> heap;  // max-heap on load per replica
-  heap.resize(num_experts);
-  for (int e = 0; e < num_experts; ++e) heap[e] = key_descending(weight[e], e);
-  std::make_heap(heap.begin(), heap.end());
+  // Tournament tree over experts whose root is the largest (load per replica, lower index first) key.
+  thread_local std::vector<uint64_t> tree;
+  int num_leaves = 1;
+  while (num_leaves < num_experts) num_leaves *= 2;
+  tree.assign(2 * static_cast<size_t>(num_leaves), 0);  // key 0 never wins: every real key has low bits set
+  for (int e = 0; e < num_experts; ++e) tree[num_leaves + e] = key_descending(weight[e], e);
+  for (int i = num_leaves - 1; i >= 1; --i) tree[i] = std::max(tree[2 * i], tree[2 * i + 1]);
   for (int slot = num_experts; slot < num_physical; ++slot) {
-    std::pop_heap(heap.begin(), heap.end());
-    const int e = idx_of_descending(heap.back());
+    const int e = idx_of_descending(tree[1]);
     slot_to_expert[slot] = e;
     ++counts[e];
-    heap.back() = key_descending(weight[e] / static_cast<float>(counts[e]), e);
-    std::push_heap(heap.begin(), heap.end());
+    int node = num_leaves + e;
+    tree[node] = key_descending(weight[e] / static_cast<float>(counts[e]), e);
+    for (node /= 2; node >= 1; node /= 2) tree[node] = std::max(tree[2 * node], tree[2 * node + 1]);
   }
 }
 
