@@ -30,6 +30,20 @@ int count_at_most(const double* a, int n, double x) {
   return static_cast<int>(base - a) + (*base <= x ? 1 : 0);
 }
 
+// The GPUs of [g0, g1) other than h, lightest first (lower index on ties): a pair's gain is at most half
+// their gap, so scans over partners in this order can stop early.
+const std::vector<int>& lightest_first(const Layout& L, int g0, int g1, int h) {
+  thread_local std::vector<int> partners;
+  partners.clear();
+  for (int o = g0; o < g1; ++o) {
+    if (o != h) partners.push_back(o);
+  }
+  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
+    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
+  });
+  return partners;
+}
+
 }  // namespace
 
 void MoveFinder::build_index(std::span<const int> heaviest_first) {
@@ -135,15 +149,7 @@ Move MoveFinder::best_swap(int h, Move best) const {
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
   const double min_div = origin_ == nullptr ? 1.0 : 0.5;
-  // Partners lightest first: a pair's gain is at most half their gap, so the scan stops early.
-  thread_local std::vector<int> partners;
-  partners.clear();
-  for (int o = g0_; o < g1_; ++o) {
-    if (o != h) partners.push_back(o);
-  }
-  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
-    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
-  });
+  const std::vector<int>& partners = lightest_first(L, g0_, g1_, h);
   for (int o : partners) {
     const double gap = load_h - L.gpu_load[o];
     if (gap * 0.5 / min_div <= best.score || gap <= eps) break;
@@ -191,14 +197,7 @@ Move MoveFinder::best_pair_swap(int h) const {
   for (size_t k = 0; k < pairs_h.size(); ++k) sums_h[k] = pairs_h[k].first;
   const double* sums = sums_h.data();
   const int num_pairs = static_cast<int>(sums_h.size());
-  thread_local std::vector<int> partners;
-  partners.clear();
-  for (int o = g0_; o < g1_; ++o) {
-    if (o != h) partners.push_back(o);
-  }
-  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
-    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
-  });
+  const std::vector<int>& partners = lightest_first(L, g0_, g1_, h);
   for (int o : partners) {
     const double gap = load_h - L.gpu_load[o];
     if (gap * 0.5 <= best.score || gap <= eps) break;

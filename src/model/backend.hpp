@@ -22,6 +22,10 @@ struct RouterChoice {
   std::vector<float> weights;       // [num_tokens * top_k] softmax probability (renormalized if asked)
 };
 
+// The shape rules of Backend::write_kv, shared by every backend: positions [start_pos, +src rows) fit the
+// cache and rows have the same width. Throws fulcrum::Error.
+void check_write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos);
+
 class Backend {
  public:
   virtual ~Backend() = default;
