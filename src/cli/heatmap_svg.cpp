@@ -13,16 +13,17 @@ constexpr int kMargin = 40;      // left/top margin for labels
 constexpr int kPanelGap = 30;
 constexpr int kLegendHeight = 50;
 
-// Blue (under-loaded) -> white (mean) -> red (over-loaded); x = value / scale_max in [0, 1], 1.0 at x = 1/scale_max.
+// Blue (under-loaded) -> white (mean) -> red (over-loaded). The distance from the mean is shown on a square-root
+// scale so that the few percent left after planning stay visible beside a trivial placement's 3x.
 std::string colour(double value, double scale_max) {
   const double v = std::clamp(value, 0.0, scale_max);
   int r = 255, g = 255, b = 255;
   if (v < 1.0) {
-    const double t = v;  // 0 -> blue, 1 -> white
-    r = static_cast<int>(std::lround(40 + 215 * t));
-    g = static_cast<int>(std::lround(90 + 165 * t));
+    const double t = std::sqrt(1.0 - v);  // 0 at the mean -> 1 at zero load
+    r = static_cast<int>(std::lround(255 - 215 * t));
+    g = static_cast<int>(std::lround(255 - 165 * t));
   } else {
-    const double t = (v - 1.0) / std::max(scale_max - 1.0, 1e-9);  // 0 -> white, 1 -> red
+    const double t = std::sqrt((v - 1.0) / std::max(scale_max - 1.0, 1e-9));  // 0 at the mean -> 1 at scale_max
     g = static_cast<int>(std::lround(255 - 215 * t));
     b = static_cast<int>(std::lround(255 - 215 * t));
   }

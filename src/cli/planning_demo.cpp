@@ -1,6 +1,7 @@
 // `fulcrum demo --planning`: plans a real Qwen3-30B-A3B load matrix (embedded in the binary) with the
 // trivial placement, `deepseek` and `fulcrum` at 8/16/32 GPUs, prints balancedness beside the lower bound,
 // and draws per-GPU load before/after as an SVG heatmap.
+#include <algorithm>
 #include <chrono>
 #include <memory>
 
@@ -21,16 +22,21 @@ struct DemoConfig {
   int num_physical_experts;
 };
 
-// Per-GPU load of every layer relative to that layer's mean GPU load.
+// Per-GPU load of every layer relative to that layer's mean GPU load; the title gives the worst of them.
 HeatmapPanel relative_gpu_loads(const std::string& title, const eplb::Placement& placement,
                                 const eplb::LoadMatrix& loads) {
   HeatmapPanel panel{title, placement.num_layers, placement.topology.num_gpus, {}};
+  double worst = 0.0;
   for (int l = 0; l < placement.num_layers; ++l) {
     const auto gpu = eplb::gpu_loads(loads.layer(l), placement.layer(l), placement.topology);
     double mean = 0.0;
     for (double v : gpu) mean += v / static_cast<double>(gpu.size());
-    for (double v : gpu) panel.values.push_back(mean > 0.0 ? v / mean : 1.0);
+    for (double v : gpu) {
+      panel.values.push_back(mean > 0.0 ? v / mean : 1.0);
+      worst = std::max(worst, panel.values.back());
+    }
   }
+  panel.title += fmt::format(" (max {:.4f}x mean)", worst);
   return panel;
 }
 
