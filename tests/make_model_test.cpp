@@ -221,3 +221,28 @@ TEST(MakeModelTest, CliErrorsAreOneLine) {
 
 }  // namespace
 }  // namespace fulcrum::test
+
+namespace fulcrum::test {
+namespace {
+
+// --tokenizer: the tokenizer.json lands beside the weights and vocab_size covers every id it can produce.
+TEST(MakeModelTest, TokenizerBesideTheWeightsSizesTheVocabulary) {
+  TempDir tmp("make_model_tokenizer");
+  const std::string tokenizer = shared_path("golden/tokenizer/bpe-qwen-style-2k/tokenizer.json");
+  const std::string out = tmp.file("m");
+  const CliRun made = run_cli(tmp, "make-model --preset tiny --layers 1 --output " + out + " --tokenizer " + tokenizer);
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  EXPECT_EQ(slurp(out + "/tokenizer.json"), slurp(tokenizer));
+  EXPECT_EQ(model::load_qwen3_moe_config(out).vocab_size, 2000);
+  const CliRun ids = run_cli(tmp, "tokenize --model " + out + " --text 'Hello world'");
+  EXPECT_EQ(ids.exit_code, 0) << ids.err;
+  EXPECT_EQ(ids.out, "42 592 324 306 269 1513\n");
+  const CliRun conflict = run_cli(tmp, "make-model --preset tiny --layers 1 --vocab-size 300 --output " + tmp.file("n") +
+                                           " --tokenizer " + tokenizer);
+  EXPECT_NE(conflict.exit_code, 0);
+  EXPECT_NE(conflict.err.find("conflicts with --tokenizer"), std::string::npos) << conflict.err;
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("n")));
+}
+
+}  // namespace
+}  // namespace fulcrum::test

@@ -6,7 +6,9 @@
 
 #include "cli/commands.hpp"
 #include "eplb/error.hpp"
+#include "eplb/loads.hpp"
 #include "model/make_model.hpp"
+#include "tokenizer/tokenizer.hpp"
 #include "model/synthetic_model.hpp"
 
 namespace fulcrum::cli {
@@ -14,6 +16,7 @@ namespace {
 
 struct MakeModelFlags {
   model::MakeModelOptions options;
+  std::string tokenizer_file;
   std::string dtype = "bf16";
   int shard_mib = 2048;
 };
@@ -23,6 +26,15 @@ void run_make_model(MakeModelFlags& flags) {
   options.dtype = model::parse_make_model_dtype(flags.dtype);
   FULCRUM_CHECK(flags.shard_mib > 0, "--shard-mib must be positive, got {}", flags.shard_mib);
   options.max_shard_bytes = static_cast<uint64_t>(flags.shard_mib) << 20;
+  if (!flags.tokenizer_file.empty()) {
+    // The tokenizer goes beside the weights, and the vocabulary is sized to every id it can produce.
+    const int32_t id_bound = tokenizer::Tokenizer::from_file(flags.tokenizer_file).id_bound();
+    FULCRUM_CHECK(options.vocab_size == 0 || options.vocab_size == id_bound,
+                  "--vocab-size {} conflicts with --tokenizer {} (its ids need vocab_size {})", options.vocab_size,
+                  flags.tokenizer_file, id_bound);
+    options.vocab_size = id_bound;
+    options.extra_files.emplace_back("tokenizer.json", eplb::read_text_file(flags.tokenizer_file));
+  }
   const auto start = std::chrono::steady_clock::now();
   const model::MakeModelResult result = model::make_model(options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -51,6 +63,9 @@ void register_make_model_command(CLI::App& app) {
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--vocab-size", o.vocab_size, "vocab_size (default: the preset's), e.g. a tokenizer's id bound")
       ->check(CLI::Range(1, 1 << 22));
+  cmd->add_option("--tokenizer", flags->tokenizer_file,
+                  "tokenizer.json to put beside the weights; sizes vocab_size to its ids")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--seed", o.seed, "Weights are a function of the seed")->capture_default_str();
   cmd->add_option("--dtype", flags->dtype, "bf16 | fp32")->capture_default_str();
   cmd->add_option("--router-skew", o.router_skew,

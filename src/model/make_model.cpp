@@ -127,6 +127,7 @@ MakeModelResult make_model(const MakeModelOptions& options) {
                             options.calibration.seed + 1);  // held-out prompts
       result.fit = evaluate_router_fit(measured, *targets);
     }
+    for (const auto& [name, contents] : options.extra_files) write_file_atomically((staging / name).string(), contents);
     write_report(staging, options, result);
     if (fs::exists(output)) fs::remove(output);  // an empty folder (checked above)
     fs::rename(staging, output);

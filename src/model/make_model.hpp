@@ -12,6 +12,9 @@
 
 #include "model/qwen3_config.hpp"
 #include "model/router_skew.hpp"
+#include <utility>
+#include <vector>
+
 #include "model/safetensors.hpp"
 
 namespace fulcrum::model {
@@ -29,6 +32,8 @@ struct MakeModelOptions {
   uint64_t max_shard_bytes = uint64_t{2} << 30;
   RouterCalibrationOptions calibration;
   int measure_tokens = 4096;  // held-out tokens for the reported fit
+  // Files written beside the weights as they are, (name, contents): e.g. a tokenizer.json.
+  std::vector<std::pair<std::string, std::string>> extra_files;
 };
 
 struct MakeModelResult {
