@@ -95,6 +95,10 @@ TEST(PlacementFile, RoundTripsAndRejectsBadFiles) {
             "p.json: expected an object with \"physical_to_logical_map\"");
   EXPECT_EQ(error_of([] { parse_placement_json(R"({"physical_to_logical_map": [[0, "a"]]})", "p.json"); }),
             "p.json: physical_to_logical_map[0][1] is not an integer: \"a\"");
+  EXPECT_EQ(error_of([] { parse_placement_json(R"({"physical_to_logical_map": [[0, -1]]})", "p.json"); }),
+            "p.json: physical_to_logical_map[0][1]: logical expert -1 out of range");
+  EXPECT_EQ(error_of([] { parse_placement_json(R"({"physical_to_logical_map": [[0]], "num_gpus": 4294967297})", "p.json"); }),
+            "p.json: \"num_gpus\" = 4294967297 is out of range");
   EXPECT_EQ(error_of([] { parse_placement_json(R"({"physical_to_logical_map": [[0, 1, 2]], "num_gpus": 2})", "p.json"); }),
             "p.json: physical experts (3) must be a positive multiple of num_gpus (2)");
 }

@@ -182,10 +182,6 @@ double drift_balancedness(const std::vector<LoadMatrix>& windows, const Topology
 
 TEST(SimulateAcceptance, FulcrumBalancedBeatsDeepSeekStaticUnderDrift) {
   ASSERT_EQ(test::real_load_files().size(), 12u);
-  const bool have_fulcrum = [] {
-    const auto names = planner_names();
-    return std::find(names.begin(), names.end(), "fulcrum") != names.end();
-  }();
   for (const bool interleaved : {false, true}) {
     const auto windows = drift_windows(interleaved);
     for (const Topology topo : {Topology{160, 16, 1}, Topology{192, 32, 1}}) {
@@ -199,16 +195,13 @@ TEST(SimulateAcceptance, FulcrumBalancedBeatsDeepSeekStaticUnderDrift) {
       std::cout << fmt::format("[drift {}] deepseek static {:.4f} dynamic {:.4f} balanced {:.4f}", tag, deepseek[0],
                                deepseek[1], deepseek[2]);
       EXPECT_GE(deepseek[2], deepseek[0]) << "balanced dispatch lost to static on the same placements";
-      if (have_fulcrum) {
-        const double fulcrum = drift_balancedness(windows, topo, "fulcrum", DispatchAlgorithm::kBalanced);
-        RecordProperty(tag + "_fulcrum_balanced", fmt::format("{:.4f}", fulcrum));
-        std::cout << fmt::format(" | fulcrum balanced {:.4f}", fulcrum);
-        EXPECT_GT(fulcrum, deepseek[0]) << tag;
-      }
-      std::cout << "\n";
+      const double fulcrum = drift_balancedness(windows, topo, "fulcrum", DispatchAlgorithm::kBalanced);
+      RecordProperty(tag + "_fulcrum_balanced", fmt::format("{:.4f}", fulcrum));
+      std::cout << fmt::format(" | fulcrum balanced {:.4f}\n", fulcrum);
+      // Measured margins are 0.10-0.17; a regression that erases most of the gain must fail.
+      EXPECT_GT(fulcrum, deepseek[0] + 0.05) << tag;
     }
   }
-  if (!have_fulcrum) GTEST_SKIP() << "planner 'fulcrum' is not registered in make_planner yet; deepseek figures printed above";
 }
 
 }  // namespace

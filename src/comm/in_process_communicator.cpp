@@ -267,10 +267,6 @@ std::pair<std::shared_ptr<World>, std::vector<std::unique_ptr<Communicator>>> cr
 
 }  // namespace
 
-std::vector<std::unique_ptr<Communicator>> make_in_process_world(int num_ranks) {
-  return create_world(num_ranks).second;
-}
-
 void run_in_process(int num_ranks, const std::function<void(int, Communicator&)>& fn) {
   auto [world, comms] = create_world(num_ranks);
   std::vector<std::exception_ptr> errors(num_ranks);

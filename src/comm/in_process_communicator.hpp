@@ -8,9 +8,6 @@
 
 namespace fulcrum::comm {
 
-// Creates the world: one communicator per rank (hand communicator r to the thread of rank r).
-std::vector<std::unique_ptr<Communicator>> make_in_process_world(int num_ranks);
-
 // Runs fn(rank, communicator) on num_ranks threads and joins them; the first exception is rethrown
 // after every thread has stopped (a failing rank aborts the group so the others do not hang).
 void run_in_process(int num_ranks, const std::function<void(int, Communicator&)>& fn);

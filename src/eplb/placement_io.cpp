@@ -35,7 +35,9 @@ namespace {
 int int_field(const nlohmann::json& doc, const char* key, int fallback, const std::string& origin) {
   if (!doc.contains(key)) return fallback;
   FULCRUM_CHECK(doc[key].is_number_integer(), "{}: \"{}\" must be an integer, got {}", origin, key, doc[key].dump());
-  return doc[key].get<int>();
+  const int64_t value = doc[key].get<int64_t>();
+  FULCRUM_CHECK(value >= 1 && value <= (int64_t{1} << 24), "{}: \"{}\" = {} is out of range", origin, key, value);
+  return static_cast<int>(value);
 }
 
 }  // namespace
@@ -60,7 +62,10 @@ Placement parse_placement_json(const std::string& text, const std::string& origi
     for (size_t s = 0; s < map[l].size(); ++s) {
       FULCRUM_CHECK(map[l][s].is_number_integer(), "{}: physical_to_logical_map[{}][{}] is not an integer: {}",
                     origin, l, s, map[l][s].dump());
-      flat.push_back(map[l][s].get<int32_t>());
+      const int64_t id = map[l][s].get<int64_t>();
+      FULCRUM_CHECK(id >= 0 && id < (int64_t{1} << 24), "{}: physical_to_logical_map[{}][{}]: logical expert {} out of range",
+                    origin, l, s, id);
+      flat.push_back(static_cast<int32_t>(id));
       max_id = std::max(max_id, flat.back());
     }
   }

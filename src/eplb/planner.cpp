@@ -18,10 +18,12 @@ Placement Planner::plan(const LoadMatrix& loads, const PlanOptions& options) con
                   "current placement is {} layers x {} experts but the loads are {} layers x {} experts",
                   current.num_layers, current.num_logical_experts, loads.num_layers, loads.num_logical_experts);
     FULCRUM_CHECK(current.topology.num_physical_experts == options.topology.num_physical_experts &&
-                      current.topology.num_gpus == options.topology.num_gpus,
-                  "current placement has {} slots on {} GPUs but the plan asks for {} slots on {} GPUs",
-                  current.topology.num_physical_experts, current.topology.num_gpus,
-                  options.topology.num_physical_experts, options.topology.num_gpus);
+                      current.topology.num_gpus == options.topology.num_gpus &&
+                      current.topology.num_nodes == options.topology.num_nodes,
+                  "current placement has {} slots on {} GPUs in {} nodes but the plan asks for {} slots on {} GPUs in "
+                  "{} nodes",
+                  current.topology.num_physical_experts, current.topology.num_gpus, current.topology.num_nodes,
+                  options.topology.num_physical_experts, options.topology.num_gpus, options.topology.num_nodes);
   }
   Placement result(options.topology, loads.num_layers, loads.num_logical_experts);
   for (int layer_idx = 0; layer_idx < loads.num_layers; ++layer_idx) {

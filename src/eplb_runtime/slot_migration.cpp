@@ -80,10 +80,6 @@ std::vector<int> PlacementMigration::step() {
   return switched;
 }
 
-void PlacementMigration::run_to_completion() {
-  while (!done()) step();
-}
-
 void PlacementMigration::migrate_layer(int moe_layer_idx) {
   const model::ExpertSlotView& view = views_by_layer_[static_cast<size_t>(moe_layer_idx)];
   const auto& transfers = transfers_by_layer_[static_cast<size_t>(moe_layer_idx)];

@@ -52,8 +52,6 @@ class PlacementMigration {
   bool done() const { return next_layer_pos_ >= pending_layers_.size(); }
   // Collective: switches the next layer(s); returns their MoE layer indices (empty when done).
   std::vector<int> step();
-  // Collective: steps until done.
-  void run_to_completion();
 
   const eplb::Placement& live_placement() const { return live_; }
   const MigrationStats& stats() const { return stats_; }

@@ -50,12 +50,6 @@ int layer_of(const std::string& name) {
 
 }  // namespace
 
-std::vector<std::string> preset_names() {
-  std::vector<std::string> names;
-  for (const Preset& p : presets()) names.emplace_back(p.name);
-  return names;
-}
-
 bool is_large_preset(const std::string& preset) { return find_preset(preset).large; }
 
 nlohmann::json preset_config_json(const std::string& preset, const PresetOverrides& overrides) {

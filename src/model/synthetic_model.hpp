@@ -29,9 +29,6 @@ inline constexpr int kBiasChannel = 0;
 inline constexpr float kBiasChannelValue = 1.0f;
 inline constexpr float kRouterBiasBase = 1.0f;
 
-// Preset names: "tiny", "qwen3-30b-a3b", "qwen3-235b-a22b".
-std::vector<std::string> preset_names();
-
 struct PresetOverrides {
   int num_hidden_layers = 0;  // 0: the preset's
   int num_experts = 0;        // 0: the preset's (num_experts_per_tok becomes min(top-k, experts))

@@ -71,7 +71,10 @@ std::string one_request(httplib::Client& client, const ServedModel& model, const
         error = "unparsable SSE event";
         return false;
       }
-      if (chunk.contains("usage")) usage_tokens = chunk["usage"].value("completion_tokens", -1);
+      // Other OpenAI-style servers send "usage": null on all but the last chunk.
+      if (chunk.contains("usage") && chunk["usage"].is_object()) {
+        usage_tokens = chunk["usage"].value("completion_tokens", -1);
+      }
       if (chunk.contains("choices") && !chunk["choices"].empty()) {
         const json& choice = chunk["choices"][0];
         for (size_t i = 0; i < choice.value("token_ids", json::array()).size(); ++i) token_times.push_back(now);
@@ -134,7 +137,12 @@ LoadReport run_load(const LoadOptions& o) {
       model::Rng rng(o.seed, fmt::format("client{}", c));
       LoadReport local;
       while (more()) {
-        const std::string error = one_request(client, model, o, rng, local);
+        std::string error;
+        try {  // a malformed response must count as a failed request, not end the process
+          error = one_request(client, model, o, rng, local);
+        } catch (const std::exception& e) {
+          error = std::string("bad response: ") + e.what();
+        }
         if (error.empty()) {
           ++local.succeeded;
         } else {

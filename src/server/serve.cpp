@@ -3,8 +3,12 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <thread>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -77,8 +81,23 @@ void serve(const ServeOptions& options) {
   Scheduler scheduler(executor, options.scheduler, detokenizer, &metrics);
   HttpServer http(scheduler, metrics, &executor.recorder(), http_options);
   const int port = http.bind(options.host, options.port);
-  std::thread loop([&] { scheduler.run(); });
-  std::thread listener([&] { http.listen(); });
+  // A failure on either thread must not terminate the process: it is kept, the main thread is woken as by
+  // SIGTERM, shuts down the other thread, and rethrows it (one-line error, non-zero exit).
+  std::exception_ptr thread_error;
+  std::mutex thread_error_mutex;
+  const auto guarded = [&](auto body) {
+    return [&, body] {
+      try {
+        body();
+      } catch (...) {
+        std::lock_guard lock(thread_error_mutex);
+        if (!thread_error) thread_error = std::current_exception();
+        ::kill(::getpid(), SIGTERM);
+      }
+    };
+  };
+  std::thread loop(guarded([&] { scheduler.run(); }));
+  std::thread listener(guarded([&] { http.listen(); }));
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
   log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s; {} KV pages of {} tokens, "
                   "up to {} running requests, {} prefill tokens per step",
@@ -104,6 +123,7 @@ void serve(const ServeOptions& options) {
   listener.join();
   scheduler.stop();
   loop.join();
+  if (thread_error) std::rethrow_exception(thread_error);
   log("stopped");
 }
 

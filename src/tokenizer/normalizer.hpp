@@ -17,7 +17,6 @@ class Normalizer {
   static Normalizer from_json(const nlohmann::json& spec, const std::string& file);
 
   std::string apply(std::string_view text) const;
-  bool is_identity() const { return forms_.empty(); }
 
  private:
   std::vector<NormalForm> forms_;
