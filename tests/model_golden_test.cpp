@@ -27,7 +27,6 @@ class GoldenModelTest : public ::testing::TestWithParam<std::string> {
 TEST_P(GoldenModelTest, LogitsRouterLogitsAndGreedyMatchTransformers) {
   backend::CpuBackend cpu;
   expect_model_matches_golden(cpu, GetParam());
-
 }
 
 // One sequence at a time gives the same logits as the batch; decoding with the KV cache gives the same

@@ -31,7 +31,6 @@ class CudaGoldenModelTest : public ::testing::TestWithParam<std::string> {
 TEST_P(CudaGoldenModelTest, LogitsRouterLogitsAndGreedyMatchTransformers) {
   backend::CudaBackend cuda;
   expect_model_matches_golden(cuda, GetParam());
-
 }
 
 // The CUDA model beside the CPU reference: prompt logits within 1e-4, and decoding with the KV cache gives

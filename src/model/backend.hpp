@@ -26,6 +26,10 @@ struct RouterChoice {
 // cache and rows have the same width. Throws fulcrum::Error.
 void check_write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos);
 
+// RoPE inverse frequencies [head_dim / 2] in fp32 exactly as HF computes them: 1 / theta^(2i / head_dim).
+// Every backend derives its angles from these, so rotations agree bit for bit.
+std::vector<float> rope_inv_freq(int64_t head_dim, double rope_theta);
+
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -97,12 +97,7 @@ void CpuBackend::rope_inplace(const Tensor& x, std::span<const int32_t> position
   FULCRUM_CHECK(static_cast<int64_t>(positions.size()) == num_tokens, "rope: {} positions for {} tokens",
                 positions.size(), num_tokens);
   const int64_t half = head_dim / 2;
-  // inv_freq in fp32 as HF computes it: 1 / theta^(2i / head_dim).
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_dim);
-    inv_freq[i] = 1.0f / std::pow(static_cast<float>(rope_theta), exponent);
-  }
+  const std::vector<float> inv_freq = model::rope_inv_freq(head_dim, rope_theta);
   std::vector<float> cos_v(static_cast<size_t>(half)), sin_v(static_cast<size_t>(half));
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {

@@ -203,11 +203,7 @@ void CudaBackend::rope_inplace(const Tensor& x, std::span<const int32_t> positio
   const int64_t half = head_dim / 2;
   // The angles on the host exactly as the CPU reference computes them (fp32 inv_freq as HF), so that the
   // device only rotates: cos_sin [num_tokens, 2, half].
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_dim);
-    inv_freq[i] = 1.0f / std::pow(static_cast<float>(rope_theta), exponent);
-  }
+  const std::vector<float> inv_freq = model::rope_inv_freq(head_dim, rope_theta);
   std::vector<float> cos_sin(static_cast<size_t>(num_tokens * 2 * half));
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
