@@ -41,7 +41,6 @@ TEST(EngineLayout, CoordinatesAndShards) {
   EXPECT_EQ(layout.stage(0).start_layer, 0);
   EXPECT_EQ(layout.stage(0).end_layer, 2);  // 3 layers over 2 stages: the first takes the extra one
   EXPECT_EQ(layout.stage(1).end_layer, 3);
-  EXPECT_EQ(layout.dp_group_of_sequence(3), 1);
   EXPECT_EQ(layout.num_physical_experts(), 128);
   // Without --enable-dp-attention, attention is tp-way tensor parallel.
   EXPECT_EQ(engine::ParallelLayout(make_flags(4, 1, 2, 1), config).attn_tp_size(), 4);

@@ -7,7 +7,7 @@
 
 #include "backend/cpu/cpu_backend.hpp"
 #include "model/generate.hpp"
-#include "server/model_step_executor.hpp"
+#include "server/engine_step_executor.hpp"
 #include "server/scheduler.hpp"
 #include "server_test_util.hpp"
 
@@ -28,7 +28,7 @@ std::vector<std::vector<int32_t>> test_prompts(int vocab) {
 TEST(ServerGreedy, BatchedEqualsStandalone) {
   const std::string& dir = test::tiny_served_model();
   constexpr int kNew = 6;
-  ModelStepExecutor executor(dir);
+  EngineStepExecutor executor({.model_dir = dir});
   const auto prompts = test_prompts(executor.vocab_size());
 
   std::vector<std::vector<int32_t>> expected;
@@ -73,18 +73,18 @@ TEST(ServerGreedy, BatchedEqualsStandalone) {
 }
 
 TEST(ServerGreedy, RecorderCountsRoutingWhileRecording) {
-  ModelStepExecutor executor(test::tiny_served_model());
+  EngineStepExecutor executor({.model_dir = test::tiny_served_model()});
   Scheduler scheduler(executor, {});
   RequestParams p;
   p.prompt = {3, 4, 5};
   p.max_tokens = 2;
-  executor.recorder().start();
+  executor.recorder()->start();
   auto h = scheduler.submit(p);
   while (!scheduler.idle()) scheduler.step();
-  executor.recorder().stop();
+  executor.recorder()->stop();
   scheduler.submit(p);
   while (!scheduler.idle()) scheduler.step();  // not recorded
-  const nlohmann::json dump = executor.recorder().dump("");
+  const nlohmann::json dump = executor.recorder()->dump("");
   const int top_k = executor.config().num_experts_per_tok;
   ASSERT_EQ(dump["logical_count"].size(), executor.config().moe_layer_indices().size());
   for (const auto& row : dump["logical_count"]) {

@@ -9,7 +9,7 @@
 
 #include "backend/cpu/cpu_backend.hpp"
 #include "model/generate.hpp"
-#include "server/load_generator.hpp"
+#include "server_http_util.hpp"
 #include "server_process.hpp"
 #include "server_test_util.hpp"
 
@@ -17,71 +17,6 @@ namespace fulcrum::test {
 namespace {
 
 using nlohmann::json;
-
-struct Streamed {
-  int status = 0;
-  std::vector<json> events;
-  bool done = false;
-  std::string body;  // non-200 bodies
-};
-
-Streamed stream_post(int port, const std::string& path, const json& body) {
-  httplib::Client client("127.0.0.1", port);
-  client.set_read_timeout(60);
-  httplib::Request req;
-  req.method = "POST";
-  req.path = path;
-  req.body = body.dump();
-  req.set_header("Content-Type", "application/json");
-  Streamed out;
-  std::string buffer;
-  req.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
-    buffer.append(data, size);
-    for (size_t end; (end = buffer.find("\n\n")) != std::string::npos; buffer.erase(0, end + 2)) {
-      const std::string event = buffer.substr(0, end);
-      if (event == "data: [DONE]") out.done = true;
-      else if (event.starts_with("data: ")) out.events.push_back(json::parse(event.substr(6)));
-    }
-    return true;
-  };
-  const httplib::Result res = client.send(req);
-  if (res) out.status = res->status;
-  if (res && res->status != 200) out.body = res->body;
-  return out;
-}
-
-std::pair<int, json> post(int port, const std::string& path, const std::string& body) {
-  httplib::Client client("127.0.0.1", port);
-  client.set_read_timeout(60);
-  const httplib::Result res = client.Post(path.c_str(), body, "application/json");
-  if (!res) return {0, json()};
-  return {res->status, json::parse(res->body, nullptr, false)};
-}
-
-// Prometheus text: every sample line is `name{labels} value`; returns samples by "name{labels}".
-std::map<std::string, double> parse_prometheus(const std::string& text) {
-  std::map<std::string, double> samples;
-  const std::regex sample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})?) (\S+)$)");
-  const std::regex meta(R"(^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$)");
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    if (line.starts_with("#")) {
-      EXPECT_TRUE(std::regex_match(line, meta)) << line;
-      continue;
-    }
-    std::smatch m;
-    EXPECT_TRUE(std::regex_match(line, m, sample)) << line;
-    if (m.size() > 4) samples[m[1]] = std::strtod(m[4].str().c_str(), nullptr);
-  }
-  return samples;
-}
-
-std::map<std::string, double> metrics(int port) {
-  httplib::Client client("127.0.0.1", port);
-  const httplib::Result res = client.Get("/metrics");
-  EXPECT_TRUE(res && res->status == 200);
-  return res ? parse_prometheus(res->body) : std::map<std::string, double>{};
-}
 
 std::vector<int32_t> ids_of(const json& v) { return v.get<std::vector<int32_t>>(); }
 
@@ -251,20 +186,37 @@ TEST_F(ServerHttp, MalformedRequestsGetJsonErrorsAndTheServerKeepsServing) {
   EXPECT_EQ(ok, 200) << again.dump();
 }
 
+// A raw connection that sent one POST of `body` to `path`; the caller reads and closes it.
+int send_raw_post(int port, const std::string& path, const std::string& body) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const std::string request = "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  EXPECT_EQ(::write(fd, request.data(), request.size()), static_cast<ssize_t>(request.size()));
+  return fd;
+}
+
+// Waits until no KV page is used and more requests than `cancelled_before` were cancelled; returns /metrics.
+std::map<std::string, double> wait_for_cancellation(int port, double cancelled_before) {
+  std::map<std::string, double> m;
+  for (int i = 0; i < 1000; ++i) {
+    m = metrics(port);
+    if (m["fulcrum_kv_pages_used"] == 0 && m["fulcrum_requests_total{finish_reason=\"cancelled\"}"] > cancelled_before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return m;
+}
+
 TEST_F(ServerHttp, ClientThatDisconnectsMidStreamIsCancelledAndItsPagesFreed) {
   std::map<std::string, double> before = metrics(port());
   const double cancelled_before = before["fulcrum_requests_total{finish_reason=\"cancelled\"}"];
   const double generated_before = before["fulcrum_generation_tokens_total"];
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port()));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  const std::string body = json{{"prompt", {1, 2, 3}}, {"max_tokens", 300}, {"ignore_eos", true}, {"stream", true}}.dump();
-  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body;
-  ASSERT_EQ(::write(fd, request.data(), request.size()), static_cast<ssize_t>(request.size()));
+  const int fd = send_raw_post(
+      port(), "/v1/completions", json{{"prompt", {1, 2, 3}}, {"max_tokens", 300}, {"ignore_eos", true}, {"stream", true}}.dump());
   std::string received;
   char buf[4096];
   while (std::count(received.begin(), received.end(), '\n') < 20) {
@@ -274,15 +226,33 @@ TEST_F(ServerHttp, ClientThatDisconnectsMidStreamIsCancelledAndItsPagesFreed) {
   }
   EXPECT_NE(received.find("data: {"), std::string::npos);
   ::close(fd);
+  const std::map<std::string, double> m = wait_for_cancellation(port(), cancelled_before);
+  EXPECT_EQ(m.at("fulcrum_kv_pages_used"), 0);
+  EXPECT_GT(m.at("fulcrum_requests_total{finish_reason=\"cancelled\"}"), cancelled_before);
+  EXPECT_LT(m.at("fulcrum_generation_tokens_total") - generated_before, 300);  // it stopped early
+  const auto [ok, again] = post(port(), "/v1/completions", R"({"prompt": [1, 2], "max_tokens": 2})");
+  EXPECT_EQ(ok, 200);
+}
+
+// A non-streaming client that closes its connection while its request runs: noticed by polling the
+// socket, the request is cancelled and its pages freed long before its 370 tokens.
+TEST_F(ServerHttp, NonStreamingClientThatDisconnectsIsCancelledAndItsPagesFreed) {
+  std::map<std::string, double> before = metrics(port());
+  const double cancelled_before = before["fulcrum_requests_total{finish_reason=\"cancelled\"}"];
+  const double generated_before = before["fulcrum_generation_tokens_total"];
+  const int fd = send_raw_post(port(), "/v1/completions",
+                               json{{"prompt", {4, 5, 6}}, {"max_tokens", 370}, {"ignore_eos", true}}.dump());
   std::map<std::string, double> m;
-  for (int i = 0; i < 1000; ++i) {
-    m = metrics(port());
-    if (m["fulcrum_kv_pages_used"] == 0 && m["fulcrum_requests_total{finish_reason=\"cancelled\"}"] > cancelled_before) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 1000 && m["fulcrum_generation_tokens_total"] - generated_before < 5; ++i) {
+    m = metrics(port());  // until it is running
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  EXPECT_EQ(m["fulcrum_kv_pages_used"], 0);
-  EXPECT_GT(m["fulcrum_requests_total{finish_reason=\"cancelled\"}"], cancelled_before);
-  EXPECT_LT(m["fulcrum_generation_tokens_total"] - generated_before, 300);  // it stopped early
+  ASSERT_GE(m["fulcrum_kv_pages_used"], 1);
+  ::close(fd);
+  m = wait_for_cancellation(port(), cancelled_before);
+  EXPECT_EQ(m.at("fulcrum_kv_pages_used"), 0);
+  EXPECT_GT(m.at("fulcrum_requests_total{finish_reason=\"cancelled\"}"), cancelled_before);
+  EXPECT_LT(m.at("fulcrum_generation_tokens_total") - generated_before, 370);
   const auto [ok, again] = post(port(), "/v1/completions", R"({"prompt": [1, 2], "max_tokens": 2})");
   EXPECT_EQ(ok, 200);
 }
@@ -317,23 +287,6 @@ TEST_F(ServerHttp, ExpertDistributionDumpIsReadableByPlan) {
   const CliRun plan = run_cli(dir, "plan --loads " + file + " --gpus 4 --physical-experts 136 --json");
   EXPECT_EQ(plan.exit_code, 0) << plan.err;
   EXPECT_NE(plan.out.find("balancedness_mean"), std::string::npos) << plan.out;
-}
-
-TEST_F(ServerHttp, ShortSoakHasNoErrorsAndReturnsEveryPage) {
-  server::LoadOptions o;
-  o.url = server_->url();
-  o.clients = 8;
-  o.duration_s = 10;
-  o.prompt_min = 4;
-  o.prompt_max = 48;
-  o.max_tokens = 16;
-  const server::LoadReport r = server::run_load(o);
-  EXPECT_EQ(r.failed, 0) << server::format_load_report(o, r);
-  EXPECT_GT(r.succeeded, 8);
-  EXPECT_EQ(r.output_tokens, int64_t{16} * r.succeeded);
-  std::map<std::string, double> m = metrics(port());
-  EXPECT_EQ(m["fulcrum_kv_pages_used"], 0);
-  EXPECT_EQ(m["fulcrum_requests_running"], 0);
 }
 
 TEST(ServerShutdown, SigtermFinishesInFlightStreamsAndExitsCleanly) {

@@ -54,6 +54,15 @@ class ServerProcess {
     }
   }
   int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  // Resident set size of the process (VmRSS of /proc/PID/status), in KiB.
+  int64_t rss_kib() const {
+    const std::regex vm_rss("VmRSS:\\s+([0-9]+) kB");
+    std::smatch m;
+    const std::string status = slurp("/proc/" + std::to_string(pid_) + "/status");
+    FULCRUM_CHECK(std::regex_search(status, m, vm_rss), "no VmRSS for process {}", pid_);
+    return std::stoll(m[1]);
+  }
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
   std::string log() const { return slurp(log_file_); }
 

@@ -102,4 +102,32 @@ inline const std::string& tiny_served_model() {
   return dir;
 }
 
+// A tiny synthetic model (4 MoE layers, 128 experts top-8, vocab 256, no tokenizer: token-id prompts)
+// whose routers follow the real Qwen3-30B-A3B gsm8k load matrix (make-model --router-skew), so a trivial
+// placement is measurably unbalanced and EPLB has something to do; made on first use, removed at exit.
+inline const std::string& skewed_served_model() {
+  static const std::string dir = [] {
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("fulcrum_server_skewed_" + std::to_string(::getpid()))).string();
+    std::filesystem::remove_all(path);
+    model::MakeModelOptions options;
+    options.preset = "tiny";
+    options.output = path;
+    options.seed = 7;
+    options.dtype = model::Dtype::kF32;
+    options.router_skew = shared_path("data/loads/qwen3-30b-a3b_prefill_gsm8k_en.csv");
+    options.calibration.num_tokens = 1024;  // as the demo: enough for a clear skew, quick to make
+    options.calibration.max_rounds = 4;
+    options.measure_tokens = 1024;
+    model::make_model(options);
+    std::atexit([] {
+      std::error_code ignored;
+      std::filesystem::remove_all(
+          std::filesystem::temp_directory_path() / ("fulcrum_server_skewed_" + std::to_string(::getpid())), ignored);
+    });
+    return path;
+  }();
+  return dir;
+}
+
 }  // namespace fulcrum::test

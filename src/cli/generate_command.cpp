@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/engine_flags.hpp"
 #include "cli/token_ids.hpp"
 #include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
@@ -19,24 +20,14 @@ namespace {
 
 struct GenerateFlags {
   std::string model_dir;
-  std::string device = "cpu";
-  std::string weight_cache_dir;
   std::vector<std::string> prompts;
   int max_new_tokens = 16;
   bool greedy = false;
   model::SamplingParams sampling;
   uint64_t seed = 0;
   std::string dump_logits_file;
-  // Parallel engine and EPLB; SGLang's flag names.
-  engine::ParallelFlags parallel;
-  std::string moe_a2a_backend = "allgather";
-  std::string dispatch_algorithm = "static";
-  std::string init_expert_location = "trivial";
-  bool enable_eplb = false;
-  std::string recorder_mode = "stat";
-  engine::EplbSettings eplb;
+  std::shared_ptr<EngineFlags> engine = std::make_shared<EngineFlags>();
   std::string expert_distribution_dump;
-  std::vector<std::string> eplb_only_flags_given;  // flags that do nothing without --enable-eplb
 };
 
 std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, int vocab_size) {
@@ -46,47 +37,19 @@ std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, in
   return ids;
 }
 
-void warn(const std::string& line) { std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str()); }
-
 void run_generate(GenerateFlags& flags) {
-  FULCRUM_CHECK(flags.device == "cpu" || flags.device == "cuda", "unknown device '{}' (available: cpu, cuda)",
-                flags.device);
   FULCRUM_CHECK(flags.max_new_tokens >= 0, "--max-new-tokens must not be negative, got {}", flags.max_new_tokens);
   FULCRUM_CHECK(!(flags.greedy && flags.sampling.temperature > 0.0f), "--greedy conflicts with --temperature {}",
                 flags.sampling.temperature);
   model::validate_sampling_params(flags.sampling);
-  flags.eplb.recorder_mode = eplb_runtime::parse_recorder_mode(flags.recorder_mode);
-  engine::validate_eplb_settings(flags.eplb);
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(flags.model_dir);
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
-  const engine::ParallelLayout layout(flags.parallel, config);
-
-  // The MoE exchange between in-process ranks goes through host memory: CUDA runs the single-rank path.
-  FULCRUM_CHECK(flags.device == "cpu" || layout.world_size() == 1,
-                "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)",
-                flags.device, layout.world_size());
-  engine::InProcessRun run;
-  run.device = flags.device;
-  run.weight_cache_dir = flags.weight_cache_dir;
-  run.init_expert_location = flags.init_expert_location;
-  run.engine.moe_a2a_backend = flags.moe_a2a_backend;
-  run.engine.dispatch_algorithm = eplb::parse_dispatch_algorithm(flags.dispatch_algorithm);
-  run.eplb = flags.eplb;
-  run.eplb.enabled = flags.enable_eplb;
+  const engine::ParallelLayout layout(flags.engine->parallel, config);
+  engine::InProcessRun run = flags.engine->make_run(layout, config);
   run.eplb.log = [](const std::string& line) { fmt::print("# eplb: {}\n", line); };
   run.dump_file = flags.expert_distribution_dump;
   run.decode = {flags.max_new_tokens, flags.sampling, flags.seed};
-  // Conditions that turn EPLB off are said, never silently applied.
-  if (flags.enable_eplb) {
-    const std::string why = engine::why_eplb_cannot_run(layout, config);
-    if (!why.empty()) {
-      warn("--enable-eplb: EPLB disabled: " + why);
-      run.eplb.enabled = false;
-    }
-  } else {
-    for (const std::string& flag : flags.eplb_only_flags_given) warn(flag + " has no effect without --enable-eplb");
-  }
 
   const auto start = std::chrono::steady_clock::now();
   const engine::InProcessResult result = engine::generate_in_process(flags.model_dir, config, layout, run, prompts);
@@ -108,7 +71,7 @@ void run_generate(GenerateFlags& flags) {
     fmt::print("seq{}: {}\n", i, fmt::join(result.generated.new_tokens[i], " "));
   }
   fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} in-process ranks, prompt logits checksum {:.6f}\n",
-             prompts.size(), num_tokens, seconds, flags.device, layout.world_size(), checksum);
+             prompts.size(), num_tokens, seconds, run.device, layout.world_size(), checksum);
   if (run.eplb.enabled) {
     const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
     const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);
@@ -131,9 +94,6 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--model", flags->model_dir, "Checkpoint folder (config.json, *.safetensors)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  cmd->add_option("--device", flags->device, "Backend")->capture_default_str();
-  cmd->add_option("--weight-cache", flags->weight_cache_dir,
-                  "Folder of per-rank weight caches: loaded when present (skipping the checkpoint), else written");
   cmd->add_option("--prompt-tokens", flags->prompts, "Space-separated token ids of one sequence; repeat for a batch")
       ->required();
   cmd->add_option("--max-new-tokens", flags->max_new_tokens, "Tokens to generate per sequence")->capture_default_str();
@@ -143,39 +103,7 @@ void register_generate_command(CLI::App& app) {
   cmd->add_option("--top-k", flags->sampling.top_k, "Keep the k most likely tokens (0: all)")->capture_default_str();
   cmd->add_option("--seed", flags->seed, "Sampling seed (every rank draws the same tokens)")->capture_default_str();
   cmd->add_option("--dump-logits", flags->dump_logits_file, "Write prompt logits seq{i}.logits [T][V] (safetensors)");
-  cmd->add_option("--tp", flags->parallel.tp, "Ranks per pipeline stage (tensor parallel)")->capture_default_str();
-  cmd->add_option("--dp", flags->parallel.dp, "Attention data-parallel groups (with --enable-dp-attention)")
-      ->capture_default_str();
-  cmd->add_flag("--enable-dp-attention", flags->parallel.enable_dp_attention,
-                "Attention as --dp groups of --tp/--dp ranks, each with its own sequences");
-  cmd->add_option("--ep", flags->parallel.ep, "Expert-parallel ranks per stage (divides --tp)")->capture_default_str();
-  cmd->add_option("--pp", flags->parallel.pp, "Pipeline stages")->capture_default_str();
-  cmd->add_option("--moe-a2a-backend", flags->moe_a2a_backend, "Token dispatch: allgather | alltoall")
-      ->check(CLI::IsMember({"allgather", "alltoall"}))
-      ->capture_default_str();
-  cmd->add_option("--ep-dispatch-algorithm", flags->dispatch_algorithm, "Replica choice: static | dynamic | balanced")
-      ->check(CLI::IsMember({"static", "dynamic", "balanced"}))
-      ->capture_default_str();
-  cmd->add_option("--ep-num-redundant-experts", flags->parallel.num_redundant_experts,
-                  "Redundant expert slots per MoE layer (P = num_experts + R, divisible by --ep)")
-      ->capture_default_str();
-  cmd->add_option("--init-expert-location", flags->init_expert_location,
-                  "'trivial', a placement JSON (physical_to_logical_map [MoE layers][P]) or a loads file planned at start")
-      ->capture_default_str();
-  cmd->add_flag("--enable-eplb", flags->enable_eplb, "Rebalance expert placement live (needs --ep > 1)");
-  cmd->add_option("--eplb-rebalance-num-iterations", flags->eplb.rebalance_num_iterations,
-                  "Forward passes between rebalances")
-      ->capture_default_str()
-      ->each([flags](const std::string&) { flags->eplb_only_flags_given.push_back("--eplb-rebalance-num-iterations"); });
-  cmd->add_option("--eplb-rebalance-layers-per-chunk", flags->eplb.rebalance_layers_per_chunk,
-                  "MoE layers per rebalance (0: all)")
-      ->capture_default_str()
-      ->each([flags](const std::string&) { flags->eplb_only_flags_given.push_back("--eplb-rebalance-layers-per-chunk"); });
-  cmd->add_option("--expert-distribution-recorder-mode", flags->recorder_mode, "stat | per_pass | per_token")
-      ->capture_default_str();
-  cmd->add_option("--expert-distribution-recorder-buffer-size", flags->eplb.recorder_buffer_size,
-                  "Forward passes in the recorder's window")
-      ->capture_default_str();
+  EngineFlags::add_to(cmd, flags->engine);
   cmd->add_option("--expert-distribution-dump", flags->expert_distribution_dump,
                   "Write the recorder's window (JSON that `fulcrum plan --loads` reads)");
   cmd->callback([flags] { run_generate(*flags); });

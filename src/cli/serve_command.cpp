@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/engine_flags.hpp"
 #include "eplb/error.hpp"
 #include "server/load_generator.hpp"
 #include "server/serve.hpp"
@@ -26,6 +27,7 @@ void parse_range(const std::string& text, int& lo, int& hi) {
 
 void register_serve_command(CLI::App& app) {
   auto o = std::make_shared<server::ServeOptions>();
+  auto engine_flags = std::make_shared<EngineFlags>();
   CLI::App* cmd = app.add_subcommand("serve", "Serve a Qwen3-MoE checkpoint over HTTP (OpenAI-compatible)");
   cmd->add_option("--model", o->model_dir, "Checkpoint folder (config.json, *.safetensors, optional tokenizer.json)")
       ->required()
@@ -45,7 +47,13 @@ void register_serve_command(CLI::App& app) {
                   "Folder /dump_expert_distribution_record writes to")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
       ->capture_default_str();
-  cmd->callback([o] { server::serve(*o); });
+  EngineFlags::add_to(cmd, engine_flags);
+  cmd->callback([o, engine_flags] {
+    const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
+    o->parallel = engine_flags->parallel;
+    o->run = engine_flags->make_run(engine::ParallelLayout(o->parallel, config), config);
+    server::serve(*o);
+  });
 
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks against a running fulcrum");
   bench->require_subcommand(1);

@@ -36,46 +36,62 @@ std::vector<model::HostTensor> RankDecodeTarget::forward(const std::vector<std::
   return logits;
 }
 
-InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
-                                    const ParallelLayout& layout, const InProcessRun& run,
-                                    const std::vector<std::vector<int32_t>>& prompts) {
+eplb::Placement prepare_in_process_run(const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                       const InProcessRun& run) {
   const int num_moe_layers = static_cast<int>(config.moe_layer_indices().size());
-  const bool has_moe = num_moe_layers > 0;
-  const bool record = has_moe && (run.record || run.eplb.enabled || !run.dump_file.empty());
-  FULCRUM_CHECK(has_moe || run.dump_file.empty(), "--expert-distribution-dump: the model has no MoE layer to record");
+  FULCRUM_CHECK(num_moe_layers > 0 || run.dump_file.empty(),
+                "--expert-distribution-dump: the model has no MoE layer to record");
   if (run.eplb.enabled) {
     const std::string why = why_eplb_cannot_run(layout, config);
     FULCRUM_CHECK(why.empty(), "EPLB cannot run: {}", why);
   }
-  if (record) validate_eplb_settings(run.eplb);
-  InProcessResult result;
-  if (has_moe) {
-    const eplb::Topology topo{layout.num_physical_experts(), layout.ep(), 1};
-    result.initial_placement = eplb_runtime::make_initial_placement(run.init_expert_location, topo, num_moe_layers,
-                                                                    config.num_experts,
-                                                                    eplb_runtime::default_planner_name());
+  if (records_routing(config, run)) validate_eplb_settings(run.eplb);
+  if (num_moe_layers == 0) return {};
+  const eplb::Topology topo{layout.num_physical_experts(), layout.ep(), 1};
+  return eplb_runtime::make_initial_placement(run.init_expert_location, topo, num_moe_layers, config.num_experts,
+                                              eplb_runtime::default_planner_name());
+}
+
+bool records_routing(const model::Qwen3MoeConfig& config, const InProcessRun& run) {
+  return !config.moe_layer_indices().empty() && (run.record || run.eplb.enabled || !run.dump_file.empty());
+}
+
+InProcessRank build_in_process_rank(const std::string& model_dir, const model::Qwen3MoeConfig& config,
+                                    const ParallelLayout& layout, const InProcessRun& run,
+                                    const eplb::Placement& initial, comm::Communicator& world) {
+  const bool has_moe = !config.moe_layer_indices().empty();
+  InProcessRank rank;
+  rank.backend = make_backend(run.device);
+  rank.engine = std::make_unique<RankEngine>(config, layout, world, *rank.backend, has_moe ? &initial : nullptr,
+                                             run.engine);
+  load_rank_weights(rank.engine->model(), model_dir, run.weight_cache_dir, world.rank());
+  if (records_routing(config, run)) {
+    rank.eplb = std::make_unique<RankEplb>(*rank.engine, world, *rank.backend, initial, run.eplb);
   }
+  return rank;
+}
+
+InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
+                                    const ParallelLayout& layout, const InProcessRun& run,
+                                    const std::vector<std::vector<int32_t>>& prompts) {
+  InProcessResult result;
+  result.initial_placement = prepare_in_process_run(config, layout, run);
   comm::run_in_process(layout.world_size(), [&](int rank, comm::Communicator& world) {
-    const std::unique_ptr<model::Backend> backend_owner = make_backend(run.device);
-    model::Backend& backend = *backend_owner;
-    RankEngine engine(config, layout, world, backend, has_moe ? &result.initial_placement : nullptr, run.engine);
-    load_rank_weights(engine.model(), model_dir, run.weight_cache_dir, rank);
-    std::unique_ptr<RankEplb> eplb;
-    if (record) eplb = std::make_unique<RankEplb>(engine, world, backend, result.initial_placement, run.eplb);
-    RankDecodeTarget target(engine, eplb.get());
+    InProcessRank me = build_in_process_rank(model_dir, config, layout, run, result.initial_placement, world);
+    RankDecodeTarget target(*me.engine, me.eplb.get());
     model::GenerateResult mine = model::generate(target, prompts, run.decode);
     eplb::LoadMatrix window;
-    if (eplb != nullptr) {
-      window = eplb->merged_window_loads();
-      if (!run.dump_file.empty()) eplb->dump(run.dump_file);
+    if (me.eplb != nullptr) {
+      window = me.eplb->merged_window_loads();
+      if (!run.dump_file.empty()) me.eplb->dump(run.dump_file);
     }
     if (rank != 0) return;
     result.generated = std::move(mine);
     result.window_loads = std::move(window);
-    result.final_placement = eplb != nullptr ? eplb->live_placement() : result.initial_placement;
-    if (eplb != nullptr) {
-      result.rebalances = eplb->rebalances();
-      result.migration = eplb->migration_totals();
+    result.final_placement = me.eplb != nullptr ? me.eplb->live_placement() : result.initial_placement;
+    if (me.eplb != nullptr) {
+      result.rebalances = me.eplb->rebalances();
+      result.migration = me.eplb->migration_totals();
     }
   });
   return result;

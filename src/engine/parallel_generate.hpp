@@ -2,6 +2,8 @@
 // Generation on the parallel engine, its ranks run as threads of this process (CPU backend), with the
 // EPLB loop between forward passes. The decode loop itself is model::generate (one loop for every path).
 #include <memory>
+
+#include "comm/communicator.hpp"
 #include <string>
 #include <vector>
 
@@ -46,6 +48,28 @@ struct InProcessResult {
   eplb_runtime::MigrationStats migration;  // world rank 0's
   eplb::LoadMatrix window_loads;           // the recorder's window at the end, summed over ranks (when recording)
 };
+
+// Checks `run` against the model and layout (EPLB settings; with run.eplb.enabled, a layout EPLB can run
+// on, else throws: the caller decides whether to turn EPLB off and say so) and returns the placement the
+// ranks start from (run.init_expert_location; empty for a model without MoE layers).
+eplb::Placement prepare_in_process_run(const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                       const InProcessRun& run);
+
+// Whether the ranks count routing (run.record, EPLB or a dump asks for it, and the model has MoE layers).
+bool records_routing(const model::Qwen3MoeConfig& config, const InProcessRun& run);
+
+// One rank as generate_in_process builds it: its backend, its engine with weights loaded (from the weight
+// cache when there is one), and its EPLB loop when recording.
+struct InProcessRank {
+  std::unique_ptr<model::Backend> backend;
+  std::unique_ptr<RankEngine> engine;
+  std::unique_ptr<RankEplb> eplb;  // null unless records_routing
+};
+
+// Collective over `world`. `config`, `layout` and `initial` must outlive the rank.
+InProcessRank build_in_process_rank(const std::string& model_dir, const model::Qwen3MoeConfig& config,
+                                    const ParallelLayout& layout, const InProcessRun& run,
+                                    const eplb::Placement& initial, comm::Communicator& world);
 
 // Loads `model_dir` on layout.world_size() in-process ranks (each reads only its slices) and generates.
 // With run.eplb.enabled and a layout EPLB cannot run on (why_eplb_cannot_run), throws: the caller decides

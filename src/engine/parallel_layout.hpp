@@ -3,7 +3,7 @@
 //
 // The world is tp x pp ranks, world rank = pp_rank * tp + tp_rank. The tp ranks of one pipeline stage:
 //   attention  with --enable-dp-attention, dp groups of tp / dp ranks (group d = tp ranks [d * A, (d + 1) * A),
-//              A = tp / dp), each serving its own sequences (sequence i belongs to group i % dp); otherwise
+//              A = tp / dp), each serving its own sequences (RankEngine::add_sequence picks the group); otherwise
 //              one group of A = tp ranks. Heads are sharded A ways inside a group.
 //   experts    ep EP ranks (EP rank r = tp ranks [r * M, (r + 1) * M), M = tp / ep) holding physical slots
 //              [r * P / ep, (r + 1) * P / ep) of every MoE layer (eplb::Topology{P, ep, 1}: a "GPU" is an
@@ -58,8 +58,6 @@ class ParallelLayout {
   RankCoords coords(int world_rank) const;
   model::StageRange stage(int pp_rank) const { return stages_.at(static_cast<size_t>(pp_rank)); }
   model::ShardSpec shard(int world_rank) const;
-  // Attention data-parallel group of sequence `sequence_idx`.
-  int dp_group_of_sequence(int sequence_idx) const { return sequence_idx % attn_dp_; }
 
   // "tp 8 (attention: 2 DP groups x 4 TP), ep 8 (1 rank per EP rank), pp 1 [0,48), 136 slots per MoE layer".
   std::string describe() const;

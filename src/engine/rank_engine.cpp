@@ -1,6 +1,8 @@
 #include "engine/rank_engine.hpp"
 
+#include <algorithm>
 #include <numeric>
+#include <set>
 
 #include "eplb/error.hpp"
 
@@ -48,26 +50,60 @@ RankEngine::~RankEngine() = default;
 
 void RankEngine::load_weights(model::Checkpoint& checkpoint) { model_->load_weights(checkpoint); }
 
+int RankEngine::add_sequence(SequenceId id, int64_t capacity) {
+  FULCRUM_CHECK(!live_.contains(id), "sequence {} is already live", id);
+  FULCRUM_CHECK(capacity > 0, "sequence {}: capacity must be positive, got {}", id, capacity);
+  if (group_sizes_.empty()) group_sizes_.assign(static_cast<size_t>(layout_.attn_dp_size()), 0);
+  const int group = static_cast<int>(std::min_element(group_sizes_.begin(), group_sizes_.end()) - group_sizes_.begin());
+  LiveSequence seq;
+  seq.dp_group = group;
+  if (group == coords_.attn_dp_rank) seq.cache = model_->create_kv_cache(capacity);
+  live_.emplace(id, std::move(seq));
+  ++group_sizes_[static_cast<size_t>(group)];
+  return group;
+}
+
+void RankEngine::drop_sequence(SequenceId id) {
+  const auto it = live_.find(id);
+  if (it == live_.end()) return;
+  --group_sizes_[static_cast<size_t>(it->second.dp_group)];
+  live_.erase(it);
+}
+
 void RankEngine::reset(const std::vector<int64_t>& capacities) {
-  num_sequences_ = static_cast<int>(capacities.size());
-  my_sequences_.clear();
-  caches_.clear();
-  for (int i = 0; i < num_sequences_; ++i) {
-    if (layout_.dp_group_of_sequence(i) != coords_.attn_dp_rank) continue;
-    my_sequences_.push_back(i);
-    caches_.push_back(model_->create_kv_cache(capacities[static_cast<size_t>(i)]));
-  }
+  live_.clear();
+  group_sizes_.clear();
+  for (size_t i = 0; i < capacities.size(); ++i) add_sequence(static_cast<SequenceId>(i), capacities[i]);
 }
 
 std::vector<model::HostTensor> RankEngine::forward(const std::vector<std::vector<int32_t>>& new_tokens) {
-  FULCRUM_CHECK(static_cast<int>(new_tokens.size()) == num_sequences_, "forward: {} sequences, reset() made room for {}",
-                new_tokens.size(), num_sequences_);
+  FULCRUM_CHECK(new_tokens.size() == live_.size(), "forward: {} sequences, reset() made room for {}", new_tokens.size(),
+                live_.size());
+  std::vector<SequenceTokens> batch;
+  for (size_t i = 0; i < new_tokens.size(); ++i) batch.push_back({static_cast<SequenceId>(i), new_tokens[i]});
+  return forward(batch, LogitRows::kAll);
+}
+
+std::vector<model::HostTensor> RankEngine::forward(std::span<const SequenceTokens> entries, LogitRows rows) {
+  // The entries of each DP group, in batch order; this rank runs its own group's.
+  const int num_groups = layout_.attn_dp_size(), group_size = layout_.attn_tp_size();
+  std::vector<std::vector<size_t>> by_group(static_cast<size_t>(num_groups));
+  std::set<SequenceId> seen;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const auto it = live_.find(entries[e].id);
+    FULCRUM_CHECK(it != live_.end(), "forward: sequence {} is not live", entries[e].id);
+    FULCRUM_CHECK(seen.insert(entries[e].id).second, "forward: sequence {} twice in one pass", entries[e].id);
+    by_group[static_cast<size_t>(it->second.dp_group)].push_back(e);
+  }
   ops_->begin_pass(pass_idx_++);
   std::vector<model::SequenceInput> batch;
   int64_t num_tokens = 0;  // this rank's attention-DP group
-  for (size_t k = 0; k < my_sequences_.size(); ++k) {
-    batch.push_back(model::SequenceInput{new_tokens[static_cast<size_t>(my_sequences_[k])], &caches_[k]});
-    num_tokens += static_cast<int64_t>(batch.back().token_ids.size());
+  for (const size_t e : by_group[static_cast<size_t>(coords_.attn_dp_rank)]) {
+    model::KvCache& cache = *live_.at(entries[e].id).cache;
+    FULCRUM_CHECK(cache.num_tokens + static_cast<int64_t>(entries[e].token_ids.size()) <= cache.capacity,
+                  "forward: sequence {} would exceed its capacity {}", entries[e].id, cache.capacity);
+    batch.push_back(model::SequenceInput{entries[e].token_ids, &cache});
+    num_tokens += static_cast<int64_t>(entries[e].token_ids.size());
   }
   const int64_t hidden_size = config_.hidden_size, vocab_size = config_.vocab_size;
   model::Tensor hidden;  // [num_tokens, hidden_size]
@@ -86,32 +122,45 @@ std::vector<model::HostTensor> RankEngine::forward(const std::vector<std::vector
     pp_->send(comm::bytes_of(std::span<const float>(host)), coords_.pp_rank + 1);
   }
 
-  // Every sequence's logits to every rank: gathered over the last stage (one rank per DP group gives its
-  // group's), then broadcast down the pipeline. Order: DP group 0's sequences, group 1's, ...
-  const int num_groups = layout_.attn_dp_size(), group_size = layout_.attn_tp_size();
-  std::vector<int64_t> group_tokens(static_cast<size_t>(num_groups), 0);
-  for (int i = 0; i < num_sequences_; ++i) {
-    group_tokens[layout_.dp_group_of_sequence(i)] += static_cast<int64_t>(new_tokens[static_cast<size_t>(i)].size());
+  // Rows of logits per entry: its new tokens, or its last one (none when it has no new token).
+  const auto num_rows = [&](size_t e) -> int64_t {
+    const auto count = static_cast<int64_t>(entries[e].token_ids.size());
+    return rows == LogitRows::kAll ? count : std::min<int64_t>(count, 1);
+  };
+  // Every entry's logits to every rank: gathered over the last stage (one rank per DP group gives its
+  // group's), then broadcast down the pipeline. Order: DP group 0's entries, group 1's, ...
+  std::vector<int64_t> group_rows(static_cast<size_t>(num_groups), 0);
+  for (int g = 0; g < num_groups; ++g) {
+    for (const size_t e : by_group[static_cast<size_t>(g)]) group_rows[static_cast<size_t>(g)] += num_rows(e);
   }
-  const int64_t total = std::accumulate(group_tokens.begin(), group_tokens.end(), int64_t{0});
-  std::vector<float> all(static_cast<size_t>(total * vocab_size));  // [total tokens, vocab_size]
+  const int64_t total = std::accumulate(group_rows.begin(), group_rows.end(), int64_t{0});
+  std::vector<float> all(static_cast<size_t>(total * vocab_size));  // [total rows, vocab_size]
   if (model_->is_last_stage()) {
-    const std::vector<float> logits = backend_.download(model_->lm_head(hidden));  // [num_tokens, vocab_size]
+    if (rows == LogitRows::kLast) {
+      std::vector<int32_t> last;  // row of each entry's last new token in `hidden`
+      int64_t offset = 0;
+      for (const model::SequenceInput& in : batch) {
+        offset += static_cast<int64_t>(in.token_ids.size());
+        if (!in.token_ids.empty()) last.push_back(static_cast<int32_t>(offset - 1));
+      }
+      hidden = backend_.gather_rows(hidden, last);
+    }
+    const std::vector<float> logits = backend_.download(model_->lm_head(hidden));  // [rows, vocab_size]
     const bool contributes = coords_.attn_tp_rank == 0;
     std::vector<int64_t> bytes(static_cast<size_t>(layout_.tp()), 0);
-    for (int g = 0; g < num_groups; ++g) bytes[g * group_size] = group_tokens[g] * vocab_size * int64_t{sizeof(float)};
+    for (int g = 0; g < num_groups; ++g) bytes[g * group_size] = group_rows[g] * vocab_size * int64_t{sizeof(float)};
     stage_->all_gather_v(comm::bytes_of(std::span<const float>(logits).first(contributes ? logits.size() : 0)),
                          comm::writable_bytes_of(std::span<float>(all)), bytes);
   }
   if (layout_.pp() > 1) pp_->broadcast(comm::writable_bytes_of(std::span<float>(all)), layout_.pp() - 1);
 
-  std::vector<model::HostTensor> out(static_cast<size_t>(num_sequences_));
+  std::vector<model::HostTensor> out(entries.size());
   int64_t offset = 0;
   for (int g = 0; g < num_groups; ++g) {
-    for (int i = g; i < num_sequences_; i += num_groups) {  // dp_group_of_sequence(i) == g
-      const auto count = static_cast<int64_t>(new_tokens[static_cast<size_t>(i)].size());
-      out[i].shape = {count, vocab_size};
-      out[i].data.assign(all.begin() + offset * vocab_size, all.begin() + (offset + count) * vocab_size);
+    for (const size_t e : by_group[static_cast<size_t>(g)]) {
+      const int64_t count = num_rows(e);
+      out[e].shape = {count, vocab_size};
+      out[e].data.assign(all.begin() + offset * vocab_size, all.begin() + (offset + count) * vocab_size);
       offset += count;
     }
   }

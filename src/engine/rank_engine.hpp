@@ -3,9 +3,15 @@
 // heads, one EP rank's slots), its groups, and a forward pass over a global batch.
 //
 // Every rank of the world calls the same methods with the same arguments, in the same order (they are
-// collective). forward() takes every sequence's new tokens; each rank runs the sequences of its attention
-// DP group (ParallelLayout::dp_group_of_sequence), and every rank returns every sequence's logits.
+// collective). Sequences are added and dropped by id between forward passes; each belongs to one attention
+// DP group for its life (the group with the fewest live sequences when it was added, the lowest on ties:
+// every rank derives the same group). forward() takes new tokens of any live sequences; each rank runs the
+// sequences of its DP group, and every rank returns every entry's logits.
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -17,6 +23,18 @@
 #include "model/safetensors.hpp"
 
 namespace fulcrum::engine {
+
+using SequenceId = int64_t;
+
+// One entry of a forward pass: the new tokens of a live sequence (may be empty), after what its cache holds.
+struct SequenceTokens {
+  SequenceId id = 0;
+  std::span<const int32_t> token_ids;
+};
+
+// Which logits forward() returns per entry: every new position, or only the last one (what a decode
+// step samples from; the LM head then runs on one row per sequence).
+enum class LogitRows { kAll, kLast };
 
 class RankEngine {
  public:
@@ -37,13 +55,25 @@ class RankEngine {
 
   // Replaces the routing hook (between forward passes): how the EPLB recorder attaches to a built engine.
   void set_routing_hook(RoutingHook hook) { options_.on_routing = std::move(hook); }
+  const RoutingHook& routing_hook() const { return options_.on_routing; }
 
   // Reads this rank's slices of the weights.
   void load_weights(model::Checkpoint& checkpoint);
 
-  // Forgets every sequence and makes room for sequences of the given capacities (positions).
+  // Adds sequence `id` (not live) with room for `capacity` positions; returns its attention-DP group. Only
+  // the ranks of that group allocate its KV cache (Qwen3MoeModel::create_kv_cache).
+  int add_sequence(SequenceId id, int64_t capacity);
+  // Drops sequence `id` and frees its cache; a no-op when it is not live.
+  void drop_sequence(SequenceId id);
+  int num_live_sequences() const { return static_cast<int>(live_.size()); }
+
+  // Entries of live sequences, each at most once -> logits per entry in batch order: [num_new_tokens,
+  // vocab_size] (kAll) or [1, vocab_size] (kLast; entries with no new token then get [0, vocab_size]).
+  std::vector<model::HostTensor> forward(std::span<const SequenceTokens> batch, LogitRows rows = LogitRows::kAll);
+
+  // The fixed-batch form model::generate drives: drops every sequence and adds sequences 0..n-1 (so
+  // sequence i is in DP group i % D); forward(new_tokens) runs new_tokens[i] on sequence i.
   void reset(const std::vector<int64_t>& capacities);
-  // new_tokens[i]: sequence i's new tokens (may be empty) -> logits [num_new_tokens, vocab_size] per sequence.
   std::vector<model::HostTensor> forward(const std::vector<std::vector<int32_t>>& new_tokens);
 
   // Replaces MoE layer `moe_layer_idx`'s slot map between forward passes (every rank, the same map):
@@ -62,11 +92,14 @@ class RankEngine {
   std::unique_ptr<comm::Communicator> stage_, attn_tp_, pp_;
   std::unique_ptr<StageParallelOps> ops_;
   std::unique_ptr<model::Qwen3MoeModel> model_;
-  std::vector<int> my_sequences_;          // indices of the sequences of this rank's attention-DP group
   int owned_moe_layer(int moe_layer_idx) const;  // decoder index, or -1 when another stage owns it
 
-  std::vector<model::KvCache> caches_;     // [my_sequences_.size()]
-  int num_sequences_ = 0;
+  struct LiveSequence {
+    int dp_group = 0;
+    std::optional<model::KvCache> cache;  // only on ranks of its DP group
+  };
+  std::map<SequenceId, LiveSequence> live_;  // every live sequence of the world
+  std::vector<int> group_sizes_;             // [attn_dp_size]: live sequences per DP group
   uint64_t pass_idx_ = 0;
 };
 

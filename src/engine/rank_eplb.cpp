@@ -1,6 +1,9 @@
 #include "engine/rank_eplb.hpp"
 
+#include <chrono>
 #include <cstdio>
+
+#include <fmt/format.h>
 
 #include "eplb/error.hpp"
 #include "eplb_runtime/slot_copy_executor.hpp"
@@ -38,8 +41,9 @@ RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend
                                                  initial_.num_layers, initial_.num_logical_experts, owned,
                                                  config.num_experts_per_tok};
   recorder_ = std::make_unique<eplb_runtime::ExpertRecorder>(std::move(recorder_options));
-  engine.set_routing_hook([recorder = recorder_.get()](const RoutingRecord& record) {
+  engine.set_routing_hook([recorder = recorder_.get(), previous = engine.routing_hook()](const RoutingRecord& record) {
     recorder->record(record.moe_layer_idx, record.expert_ids);
+    if (previous) previous(record);
   });
   if (!settings.enabled) return;
 
@@ -51,11 +55,11 @@ RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend
   manager_options.skip_balancedness = settings.skip_balancedness;
   // Reports count whole slots (every slice), fp32 as the CPU backend holds them.
   manager_options.bytes_per_slot = int64_t{3} * config.moe_intermediate_size * config.hidden_size * int64_t{sizeof(float)};
-  if (world.rank() != 0) {
-    manager_options.log = [](const std::string&) {};
-  } else if (settings.log) {
-    manager_options.log = settings.log;
+  if (world.rank() == 0) {
+    log_ = settings.log ? settings.log : [](const std::string& line) { std::fprintf(stderr, "[eplb] %s\n", line.c_str()); };
   }
+  // The manager's lines wait for the end of the pass, so the rebalance line can carry the step's time.
+  manager_options.log = [this](const std::string& line) { manager_lines_.push_back(line); };
   manager_ = std::make_unique<eplb_runtime::EplbManager>(initial_, std::move(manager_options));
   executor_ = std::make_unique<eplb_runtime::BackendSlotCopyExecutor>(backend, *ep_comm_);
   runtime_ = std::make_unique<eplb_runtime::EplbRuntime>(
@@ -67,12 +71,38 @@ RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend
 
 RankEplb::~RankEplb() = default;
 
-void RankEplb::after_forward_pass() {
-  if (runtime_ != nullptr) {
-    runtime_->after_forward_pass();  // closes the recorder's pass too
-  } else {
+eplb_runtime::PassOutcome RankEplb::after_forward_pass() {
+  if (runtime_ == nullptr) {
     recorder_->end_pass();
+    return {};
   }
+  const auto start = std::chrono::steady_clock::now();
+  eplb_runtime::PassOutcome outcome = runtime_->after_forward_pass();  // closes the recorder's pass too
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::vector<std::string> lines = std::move(manager_lines_);
+  manager_lines_.clear();
+  if (outcome.rebalance) {
+    for (std::string& line : lines) {
+      if (line == outcome.rebalance->message) line += fmt::format("; EPLB step of this pass {:.1f} ms", 1e3 * seconds);
+    }
+    migrating_rebalance_ = runtime_->migrating() ? outcome.rebalance->rebalance_idx : -1;
+    migration_passes_ = 0;
+    migration_seconds_ = 0;
+  }
+  if (migrating_rebalance_ >= 0) {
+    ++migration_passes_;
+    migration_seconds_ += seconds;
+    if (!runtime_->migrating()) {
+      lines.push_back(fmt::format("rebalance {}: migration complete after {} pass(es), {:.1f} ms of EPLB steps "
+                                  "(planning included)",
+                                  migrating_rebalance_, migration_passes_, 1e3 * migration_seconds_));
+      migrating_rebalance_ = -1;
+    }
+  }
+  if (log_) {
+    for (const std::string& line : lines) log_(line);
+  }
+  return outcome;
 }
 
 eplb::LoadMatrix RankEplb::merged_window_loads() { return eplb_runtime::all_reduce_window_loads(*recorder_, world_); }

@@ -29,7 +29,9 @@ struct EplbSettings {
   int rebalance_num_iterations = 1000;    // --eplb-rebalance-num-iterations
   int rebalance_layers_per_chunk = 0;     // --eplb-rebalance-layers-per-chunk (0: all)
   double skip_balancedness = 0.95;        // layers at or above it are kept (ManagerOptions)
-  std::function<void(const std::string&)> log;  // world rank 0's line per rebalance; empty: stderr
+  // World rank 0's lines: one per rebalance (balancedness before -> after, slots and bytes moved, the time
+  // of that pass's EPLB step) and one when its migration completes (passes, total time). Empty: stderr.
+  std::function<void(const std::string&)> log;
 };
 
 // Throws fulcrum::Error (one line) on a bad value; what the CLI checks before starting ranks.
@@ -46,8 +48,9 @@ class RankEplb {
            const EplbSettings& settings);
   ~RankEplb();
 
-  // Collective: closes the recorder's pass; with EPLB, rebalances when due and moves one layer.
-  void after_forward_pass();
+  // Collective: closes the recorder's pass; with EPLB, rebalances when due and moves one layer. Returns
+  // what happened (the same on every rank).
+  eplb_runtime::PassOutcome after_forward_pass();
 
   // Collective: the recorder's window summed over every rank (exact, the same on every rank).
   eplb::LoadMatrix merged_window_loads();
@@ -70,6 +73,11 @@ class RankEplb {
   std::unique_ptr<eplb_runtime::EplbManager> manager_;
   std::unique_ptr<eplb_runtime::SlotCopyExecutor> executor_;
   std::unique_ptr<eplb_runtime::EplbRuntime> runtime_;
+  std::function<void(const std::string&)> log_;  // rank 0's; others: none
+  std::vector<std::string> manager_lines_;      // what the manager logged during the current pass
+  int migrating_rebalance_ = -1;                // rebalance whose migration is running
+  int64_t migration_passes_ = 0;
+  double migration_seconds_ = 0;
 };
 
 }  // namespace fulcrum::engine

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 
 #include "server/api_error.hpp"
+#include "server/connection_watch.hpp"
 #include "server/responses.hpp"
 
 namespace fulcrum::server {
@@ -62,7 +63,8 @@ struct HttpServer::Impl {
     auto writer = std::make_shared<ResponseWriter>(endpoint, handle, ctx.tokenizer, std::move(stop), ctx.model_name,
                                                    parsed.include_usage);
     if (!parsed.stream) {
-      const json out = writer->complete();
+      const ConnectionWatch watch(req.remote_addr, req.remote_port, req.local_port);
+      const json out = writer->complete([&watch] { return watch.peer_closed(); });
       if (handle->finish_reason() == FinishReason::kError) {
         send_json(res, 500, error_body("the model step failed; see the server log", "internal_error"));
       } else {

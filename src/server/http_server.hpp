@@ -3,7 +3,8 @@
 // SSE streaming), /v1/models, /health, SGLang-style /generate with token ids, /metrics (Prometheus) and
 // the expert-distribution endpoints. Every refusal is a 4xx/5xx with {"error": {"message", "type"}}.
 // A streaming client that goes away is noticed at the next write (tokens or a keep-alive comment every
-// second) and its request is cancelled, which frees its KV pages.
+// second), a non-streaming one within 100 ms by polling its socket (ConnectionWatch); either way its
+// request is cancelled, which frees its KV pages.
 #include <memory>
 #include <string>
 

@@ -32,7 +32,13 @@ json ResponseWriter::usage() const {
           {"total_tokens", handle_->prompt_tokens() + completion}};
 }
 
-json ResponseWriter::complete() {
+json ResponseWriter::complete(const std::function<bool()>& client_gone, std::chrono::milliseconds poll_interval) {
+  for (size_t seen = 0; client_gone;) {
+    const RequestUpdate update = handle_->wait(seen, poll_interval);
+    if (update.finished) break;
+    seen += update.new_tokens.size();
+    if (client_gone()) handle_->cancel();  // idempotent; the scheduler finishes it as "cancelled"
+  }
   tokens_ = handle_->wait_finished();
   text_.push(tokens_);
   text_.finish(handle_->stop_text_length());

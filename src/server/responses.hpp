@@ -3,6 +3,7 @@
 // object, and the error body. One ResponseWriter follows one request from submit to its last byte.
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,8 +23,11 @@ class ResponseWriter {
   ResponseWriter(Endpoint endpoint, std::shared_ptr<RequestHandle> handle, const tokenizer::Tokenizer* tokenizer,
                  std::vector<std::string> stop, std::string model_name, bool include_usage);
 
-  // Waits for the request to finish; the whole JSON body.
-  nlohmann::json complete();
+  // Waits for the request to finish; the whole JSON body. `client_gone` (optional) is asked every
+  // `poll_interval` and on every new token; once it says yes the request is cancelled (its KV pages free
+  // at the scheduler's next step) and the body says "cancelled".
+  nlohmann::json complete(const std::function<bool()>& client_gone = {},
+                          std::chrono::milliseconds poll_interval = std::chrono::milliseconds(100));
 
   // Streaming: waits up to `timeout` for progress and returns the SSE bytes to send now ("" when none;
   // then a keep-alive comment is due). After the last event (finish, usage, [DONE]) done() is true.

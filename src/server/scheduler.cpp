@@ -176,6 +176,10 @@ bool Scheduler::step() {
   std::vector<std::vector<float>> logits;
   try {
     logits = executor_.step(batch);
+  } catch (const ExecutorFailure& e) {
+    fmt::print(stderr, "fulcrum serve: {}; ending every request\n", e.what());
+    fail_all();
+    throw;
   } catch (const std::exception& e) {
     fmt::print(stderr, "fulcrum serve: step failed, ending its {} request(s): {}\n", members.size(), e.what());
     for (Sequence* seq : members) finish(*seq, FinishReason::kError);
@@ -220,6 +224,20 @@ void Scheduler::retire(const std::vector<Sequence*>& done) {
     return std::find(done.begin(), done.end(), s.get()) != done.end();
   });
   num_running_ = static_cast<int64_t>(running_.size());
+}
+
+void Scheduler::fail_all() {
+  std::lock_guard lock(mutex_);
+  accepting_ = false;
+  for (auto& seq : waiting_) finish(*seq, FinishReason::kError);
+  for (auto& seq : running_) {
+    executor_.release(seq->handle->id());
+    finish(*seq, FinishReason::kError);
+  }
+  waiting_.clear();
+  running_.clear();
+  pages_used_ = 0;
+  num_running_ = 0;
 }
 
 void Scheduler::run() {

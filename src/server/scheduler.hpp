@@ -10,7 +10,9 @@
 //   4. runs the executor, samples a token for each request whose prompt is complete, checks stop token
 //      ids, stop strings and max_tokens, and frees the pages of finished requests.
 // Requests join and leave the batch at every step. A request whose pages exceed the whole pool, or whose
-// length exceeds the model's, is refused at submit() with an ApiError (400).
+// length exceeds the model's, is refused at submit() with an ApiError (400). A step that fails ends its
+// batch's requests with reason "error" and the scheduler goes on; an ExecutorFailure (the executor can run
+// no further step) ends every request, refuses new ones, and step() / run() rethrow it.
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -89,6 +91,7 @@ class Scheduler {
   void finish(Sequence& seq, FinishReason reason, std::optional<size_t> stop_text_length = std::nullopt);
   bool after_token(Sequence& seq, int32_t token);  // true when the sequence finished
   void retire(const std::vector<Sequence*>& done);  // releases KV and pages, leaves the batch
+  void fail_all();  // every waiting and running request ends with "error"; no new ones
   void wake();
 
   StepExecutor& executor_;

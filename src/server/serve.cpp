@@ -14,7 +14,8 @@
 
 #include "eplb/error.hpp"
 #include "server/http_server.hpp"
-#include "server/model_step_executor.hpp"
+#include "server/engine_step_executor.hpp"
+#include "server/progress_bar.hpp"
 
 namespace fulcrum::server {
 namespace {
@@ -48,7 +49,17 @@ void serve(const ServeOptions& options) {
 
   const auto load_start = Clock::now();
   log(fmt::format("loading {}", options.model_dir));
-  ModelStepExecutor executor(options.model_dir);
+  ServerMetrics metrics;
+  EngineExecutorOptions engine_options;
+  engine_options.model_dir = options.model_dir;
+  engine_options.parallel = options.parallel;
+  engine_options.run = options.run;
+  engine_options.metrics = &metrics;
+  const int world_size = options.parallel.tp * options.parallel.pp;
+  ProgressBar progress("fulcrum serve: loading weights", world_size, world_size == 1 ? "rank" : "ranks");
+  progress.update(0);
+  engine_options.on_rank_loaded = [&progress](int done, int) { progress.update(done); };
+  EngineStepExecutor executor(std::move(engine_options));
   std::unique_ptr<tokenizer::Tokenizer> tok;
   const fs::path tokenizer_file = fs::path(options.model_dir) / "tokenizer.json";
   if (fs::exists(tokenizer_file)) {
@@ -73,13 +84,12 @@ void serve(const ServeOptions& options) {
   http_options.expert_distribution_dir = options.expert_distribution_dir;
   http_options.threads = std::max(64, 2 * options.scheduler.max_running_requests + 16);
 
-  ServerMetrics metrics;
   Detokenizer detokenizer;
   if (tok) {
     detokenizer = [t = tok.get()](std::span<const int32_t> ids) { return t->decode({ids.begin(), ids.end()}); };
   }
   Scheduler scheduler(executor, options.scheduler, detokenizer, &metrics);
-  HttpServer http(scheduler, metrics, &executor.recorder(), http_options);
+  HttpServer http(scheduler, metrics, executor.recorder(), http_options);
   const int port = http.bind(options.host, options.port);
   // A failure on either thread must not terminate the process: it is kept, the main thread is woken as by
   // SIGTERM, shuts down the other thread, and rethrows it (one-line error, non-zero exit).
@@ -99,10 +109,11 @@ void serve(const ServeOptions& options) {
   std::thread loop(guarded([&] { scheduler.run(); }));
   std::thread listener(guarded([&] { http.listen(); }));
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
-  log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s; {} KV pages of {} tokens, "
+  log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s on {}{}; {} KV pages of {} tokens, "
                   "up to {} running requests, {} prefill tokens per step",
                   ctx.model_name, executor.config().num_hidden_layers, executor.config().num_experts,
                   executor.vocab_size(), tok ? ", tokenizer.json" : ", no tokenizer: token ids only", load_s,
+                  executor.layout().describe(), executor.eplb_enabled() ? ", EPLB on" : "",
                   options.scheduler.kv_pages, options.scheduler.page_size, options.scheduler.max_running_requests,
                   options.scheduler.max_prefill_tokens));
   log(fmt::format("listening on http://{}:{}", options.host, port));

@@ -1,17 +1,21 @@
 #pragma once
-// `fulcrum serve`: loads a checkpoint into a ModelStepExecutor, runs the scheduler loop on its own thread
+// `fulcrum serve`: loads a checkpoint into an EngineStepExecutor (the parallel engine's ranks as threads,
+// live EPLB when asked; a progress bar on stderr while weights load), runs the scheduler loop on its own thread
 // and the HTTP server on a pool, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
 // shuts down gracefully: /health turns 503 and new requests are refused (503), in-flight requests finish
 // (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), then the
 // listener closes once every handler has sent its response.
 #include <string>
 
+#include "engine/parallel_generate.hpp"
 #include "server/scheduler.hpp"
 
 namespace fulcrum::server {
 
 struct ServeOptions {
   std::string model_dir;
+  engine::ParallelFlags parallel;
+  engine::InProcessRun run;  // device, weight cache, placement, dispatch, EPLB (cli/engine_flags.hpp)
   std::string host = "127.0.0.1";
   int port = 8000;  // 0: any free port (the log line names it)
   SchedulerOptions scheduler;
@@ -21,7 +25,8 @@ struct ServeOptions {
   double shutdown_timeout_s = 30;
 };
 
-// Blocks until a SIGINT or SIGTERM has been handled. Call before starting other threads (it blocks the
+// Blocks until a SIGINT or SIGTERM has been handled; throws (after shutting down) when the engine's ranks
+// or the server's threads failed. Call before starting other threads (it blocks the
 // two signals in the calling thread so every thread it starts inherits the mask).
 void serve(const ServeOptions& options);
 

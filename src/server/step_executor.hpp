@@ -3,15 +3,24 @@
 // plus the lifecycle of each sequence's KV cache. The scheduler (scheduler.hpp) is the only caller and
 // calls it from one thread; implementations need not be thread-safe.
 //
-//   ModelStepExecutor (model_step_executor.hpp): one rank, Qwen3MoeModel on the CPU backend.
-//   The parallel engine with live EPLB implements the same interface (its ranks behind one object).
+//   EngineStepExecutor (engine_step_executor.hpp): the parallel engine (one rank or many, in-process
+//   threads) with live EPLB.
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "eplb/error.hpp"
+
 namespace fulcrum::server {
 
 using SequenceId = int64_t;
+
+// Thrown by step() when the executor can run no further step (its ranks stopped after a failure): the
+// scheduler then ends every request and stops (Scheduler::run rethrows it).
+class ExecutorFailure : public Error {
+ public:
+  using Error::Error;
+};
 
 // One sequence's part of a step: the new tokens appended after what its cache holds. A prefill chunk has
 // one or more prompt tokens; a decode step has exactly the last sampled token.
@@ -29,7 +38,7 @@ class StepExecutor {
   virtual int64_t max_sequence_length() const = 0;
 
   // Creates the KV state of a new sequence that will hold at most `capacity` tokens in total.
-  // `id` must not be live. Throws fulcrum::Error when it cannot.
+  // `id` must not be live. Throws fulcrum::Error when it cannot (the executor stays usable).
   virtual void allocate(SequenceId id, int64_t capacity) = 0;
   // Drops the KV state of `id`; a no-op for an id that is not live.
   virtual void release(SequenceId id) = 0;

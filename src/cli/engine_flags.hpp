@@ -1,0 +1,34 @@
+#pragma once
+// Flags of the parallel engine and live EPLB (SGLang's names), defined once and shared by `generate` and
+// `serve`: device, weight cache, layout, token dispatch, initial placement, EPLB and its recorder.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/parallel_generate.hpp"
+
+namespace fulcrum::cli {
+
+struct EngineFlags {
+  std::string device = "cpu";
+  std::string weight_cache_dir;
+  engine::ParallelFlags parallel;
+  std::string moe_a2a_backend = "allgather";
+  std::string dispatch_algorithm = "static";
+  std::string init_expert_location = "trivial";
+  bool enable_eplb = false;
+  std::string recorder_mode = "stat";
+  engine::EplbSettings eplb;
+  std::vector<std::string> eplb_only_flags_given;  // flags that do nothing without --enable-eplb
+
+  // Registers the flags on `cmd`; `flags` must live as long as the app (the CLI writes into it).
+  static void add_to(CLI::App* cmd, const std::shared_ptr<EngineFlags>& flags);
+
+  // Checks the values (one-line errors) and turns them into a run of the engine on `layout`. Conditions
+  // that turn EPLB off are said on stderr (`fulcrum: warning:`), never silently applied.
+  engine::InProcessRun make_run(const engine::ParallelLayout& layout, const model::Qwen3MoeConfig& config) const;
+};
+
+}  // namespace fulcrum::cli

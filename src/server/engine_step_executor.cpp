@@ -1,0 +1,145 @@
+#include "server/engine_step_executor.hpp"
+
+#include <cstdio>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "eplb/error.hpp"
+#include "eplb/metrics.hpp"
+
+namespace fulcrum::server {
+
+EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
+    : options_(std::move(options)), config_(model::load_qwen3_moe_config(options_.model_dir)) {
+  layout_ = std::make_unique<engine::ParallelLayout>(options_.parallel, config_);
+  engine::InProcessRun& run = options_.run;
+  FULCRUM_CHECK(run.device == "cpu" || layout_->world_size() == 1,
+                "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)",
+                run.device, layout_->world_size());
+  const int num_moe_layers = static_cast<int>(config_.moe_layer_indices().size());
+  if (num_moe_layers > 0) {
+    recorder_ = std::make_unique<RoutingCountRecorder>(num_moe_layers, config_.num_experts);
+    run.engine.on_routing = [recorder = recorder_.get()](const engine::RoutingRecord& record) {
+      recorder->record(record.moe_layer_idx, record.expert_ids, record.top_k);
+    };
+  }
+  // With several EP ranks the balancedness gauges are worth having even without EPLB: record routing.
+  run.record = run.record || layout_->ep() > 1;
+  if (run.eplb.enabled) {
+    run.eplb.log = options_.log ? options_.log : [](const std::string& line) {
+      std::fprintf(stderr, "fulcrum serve: eplb: %s\n", line.c_str());
+      std::fflush(stderr);
+    };
+  }
+  initial_placement_ = engine::prepare_in_process_run(config_, *layout_, run);
+
+  const int world_size = layout_->world_size();
+  ranks_.resize(static_cast<size_t>(world_size));
+  threads_ = std::make_unique<engine::RankThreads>(world_size);
+  std::mutex progress_mutex;
+  int num_loaded = 0;
+  try {
+    threads_->run([&](int rank, comm::Communicator& world) {
+      ranks_[static_cast<size_t>(rank)] =
+          engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, world);
+      std::lock_guard lock(progress_mutex);
+      ++num_loaded;
+      if (options_.on_rank_loaded) options_.on_rank_loaded(num_loaded, world_size);
+    });
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("loading {} on {} rank(s) failed: {}", options_.model_dir, world_size, e.what()));
+  }
+}
+
+EngineStepExecutor::~EngineStepExecutor() {
+  // Each rank's state is destroyed on its own thread (a device backend belongs to the thread that made it).
+  try {
+    threads_->run_local([this](int rank, comm::Communicator&) { ranks_[static_cast<size_t>(rank)] = {}; });
+  } catch (const std::exception&) {
+    // the ranks already stopped after a failure; their state goes with this object
+  }
+}
+
+int64_t EngineStepExecutor::max_sequence_length() const {
+  const int n = config_.max_position_embeddings;
+  return n > 0 ? n : int64_t{1} << 20;
+}
+
+void EngineStepExecutor::allocate(SequenceId id, int64_t capacity) {
+  FULCRUM_CHECK(!live_.contains(id), "sequence {} is already allocated", id);
+  FULCRUM_CHECK(capacity > 0 && capacity <= max_sequence_length(), "sequence {}: capacity {} outside [1, {}]", id,
+                capacity, max_sequence_length());
+  std::vector<SequenceId> releases = std::move(pending_releases_);
+  pending_releases_.clear();
+  const std::vector<std::exception_ptr> errors = threads_->run_local([&](int rank, comm::Communicator&) {
+    engine::RankEngine& engine = *ranks_[static_cast<size_t>(rank)].engine;
+    for (const SequenceId r : releases) engine.drop_sequence(r);
+    engine.add_sequence(id, capacity);
+  });
+  for (const std::exception_ptr& error : errors) {
+    if (!error) continue;
+    threads_->run_local([&](int rank, comm::Communicator&) { ranks_[static_cast<size_t>(rank)].engine->drop_sequence(id); });
+    std::rethrow_exception(error);
+  }
+  live_.emplace(id, Capacity{capacity, 0});
+}
+
+void EngineStepExecutor::release(SequenceId id) {
+  if (live_.erase(id) > 0) pending_releases_.push_back(id);
+}
+
+std::vector<std::vector<float>> EngineStepExecutor::step(std::span<const StepInput> batch) {
+  std::vector<engine::SequenceTokens> entries;
+  entries.reserve(batch.size());
+  for (const StepInput& in : batch) {
+    const auto it = live_.find(in.id);
+    FULCRUM_CHECK(it != live_.end(), "step: sequence {} is not allocated", in.id);
+    FULCRUM_CHECK(!in.token_ids.empty(), "step: sequence {} has no new token", in.id);
+    FULCRUM_CHECK(it->second.num_tokens + static_cast<int64_t>(in.token_ids.size()) <= it->second.capacity,
+                  "step: sequence {} would exceed its capacity {}", in.id, it->second.capacity);
+    for (const engine::SequenceTokens& e : entries) FULCRUM_CHECK(e.id != in.id, "step: sequence {} twice", in.id);
+    entries.push_back({in.id, in.token_ids});
+  }
+  std::vector<SequenceId> releases = std::move(pending_releases_);
+  pending_releases_.clear();
+  std::vector<std::vector<float>> logits;
+  try {
+    run_pass(entries, std::move(releases), logits);
+  } catch (const std::exception& e) {
+    throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
+  }
+  for (const StepInput& in : batch) live_.at(in.id).num_tokens += static_cast<int64_t>(in.token_ids.size());
+  return logits;
+}
+
+void EngineStepExecutor::run_pass(const std::vector<engine::SequenceTokens>& batch, std::vector<SequenceId> releases,
+                                  std::vector<std::vector<float>>& logits) {
+  const uint64_t pass_idx = num_passes_++;
+  threads_->run([&](int rank, comm::Communicator&) {
+    engine::InProcessRank& me = ranks_[static_cast<size_t>(rank)];
+    for (const SequenceId r : releases) me.engine->drop_sequence(r);
+    std::vector<model::HostTensor> out = me.engine->forward(batch, engine::LogitRows::kLast);
+    if (rank == 0) {
+      logits.resize(out.size());
+      for (size_t i = 0; i < out.size(); ++i) logits[i] = std::move(out[i].data);
+    }
+    if (me.eplb == nullptr) return;
+    const eplb_runtime::PassOutcome outcome = me.eplb->after_forward_pass();
+    ServerMetrics* metrics = options_.metrics;
+    if (metrics == nullptr) return;
+    if (rank == 0 && outcome.rebalance && !outcome.rebalance->skipped) {
+      metrics->add_eplb_rebalance(outcome.rebalance->num_bytes_moved);
+    }
+    // Every rank takes the same branch (the outcome and the pass count are the same everywhere).
+    if (outcome.rebalance || !outcome.switched_layers.empty() || (pass_idx + 1) % kRefreshPasses == 0) {
+      const eplb::LoadMatrix window = me.eplb->merged_window_loads();
+      if (rank == 0) {
+        const eplb::PlacementReport report = eplb::evaluate_placement(me.eplb->live_placement(), window);
+        metrics->set_eplb_balancedness(report.balancedness_per_layer, report.balancedness_mean);
+      }
+    }
+  });
+}
+
+}  // namespace fulcrum::server

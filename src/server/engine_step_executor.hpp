@@ -1,0 +1,79 @@
+#pragma once
+// StepExecutor over the parallel engine (src/engine): the world's ranks run as persistent in-process
+// threads (engine::RankThreads), each with its own backend, RankEngine and, when routing is recorded,
+// RankEplb (live EPLB with --enable-eplb). One rank (tp = ep = pp = 1) is the plain single-model case.
+//
+//   allocate / release  add / drop the sequence on every rank (RankEngine::add_sequence picks its
+//                       attention-DP group for its life); releases travel with the next command.
+//   step                one collective forward pass (last-position logits, rank 0's are returned), then
+//                       the EPLB step on every rank. A sequence's logits depend only on its own tokens.
+//   EPLB                rebalance lines go to `log`; ServerMetrics gets rebalances, bytes migrated and the
+//                       balancedness of the live placement on the recorder's window (merged over ranks),
+//                       refreshed after every rebalance, every layer switch and every kRefreshPasses passes.
+//   endpoints           recorder() counts every rank's routing (each token once) for /start_, /stop_ and
+//                       /dump_expert_distribution_record.
+// A failure on any rank aborts the world (no hang) and step() throws ExecutorFailure with its message.
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/parallel_generate.hpp"
+#include "engine/rank_threads.hpp"
+#include "server/expert_distribution.hpp"
+#include "server/metrics.hpp"
+#include "server/step_executor.hpp"
+
+namespace fulcrum::server {
+
+struct EngineExecutorOptions {
+  std::string model_dir;
+  engine::ParallelFlags parallel;
+  engine::InProcessRun run;  // device, weight cache, initial placement, dispatch, EPLB (decode and dump unused)
+  ServerMetrics* metrics = nullptr;                   // EPLB gauges; may be null
+  std::function<void(const std::string&)> log;        // EPLB lines (world rank 0); empty: stderr
+  std::function<void(int done, int total)> on_rank_loaded;  // weight loading progress, from rank threads
+};
+
+class EngineStepExecutor final : public StepExecutor {
+ public:
+  static constexpr int kRefreshPasses = 16;
+
+  // Reads the config, builds the layout (one-line errors for impossible ones) and loads every rank.
+  explicit EngineStepExecutor(EngineExecutorOptions options);
+  ~EngineStepExecutor() override;
+
+  int vocab_size() const override { return config_.vocab_size; }
+  int64_t max_sequence_length() const override;
+  void allocate(SequenceId id, int64_t capacity) override;
+  void release(SequenceId id) override;
+  std::vector<std::vector<float>> step(std::span<const StepInput> batch) override;
+
+  const model::Qwen3MoeConfig& config() const { return config_; }
+  const engine::ParallelLayout& layout() const { return *layout_; }
+  bool eplb_enabled() const { return options_.run.eplb.enabled; }
+  // Null for a model without MoE layers.
+  ExpertDistributionRecorder* recorder() { return recorder_.get(); }
+
+ private:
+  struct Capacity {
+    int64_t capacity = 0;
+    int64_t num_tokens = 0;
+  };
+  void run_pass(const std::vector<engine::SequenceTokens>& batch, std::vector<SequenceId> releases,
+                std::vector<std::vector<float>>& logits);
+
+  EngineExecutorOptions options_;
+  model::Qwen3MoeConfig config_;
+  std::unique_ptr<engine::ParallelLayout> layout_;
+  eplb::Placement initial_placement_;
+  std::unique_ptr<RoutingCountRecorder> recorder_;
+  std::vector<engine::InProcessRank> ranks_;  // [world size]; rank r's touched only by its thread
+  std::unique_ptr<engine::RankThreads> threads_;
+  std::map<SequenceId, Capacity> live_;       // caller side: validation before anything reaches the ranks
+  std::vector<SequenceId> pending_releases_;
+  uint64_t num_passes_ = 0;
+};
+
+}  // namespace fulcrum::server

@@ -1,0 +1,237 @@
+// `fulcrum serve` on the parallel engine with live EPLB: real server processes on loopback, a tiny
+// synthetic model whose routers follow a real Qwen3-30B-A3B load matrix, concurrent streaming and
+// non-streaming clients. Rebalances happen during the load (log and /metrics) and no response changes:
+// every greedy response equals `fulcrum generate` on the same layout without EPLB. Then the seeds'
+// scenario (SGLang's Qwen3 EPLB launch, scaled to this machine) and a 2-minute soak.
+#include <cmath>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "server/load_generator.hpp"
+#include "server_http_util.hpp"
+#include "server_process.hpp"
+#include "server_test_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+// Request r of client c: 4..27 token ids in [0, 256), a pure function of (c, r).
+std::vector<int32_t> prompt_of(int c, int r) {
+  std::vector<int32_t> p;
+  const int length = 4 + (7 * c + 5 * r) % 24;
+  for (int i = 0; i < length; ++i) p.push_back((31 * c + 17 * r + 101 * i + 3) % 256);
+  return p;
+}
+
+// `fulcrum generate`'s greedy tokens for `prompts` (one batch) with `flags`.
+std::vector<std::vector<int32_t>> generate_greedy(const std::string& model, const std::string& flags,
+                                                  const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens) {
+  TempDir dir("serve_eplb_generate");
+  std::string args = "generate --model " + model + " " + flags + " --max-new-tokens " + std::to_string(max_new_tokens);
+  for (const auto& p : prompts) args += " --prompt-tokens \"" + fmt::format("{}", fmt::join(p, " ")) + "\"";
+  const CliRun run = run_cli(dir, args);
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  std::istringstream lines(run.out);
+  for (std::string line; std::getline(lines, line);) {
+    size_t idx = 0;
+    if (std::sscanf(line.c_str(), "seq%zu:", &idx) != 1 || idx >= out.size()) continue;
+    std::istringstream ids(line.substr(line.find(':') + 1));
+    for (int32_t id; ids >> id;) out[idx].push_back(id);
+  }
+  return out;
+}
+
+// Runs `requests_per_client` sequential greedy requests on each of `clients` threads, even clients
+// streaming, odd ones not; returns the tokens of request (c, r) at c * requests_per_client + r.
+std::vector<std::vector<int32_t>> run_clients(int port, int clients, int requests_per_client, int max_tokens) {
+  std::vector<std::vector<int32_t>> got(static_cast<size_t>(clients * requests_per_client));
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      for (int r = 0; r < requests_per_client; ++r) {
+        const bool stream = c % 2 == 0;
+        const json body = {{"prompt", prompt_of(c, r)}, {"max_tokens", max_tokens}, {"ignore_eos", true}, {"stream", stream}};
+        std::vector<int32_t>& tokens = got[static_cast<size_t>(c * requests_per_client + r)];
+        if (stream) {
+          const Streamed s = stream_post(port, "/v1/completions", body);
+          EXPECT_EQ(s.status, 200) << s.body;
+          EXPECT_TRUE(s.done);
+          for (const json& e : s.events) {
+            for (const auto& t : e["choices"][0]["token_ids"]) tokens.push_back(t.get<int32_t>());
+          }
+        } else {
+          const auto [status, out] = post(port, "/v1/completions", body.dump());
+          EXPECT_EQ(status, 200) << out.dump();
+          if (status == 200) tokens = out["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return got;
+}
+
+std::vector<std::vector<int32_t>> all_prompts(int clients, int requests_per_client) {
+  std::vector<std::vector<int32_t>> prompts;
+  for (int c = 0; c < clients; ++c) {
+    for (int r = 0; r < requests_per_client; ++r) prompts.push_back(prompt_of(c, r));
+  }
+  return prompts;
+}
+
+// "balancedness B -> A" of every applied rebalance line in a server log.
+std::vector<std::pair<double, double>> logged_rebalances(const std::string& log) {
+  std::vector<std::pair<double, double>> out;
+  const std::regex line(R"(eplb: rebalance \d+ at pass \d+: MoE layers [^:]*: balancedness ([0-9.]+) -> ([0-9.]+), .* ms)");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
+    out.emplace_back(std::stod((*it)[1]), std::stod((*it)[2]));
+  }
+  return out;
+}
+
+TEST(ServerEplb, ConcurrentClientsDuringRebalancesMatchGenerate) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const std::string layout = "--tp 4 --ep 4 --moe-a2a-backend alltoall --ep-num-redundant-experts 8";
+  TempDir dir("serve_eplb");
+  std::vector<std::string> flags = {"--enable-eplb", "--eplb-rebalance-num-iterations", "4",
+                                    "--expert-distribution-recorder-buffer-size", "8", "--max-running-requests", "16",
+                                    "--kv-pages", "256", "--page-size", "8", "--expert-distribution-dir", dir.path()};
+  std::istringstream words(layout);
+  for (std::string w; words >> w;) flags.push_back(w);
+  ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
+  EXPECT_NE(server.log().find("loading weights [##############################] 4/4 ranks"), std::string::npos)
+      << server.log();
+  ASSERT_EQ(post(server.port(), "/start_expert_distribution_record", "").first, 200);
+
+  constexpr int kClients = 16, kRequests = 2, kNew = 10;
+  const auto got = run_clients(server.port(), kClients, kRequests, kNew);
+  const auto prompts = all_prompts(kClients, kRequests);
+  EXPECT_EQ(got, generate_greedy(skewed_served_model(), layout, prompts, kNew));
+
+  // The recorder of the endpoints counted every token once, over all ranks: a prompt is prefilled and
+  // each request runs kNew - 1 decode steps (its last token is sampled, never fed).
+  ASSERT_EQ(post(server.port(), "/stop_expert_distribution_record", "").first, 200);
+  const auto [status, dump] = post(server.port(), "/dump_expert_distribution_record", R"({"name": "dist.json"})");
+  ASSERT_EQ(status, 200) << dump.dump();
+  int64_t tokens = 0;
+  for (const auto& p : prompts) tokens += static_cast<int64_t>(p.size()) + kNew - 1;
+  EXPECT_EQ(dump["num_tokens"], tokens);
+  ASSERT_EQ(dump["logical_count"].size(), 4u);
+  for (const auto& row : dump["logical_count"]) {
+    int64_t sum = 0;
+    for (const auto& v : row) sum += v.get<int64_t>();
+    EXPECT_EQ(sum, 8 * tokens);
+  }
+  const CliRun plan = run_cli(dir, "plan --loads " + dir.file("dist.json") + " --gpus 4 --physical-experts 136 --json");
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+
+  std::map<std::string, double> m = metrics(server.port());
+  EXPECT_GE(m["fulcrum_eplb_rebalances_total"], 1);
+  EXPECT_GT(m["fulcrum_eplb_bytes_migrated_total"], 0);
+  EXPECT_TRUE(std::isfinite(m["fulcrum_eplb_balancedness_mean"]));
+  EXPECT_TRUE(m.contains("fulcrum_eplb_balancedness{layer=\"3\"}"));
+  EXPECT_EQ(m["fulcrum_kv_pages_used"], 0);
+  const auto rebalances = logged_rebalances(server.log());
+  ASSERT_GE(rebalances.size(), 1u) << server.log();
+  EXPECT_GT(rebalances[0].second, rebalances[0].first);
+  EXPECT_NE(server.log().find("migration complete after"), std::string::npos) << server.log();
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+// The seeds' launch (SGLang, Qwen3-235B: --tp 8 --dp 2 --enable-dp-attention --enable-deepep-moe --enable-eplb
+// --expert-distribution-recorder-buffer-size 50 --expert-distribution-recorder-mode stat
+// --eplb-rebalance-num-iterations 50 --ep-dispatch-algorithm static --ep-num-redundant-experts 32) on the
+// tiny skewed model: tp 8 with 2 attention-DP groups, ep 8 over all-to-all dispatch (DeepEP's role),
+// 8 redundant slots (136 = 17 per EP rank), 64 parallel clients. (--tp 4 --ep 8 is refused by generate's
+// layout rules, an EP rank being a set of tp ranks; --tp 8 is the seed's own layout.)
+TEST(ServerEplb, SeedScenarioRebalancesUnderSixtyFourClientsAndKeepsEveryResponse) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const std::string layout =
+      "--tp 8 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --ep-dispatch-algorithm static "
+      "--ep-num-redundant-experts 8";
+  TempDir dir("serve_seed");
+  std::vector<std::string> flags = {"--enable-eplb", "--expert-distribution-recorder-buffer-size", "50",
+                                    "--expert-distribution-recorder-mode", "stat", "--eplb-rebalance-num-iterations",
+                                    "50", "--max-running-requests", "64", "--kv-pages", "512", "--page-size", "8"};
+  std::istringstream words(layout);
+  for (std::string w; words >> w;) flags.push_back(w);
+  ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
+
+  // The gauge is refreshed every 16 passes: sample it while the load runs.
+  std::atomic<bool> done{false};
+  double before_first_rebalance = NAN;
+  std::thread sampler([&] {
+    while (!done) {
+      std::map<std::string, double> m = metrics(server.port());
+      if (m["fulcrum_eplb_rebalances_total"] == 0 && std::isfinite(m["fulcrum_eplb_balancedness_mean"])) {
+        before_first_rebalance = m["fulcrum_eplb_balancedness_mean"];
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  constexpr int kClients = 64, kRequests = 4, kNew = 16;
+  const auto got = run_clients(server.port(), kClients, kRequests, kNew);
+  done = true;
+  sampler.join();
+  EXPECT_EQ(got, generate_greedy(skewed_served_model(), layout, all_prompts(kClients, kRequests), kNew));
+
+  const std::map<std::string, double> m = metrics(server.port());
+  const auto rebalances = logged_rebalances(server.log());
+  ASSERT_GE(rebalances.size(), 1u) << server.log();
+  for (const auto& [before, after] : rebalances) EXPECT_GT(after, before);
+  EXPECT_GE(m.at("fulcrum_eplb_rebalances_total"), 1);
+  ASSERT_TRUE(std::isfinite(before_first_rebalance)) << "no balancedness sample before the first rebalance";
+  EXPECT_GT(m.at("fulcrum_eplb_balancedness_mean"), before_first_rebalance);
+  std::printf("seed scenario: %zu rebalance(s) logged, first %.4f -> %.4f; /metrics balancedness mean %.4f before "
+              "the first rebalance, %.4f at the end\n",
+              rebalances.size(), rebalances[0].first, rebalances[0].second, before_first_rebalance,
+              m.at("fulcrum_eplb_balancedness_mean"));
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+// Two minutes at 32 closed-loop streaming clients on a parallel layout with live EPLB: no failed request,
+// every page back, and the server's resident memory at the end within a bound of where it was once the
+// load had warmed it up (the KV pool plus allocator slack; nothing may grow with the number of requests).
+TEST(ServerEplb, TwoMinuteSoakAtThirtyTwoClientsHasNoErrorsAndNoMemoryGrowth) {
+  std::signal(SIGPIPE, SIG_IGN);
+  TempDir dir("serve_soak");
+  ServerProcess server(skewed_served_model(),
+                       {"--tp", "2", "--ep", "2", "--ep-num-redundant-experts", "2", "--enable-eplb",
+                        "--eplb-rebalance-num-iterations", "64", "--expert-distribution-recorder-buffer-size", "64",
+                        "--max-running-requests", "32", "--kv-pages", "256", "--page-size", "8"},
+                       dir.file("serve.log"));
+  server::LoadOptions o;
+  o.url = server.url();
+  o.clients = 32;
+  o.prompt_min = 4;
+  o.prompt_max = 40;
+  o.max_tokens = 16;
+  o.duration_s = 5;  // warm-up: every thread, arena and cache the load needs exists afterwards
+  const server::LoadReport warm = server::run_load(o);
+  EXPECT_EQ(warm.failed, 0) << server::format_load_report(o, warm);
+  const int64_t rss_start = server.rss_kib();
+  o.duration_s = 120;
+  o.seed = 2;
+  const server::LoadReport r = server::run_load(o);
+  const int64_t rss_end = server.rss_kib();
+  EXPECT_EQ(r.failed, 0) << server::format_load_report(o, r);
+  EXPECT_GT(r.succeeded, 100);
+  EXPECT_EQ(r.output_tokens, int64_t{16} * r.succeeded);
+  const std::map<std::string, double> m = metrics(server.port());
+  EXPECT_EQ(m.at("fulcrum_kv_pages_used"), 0);
+  EXPECT_EQ(m.at("fulcrum_requests_running"), 0);
+  // KV pool: 256 pages x 8 positions x 4 layers x K and V x 2 kv heads x 16 dims x 4 bytes = 2 MiB (each
+  // rank holds at most all of it); allocator slack 32 MiB.
+  const int64_t pool_kib = int64_t{256} * 8 * 4 * 2 * 2 * 16 * 4 / 1024 * 2;
+  std::printf("soak: %lld requests, RSS %lld KiB after warm-up -> %lld KiB after 120 s (+%lld KiB)\n",
+              static_cast<long long>(r.succeeded), static_cast<long long>(rss_start), static_cast<long long>(rss_end),
+              static_cast<long long>(rss_end - rss_start));
+  EXPECT_LE(rss_end - rss_start, pool_kib + 32 * 1024);
+  EXPECT_EQ(server.terminate(), 0) << server.log();
+}
+
+}  // namespace
+}  // namespace fulcrum::test
