@@ -1,6 +1,7 @@
 // Greedy outputs through the scheduler equal standalone greedy runs, whatever else is in the batch:
 // prompts of different lengths submitted concurrently, chunked prefill, a running limit that makes
 // requests wait and join mid-flight.
+#include <regex>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -25,10 +26,10 @@ std::vector<std::vector<int32_t>> test_prompts(int vocab) {
   return prompts;
 }
 
-TEST(ServerGreedy, BatchedEqualsStandalone) {
+// Staggered requests through the scheduler on `executor` give the standalone single-rank greedy tokens.
+void expect_batched_equals_standalone(EngineStepExecutor& executor) {
   const std::string& dir = test::tiny_served_model();
   constexpr int kNew = 6;
-  EngineStepExecutor executor({.model_dir = dir});
   const auto prompts = test_prompts(executor.vocab_size());
 
   std::vector<std::vector<int32_t>> expected;
@@ -70,6 +71,34 @@ TEST(ServerGreedy, BatchedEqualsStandalone) {
   scheduler.stop();
   loop.join();
   EXPECT_EQ(scheduler.gauges().kv_pages_used, 0);
+}
+
+TEST(ServerGreedy, BatchedEqualsStandalone) {
+  EngineStepExecutor executor({.model_dir = test::tiny_served_model()});
+  expect_batched_equals_standalone(executor);
+}
+
+// Sequences join and leave two attention-DP groups of a tp 4 / ep 4 world while EPLB rebalances every
+// two passes and migrates slots: the tokens are still the single-rank ones.
+TEST(ServerGreedy, ParallelLayoutWithLiveEplbEqualsStandalone) {
+  ServerMetrics metrics;
+  EngineExecutorOptions options{.model_dir = test::tiny_served_model(), .metrics = &metrics};
+  options.parallel = {.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true, .num_redundant_experts = 4};
+  options.run.engine.moe_a2a_backend = "alltoall";
+  options.run.eplb.enabled = true;
+  options.run.eplb.rebalance_num_iterations = 2;
+  options.run.eplb.recorder_buffer_size = 4;
+  options.run.eplb.skip_balancedness = 1.0;  // replan whenever the planner improves a layer
+  std::vector<std::string> lines;
+  options.log = [&lines](const std::string& line) { lines.push_back(line); };
+  EngineStepExecutor executor(std::move(options));
+  EXPECT_EQ(executor.layout().world_size(), 4);
+  expect_batched_equals_standalone(executor);
+  const std::string text = metrics.render({});
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("fulcrum_eplb_rebalances_total ([0-9]+)")));
+  EXPECT_GE(std::stoi(m[1]), 1) << text;
+  EXPECT_FALSE(lines.empty());
 }
 
 TEST(ServerGreedy, RecorderCountsRoutingWhileRecording) {

@@ -1,5 +1,7 @@
 // Scheduler logic over a fake executor: admission control, page accounting, chunked prefill, batch
 // composition, stop conditions, cancellation.
+#include <thread>
+
 #include <gtest/gtest.h>
 
 #include "server/api_error.hpp"
@@ -209,6 +211,27 @@ TEST(ServerScheduler, AFailedStepEndsItsRequestsAndTheNextOnesRun) {
   auto b = s.submit(request(iota_prompt(4), 5));
   run_until_idle(s);
   EXPECT_EQ(b->wait_finished(), FakeExecutor::expected(iota_prompt(4), 5, 50));
+}
+
+TEST(ServerScheduler, AnExecutorFailureEndsEveryRequestAndStopsTheLoop) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 2, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 5));
+  auto b = s.submit(request(iota_prompt(3), 5));
+  auto waiting = s.submit(request(iota_prompt(2), 5));  // over the running limit
+  exec.failed_for_good = true;
+  std::thread loop([&] { EXPECT_THROW(s.run(), ExecutorFailure); });  // returns instead of spinning
+  loop.join();
+  for (const auto& h : {a, b, waiting}) EXPECT_EQ(h->finish_reason(), FinishReason::kError);
+  EXPECT_TRUE(s.idle());
+  EXPECT_EQ(s.gauges().kv_pages_used, 0);
+  EXPECT_TRUE(exec.live.empty());
+  try {
+    s.submit(request(iota_prompt(4), 5));
+    ADD_FAILURE() << "a request was accepted after the executor failed";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 503);
+  }
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ class FakeExecutor final : public server::StepExecutor {
       fail_next_step = false;
       throw Error("injected step failure");
     }
+    if (failed_for_good) throw server::ExecutorFailure("injected executor failure");
     std::vector<std::vector<float>> out;
     for (const server::StepInput& in : batch) {
       std::vector<int32_t>& history = live.at(in.id);
@@ -67,6 +68,7 @@ class FakeExecutor final : public server::StepExecutor {
   std::map<server::SequenceId, std::vector<int32_t>> live;
   int steps = 0;
   bool fail_next_step = false;
+  bool failed_for_good = false;  // every step throws ExecutorFailure
 
  private:
   int vocab_;

@@ -75,15 +75,17 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   out += fmt::format("fulcrum_kv_pages_used {}\n", g.kv_pages_used);
   header(out, "fulcrum_kv_pages_total", "gauge", "KV cache pages in the pool.");
   out += fmt::format("fulcrum_kv_pages_total {}\n", g.kv_pages_total);
-  header(out, "fulcrum_eplb_balancedness", "gauge", "Balancedness (mean GPU load / max GPU load) per MoE layer.");
+  header(out, "fulcrum_eplb_balancedness", "gauge",
+         "Balancedness (mean GPU load / max GPU load) of the live placement on the recorder's window, per MoE layer.");
   for (size_t l = 0; l < balancedness_.size(); ++l) {
     out += fmt::format("fulcrum_eplb_balancedness{{layer=\"{}\"}} {}\n", l, balancedness_[l]);
   }
-  header(out, "fulcrum_eplb_balancedness_mean", "gauge", "Balancedness averaged over MoE layers (NaN before EPLB).");
+  header(out, "fulcrum_eplb_balancedness_mean", "gauge",
+         "Balancedness averaged over MoE layers (NaN before the first measurement).");
   out += fmt::format("fulcrum_eplb_balancedness_mean {}\n", has_balancedness_ ? fmt::format("{}", balancedness_mean_) : "NaN");
-  header(out, "fulcrum_eplb_rebalances_total", "counter", "Expert rebalances applied.");
+  header(out, "fulcrum_eplb_rebalances_total", "counter", "Expert rebalances that changed the placement.");
   out += fmt::format("fulcrum_eplb_rebalances_total {}\n", rebalances_);
-  header(out, "fulcrum_eplb_bytes_migrated_total", "counter", "Expert weight bytes moved by rebalances.");
+  header(out, "fulcrum_eplb_bytes_migrated_total", "counter", "Expert weight bytes the rebalances moved between EP ranks.");
   out += fmt::format("fulcrum_eplb_bytes_migrated_total {}\n", bytes_migrated_);
   return out;
 }

@@ -1,8 +1,8 @@
 #pragma once
 // Server metrics in Prometheus text format (exposition format 0.0.4). Counters and the step-time
 // histogram are updated by the scheduler; gauges of the queue and KV pool are sampled when rendered.
-// EPLB gauges (balancedness per layer and mean, rebalances, bytes migrated) are set by whoever runs the
-// EPLB loop through set_eplb_*; they read 0 / absent until then.
+// EPLB gauges (balancedness per layer and mean, rebalances, bytes migrated) are set by the executor that
+// runs the EPLB loop (EngineStepExecutor) through set_eplb_*; they read NaN / 0 / absent until then.
 #include <array>
 #include <atomic>
 #include <cstdint>
