@@ -141,6 +141,28 @@ TEST(ServerEplb, ConcurrentClientsDuringRebalancesMatchGenerate) {
   EXPECT_EQ(server.terminate(), 0) << server.log();
 }
 
+// serve checks the engine flags as generate does: an impossible layout or a bad EPLB value is a one-line
+// error and a non-zero exit before anything listens; EPLB on one EP rank is turned off with a warning.
+TEST(ServerEplb, EngineFlagsAreCheckedLikeGenerates) {
+  TempDir dir("serve_flags");
+  const std::string serve = "serve --model " + skewed_served_model() + " --port 0 ";
+  for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"--tp 4 --dp 2 --enable-dp-attention --ep 8", "--tp 4 is not divisible by --ep 8"},
+           {"--tp 2 --ep 2 --ep-num-redundant-experts 3", "not divisible by --ep 2"},
+           {"--tp 2 --ep 2 --enable-eplb --eplb-rebalance-num-iterations 0", "--eplb-rebalance-num-iterations"},
+           {"--expert-distribution-recorder-mode per_layer", "per_layer"}}) {
+    const CliRun run = run_cli(dir, serve + flags);
+    EXPECT_NE(run.exit_code, 0) << flags;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+    EXPECT_NE(run.err.find(needle), std::string::npos) << run.err;
+    EXPECT_EQ(run.err.find("listening"), std::string::npos) << run.err;
+  }
+  ServerProcess one_rank(skewed_served_model(), {"--enable-eplb"}, dir.file("serve.log"));
+  EXPECT_NE(one_rank.log().find("warning: --enable-eplb: EPLB disabled: a single EP rank"), std::string::npos)
+      << one_rank.log();
+  EXPECT_EQ(one_rank.terminate(), 0) << one_rank.log();
+}
+
 // The seeds' launch (SGLang, Qwen3-235B: --tp 8 --dp 2 --enable-dp-attention --enable-deepep-moe --enable-eplb
 // --expert-distribution-recorder-buffer-size 50 --expert-distribution-recorder-mode stat
 // --eplb-rebalance-num-iterations 50 --ep-dispatch-algorithm static --ep-num-redundant-experts 32) on the
@@ -160,30 +182,22 @@ TEST(ServerEplb, SeedScenarioRebalancesUnderSixtyFourClientsAndKeepsEveryRespons
   for (std::string w; words >> w;) flags.push_back(w);
   ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
 
-  // The gauge is refreshed every 16 passes: sample it while the load runs.
-  std::atomic<bool> done{false};
-  double before_first_rebalance = NAN;
-  std::thread sampler([&] {
-    while (!done) {
-      std::map<std::string, double> m = metrics(server.port());
-      if (m["fulcrum_eplb_rebalances_total"] == 0 && std::isfinite(m["fulcrum_eplb_balancedness_mean"])) {
-        before_first_rebalance = m["fulcrum_eplb_balancedness_mean"];
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
   constexpr int kClients = 64, kRequests = 4, kNew = 16;
-  const auto got = run_clients(server.port(), kClients, kRequests, kNew);
-  done = true;
-  sampler.join();
-  EXPECT_EQ(got, generate_greedy(skewed_served_model(), layout, all_prompts(kClients, kRequests), kNew));
+  const auto expected = generate_greedy(skewed_served_model(), layout, all_prompts(kClients, kRequests), kNew);
+  // First 8 requests at once: at least 16 passes (one gauge refresh), fewer than 50 (no rebalance yet).
+  const auto first = run_clients(server.port(), 8, 1, kNew);
+  for (int c = 0; c < 8; ++c) EXPECT_EQ(first[c], expected[static_cast<size_t>(c * kRequests)]) << "client " << c;
+  std::map<std::string, double> initial = metrics(server.port());
+  ASSERT_EQ(initial["fulcrum_eplb_rebalances_total"], 0);
+  const double before_first_rebalance = initial["fulcrum_eplb_balancedness_mean"];
+  ASSERT_TRUE(std::isfinite(before_first_rebalance));
+  EXPECT_EQ(run_clients(server.port(), kClients, kRequests, kNew), expected);
 
   const std::map<std::string, double> m = metrics(server.port());
   const auto rebalances = logged_rebalances(server.log());
   ASSERT_GE(rebalances.size(), 1u) << server.log();
   for (const auto& [before, after] : rebalances) EXPECT_GT(after, before);
   EXPECT_GE(m.at("fulcrum_eplb_rebalances_total"), 1);
-  ASSERT_TRUE(std::isfinite(before_first_rebalance)) << "no balancedness sample before the first rebalance";
   EXPECT_GT(m.at("fulcrum_eplb_balancedness_mean"), before_first_rebalance);
   std::printf("seed scenario: %zu rebalance(s) logged, first %.4f -> %.4f; /metrics balancedness mean %.4f before "
               "the first rebalance, %.4f at the end\n",
