@@ -2,7 +2,6 @@
 // ranks; one rank by default), greedy or sampled, optionally with the EPLB loop running between passes.
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <sstream>
 

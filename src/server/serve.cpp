@@ -59,6 +59,7 @@ void serve(const ServeOptions& options) {
   ProgressBar progress("fulcrum serve: loading weights", world_size, world_size == 1 ? "rank" : "ranks");
   progress.update(0);
   engine_options.on_rank_loaded = [&progress](int done, int) { progress.update(done); };
+  progress.tick_every_second();  // the bar's clock moves even while no rank has finished
   EngineStepExecutor executor(std::move(engine_options));
   std::unique_ptr<tokenizer::Tokenizer> tok;
   const fs::path tokenizer_file = fs::path(options.model_dir) / "tokenizer.json";
