@@ -4,6 +4,8 @@
 // every greedy response equals `fulcrum generate` on the same layout without EPLB. Then the seeds'
 // scenario (SGLang's Qwen3 EPLB launch, scaled to this machine) and a 2-minute soak.
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -161,6 +163,22 @@ TEST(ServerEplb, EngineFlagsAreCheckedLikeGenerates) {
   EXPECT_NE(one_rank.log().find("warning: --enable-eplb: EPLB disabled: a single EP rank"), std::string::npos)
       << one_rank.log();
   EXPECT_EQ(one_rank.terminate(), 0) << one_rank.log();
+}
+
+// One rank failing while the world loads (a corrupt weight cache of rank 1, the others waiting in a
+// collective) ends the process with that rank's one-line error instead of hanging it.
+TEST(ServerEplb, ARankThatFailsWhileLoadingIsAOneLineErrorNotAHang) {
+  TempDir dir("serve_rank_failure");
+  std::filesystem::create_directories(dir.file("cache"));
+  { std::ofstream(dir.file("cache/rank1.safetensors")) << "not a safetensors file"; }
+  const CliRun run = run_cli(dir, "serve --model " + skewed_served_model() +
+                                      " --port 0 --tp 2 --ep 2 --enable-eplb --weight-cache " + dir.file("cache"));
+  EXPECT_EQ(run.exit_code, 1) << run.err;
+  const size_t last_line = run.err.rfind('\n', run.err.size() - 2);
+  const std::string error = run.err.substr(last_line == std::string::npos ? 0 : last_line + 1);
+  EXPECT_TRUE(error.starts_with("fulcrum: error: ")) << run.err;
+  EXPECT_NE(error.find("rank1.safetensors"), std::string::npos) << run.err;
+  EXPECT_EQ(run.err.find("listening"), std::string::npos) << run.err;
 }
 
 // The seeds' launch (SGLang, Qwen3-235B: --tp 8 --dp 2 --enable-dp-attention --enable-deepep-moe --enable-eplb
