@@ -1,6 +1,8 @@
 // The model on the paged KV pool (CPU): a sequence's logits are bit-identical whether its pages are
 // contiguous, scattered among other sequences' pages, reused after others released them, or moved by the
 // pool growing; chunked prefill across page boundaries equals one prefill; an exhausted pool refuses.
+#include <random>
+
 #include <gtest/gtest.h>
 
 #include "backend/cpu/cpu_backend.hpp"
@@ -63,6 +65,41 @@ TEST_F(PagedKvModelTest, GrowingPoolMovesLiveSequencesUnchanged) {
     const SequenceInput decode{std::span(&kPagedDecoded[step], 1), &cache};
     EXPECT_EQ(cpu_.download(qwen_.forward(std::span(&decode, 1))[0]), reference[1 + step]) << step;
   }
+}
+
+// Sequences come and go on a reserved pool, admitted only while pages last (as a server would): the pool
+// never reallocates, the accounting matches the live caches at every step, and everything returns.
+TEST_F(PagedKvModelTest, ChurnOnAReservedPoolNeverGrowsAndLeaksNothing) {
+  qwen_.reserve_kv_pool(12, 4);
+  const model::KvPool& pool = qwen_.kv_pool();
+  const float* k_data = pool.k(0).data();
+  std::mt19937 rng(5);
+  std::vector<KvCache> live;
+  int num_refused = 0;
+  for (int step = 0; step < 40; ++step) {
+    const auto capacity = static_cast<int64_t>(1 + rng() % 15);
+    try {
+      live.push_back(qwen_.create_kv_cache(capacity));
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("KV pool exhausted"), std::string::npos);
+      ++num_refused;
+    }
+    std::vector<int32_t> tokens(live.size(), static_cast<int32_t>(step));
+    std::vector<SequenceInput> batch;
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (live[i].num_tokens < live[i].capacity) batch.push_back({std::span(&tokens[i], 1), &live[i]});
+    }
+    qwen_.forward(batch);
+    int64_t held = 0;
+    for (const KvCache& cache : live) held += static_cast<int64_t>(cache.page_ids().size());
+    EXPECT_EQ(pool.num_used_pages(), held) << step;
+    EXPECT_EQ(pool.num_pages(), 12);
+    EXPECT_EQ(pool.k(0).data(), k_data);
+    if (rng() % 3 == 0 && !live.empty()) live.erase(live.begin() + static_cast<ptrdiff_t>(rng() % live.size()));
+  }
+  EXPECT_GT(num_refused, 0);  // the pool was full at times
+  live.clear();
+  EXPECT_EQ(pool.num_free_pages(), 12);
 }
 
 TEST_F(PagedKvModelTest, ExhaustedPoolAndForeignCachesAreErrors) {
