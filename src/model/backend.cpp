@@ -6,12 +6,41 @@
 
 namespace fulcrum::model {
 
-void check_write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos) {
-  FULCRUM_CHECK(start_pos >= 0 && start_pos + src.dim(0) <= cache.dim(0),
-                "kv cache of capacity {} cannot take positions [{}, {})", cache.dim(0), start_pos,
-                start_pos + src.dim(0));
-  FULCRUM_CHECK(src.row_numel() == cache.row_numel(), "kv cache rows hold {} values, source rows {}",
-                cache.row_numel(), src.row_numel());
+namespace {
+
+// The one-page table of a contiguous cache.
+constexpr int32_t kFirstPage = 0;
+KvPages contiguous_pages(const Tensor& cache) { return KvPages{std::span(&kFirstPage, 1), cache.dim(0)}; }
+
+}  // namespace
+
+void check_kv_pages(const Tensor& pool, KvPages pages, int64_t end_pos, const char* what) {
+  FULCRUM_CHECK(pool.rank() >= 1 && pages.page_size > 0, "{}: no kv pool or a page size of {}", what, pages.page_size);
+  FULCRUM_CHECK(end_pos <= pages.capacity(), "{}: kv cache of capacity {} cannot take positions up to {}", what,
+                pages.capacity(), end_pos);
+  const int64_t num_pool_pages = pool.dim(0) / pages.page_size;
+  for (const int32_t page_idx : pages.page_ids) {
+    FULCRUM_CHECK(page_idx >= 0 && page_idx < num_pool_pages, "{}: page {} is outside the pool's {} pages", what,
+                  page_idx, num_pool_pages);
+  }
+}
+
+void Backend::write_kv(const Tensor& pool, const Tensor& src, KvPages pages, int64_t start_pos) {
+  FULCRUM_CHECK(start_pos >= 0 && src.rank() >= 1, "write_kv: start position {}", start_pos);
+  check_kv_pages(pool, pages, start_pos + src.dim(0), "write_kv");
+  FULCRUM_CHECK(src.row_numel() == pool.row_numel(), "write_kv: kv pool rows hold {} values, source rows {}",
+                pool.row_numel(), src.row_numel());
+  std::vector<int32_t> rows(static_cast<size_t>(src.dim(0)));  // [num_tokens] pool row of each new position
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(pages.row(start_pos + static_cast<int64_t>(i)));
+  scatter_rows(pool, src, rows);
+}
+
+void Backend::write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos) {
+  write_kv(cache, src, contiguous_pages(cache), start_pos);
+}
+
+Tensor Backend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t start_pos) {
+  return paged_attention(q, k_cache, v_cache, contiguous_pages(k_cache), start_pos);
 }
 
 std::vector<float> rope_inv_freq(int64_t head_dim, double rope_theta) {

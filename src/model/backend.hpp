@@ -22,9 +22,20 @@ struct RouterChoice {
   std::vector<float> weights;       // [num_tokens * top_k] softmax probability (renormalized if asked)
 };
 
-// The shape rules of Backend::write_kv, shared by every backend: positions [start_pos, +src rows) fit the
-// cache and rows have the same width. Throws fulcrum::Error.
-void check_write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos);
+// Where one sequence's key/value positions live in a paged pool tensor [num_pool_rows, num_kv_heads,
+// head_dim]: position p is row page_ids[p / page_size] * page_size + p % page_size. Page ids need not be
+// ascending or adjacent. A contiguous cache is the one-page table {0} with page_size = its capacity.
+struct KvPages {
+  std::span<const int32_t> page_ids;  // [num_pages] in position order
+  int64_t page_size = 0;
+
+  int64_t capacity() const { return page_size * static_cast<int64_t>(page_ids.size()); }
+  int64_t row(int64_t pos) const { return int64_t{page_ids[pos / page_size]} * page_size + pos % page_size; }
+};
+
+// The rules every backend applies to a paged KV access: positions [0, end_pos) fit the page table and every
+// page lies inside `pool`. Throws fulcrum::Error naming `what`.
+void check_kv_pages(const Tensor& pool, KvPages pages, int64_t end_pos, const char* what);
 
 // RoPE inverse frequencies [head_dim / 2] in fp32 exactly as HF computes them: 1 / theta^(2i / head_dim).
 // Every backend derives its angles from these, so rotations agree bit for bit.
@@ -51,13 +62,19 @@ class Backend {
   // Rotary embedding in place on x [num_tokens, num_heads, head_dim], HF rotate_half convention:
   // the pair (i, i + head_dim/2) rotates by positions[t] * theta^(-2i/head_dim).
   virtual void rope_inplace(const Tensor& x, std::span<const int32_t> positions, double rope_theta) = 0;
-  // cache [capacity, num_kv_heads, head_dim] rows [start_pos, start_pos + num_tokens) = src [num_tokens, ...].
-  virtual void write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos) = 0;
-  // Causal grouped-query attention of one sequence: q [num_tokens, num_heads, head_dim] at positions
-  // start_pos.., keys/values cache rows [0, start_pos + num_tokens); query i sees rows [0, start_pos + i].
+  // Paged KV write: pool rows of positions [start_pos, start_pos + num_tokens) = src [num_tokens, num_kv_heads,
+  // head_dim]. One scatter_rows, so it is exact on every backend.
+  void write_kv(const Tensor& pool, const Tensor& src, KvPages pages, int64_t start_pos);
+  // Causal grouped-query attention of one sequence over a paged pool: q [num_tokens, num_heads, head_dim] at
+  // positions start_pos.., keys/values at positions [0, start_pos + num_tokens) read through `pages`; query i
+  // sees positions [0, start_pos + i], in position order (so the page layout never changes the result).
   // Scale 1/sqrt(head_dim); query head h reads kv head h / (num_heads / num_kv_heads).
   // Returns [num_tokens, num_heads * head_dim].
-  virtual Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t start_pos) = 0;
+  virtual Tensor paged_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, KvPages pages,
+                                 int64_t start_pos) = 0;
+  // The same on a contiguous cache [capacity, num_kv_heads, head_dim] (position p in row p).
+  void write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos);
+  Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t start_pos);
   // gate_up [num_rows, 2 * n] (gate | up) -> silu(gate) * up [num_rows, n].
   virtual Tensor silu_mul(const Tensor& gate_up) = 0;
   // x += y, same shape.

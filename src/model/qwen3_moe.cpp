@@ -111,6 +111,7 @@ Qwen3MoeModel::Qwen3MoeModel(const Qwen3MoeConfig& config, Backend& backend, Sta
     lm_head_ = config.tie_word_embeddings && is_first_stage() ? embed_tokens_
                                                                : backend_.zeros({config.vocab_size, hidden});
   }
+  kv_pool_ = std::make_shared<KvPool>(backend_, static_cast<int>(layers_.size()), num_local_kv_heads(), head_dim);
 }
 
 Qwen3MoeModel::~Qwen3MoeModel() = default;
@@ -133,16 +134,9 @@ std::vector<ExpertSlotView> Qwen3MoeModel::expert_slot_views() {
   return views;
 }
 
-KvCache Qwen3MoeModel::create_kv_cache(int64_t capacity) {
-  FULCRUM_CHECK(capacity > 0, "kv cache capacity must be positive, got {}", capacity);
-  KvCache cache;
-  cache.capacity = capacity;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    cache.k.push_back(backend_.zeros({capacity, num_local_kv_heads(), config_.head_dim}));
-    cache.v.push_back(backend_.zeros({capacity, num_local_kv_heads(), config_.head_dim}));
-  }
-  return cache;
-}
+KvCache Qwen3MoeModel::create_kv_cache(int64_t capacity) { return kv_pool_->create_cache(capacity); }
+
+void Qwen3MoeModel::reserve_kv_pool(int64_t num_pages, int64_t page_size) { kv_pool_->reserve(num_pages, page_size); }
 
 Tensor Qwen3MoeModel::embed(std::span<const SequenceInput> batch) {
   FULCRUM_CHECK(is_first_stage(), "embed: this stage owns layers [{}, {}), not the embedding", start_layer_,
@@ -156,8 +150,8 @@ Tensor Qwen3MoeModel::run_layers(const Tensor& hidden_in, std::span<const Sequen
                                  const ForwardHooks& hooks) {
   std::vector<int32_t> positions;  // [num_tokens]
   for (const SequenceInput& seq : batch) {
-    FULCRUM_CHECK(seq.cache != nullptr && seq.cache->k.size() == layers_.size(),
-                  "every sequence needs a kv cache made by this stage");
+    FULCRUM_CHECK(seq.cache != nullptr && seq.cache->belongs_to(*kv_pool_),
+                  "every sequence needs a live kv cache made by this stage");
     FULCRUM_CHECK(seq.cache->num_tokens + static_cast<int64_t>(seq.token_ids.size()) <= seq.cache->capacity,
                   "kv cache of capacity {} cannot take {} more tokens after {}", seq.cache->capacity,
                   seq.token_ids.size(), seq.cache->num_tokens);
@@ -226,10 +220,13 @@ Tensor Qwen3MoeModel::attention_block(Layer& layer, size_t local_idx, const Tens
     const auto count = static_cast<int64_t>(seq.token_ids.size());
     if (count == 0) continue;
     const int64_t start_pos = seq.cache->num_tokens;
-    backend_.write_kv(seq.cache->k[local_idx], k.rows(offset, count), start_pos);
-    backend_.write_kv(seq.cache->v[local_idx], v.rows(offset, count), start_pos);
-    const Tensor attn = backend_.attention(q.rows(offset, count), seq.cache->k[local_idx], seq.cache->v[local_idx],
-                                           start_pos);  // [count, num_heads * head_dim]
+    const KvPages pages = kv_pool_->pages_of(*seq.cache);
+    const Tensor& k_pool = kv_pool_->k(local_idx);  // [num_pages * page_size, num_kv_heads, head_dim]
+    const Tensor& v_pool = kv_pool_->v(local_idx);
+    backend_.write_kv(k_pool, k.rows(offset, count), pages, start_pos);
+    backend_.write_kv(v_pool, v.rows(offset, count), pages, start_pos);
+    const Tensor attn = backend_.paged_attention(q.rows(offset, count), k_pool, v_pool, pages,
+                                                 start_pos);  // [count, num_heads * head_dim]
     backend_.copy(out.rows(offset, count), attn);
     offset += count;
   }

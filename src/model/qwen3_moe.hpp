@@ -26,6 +26,7 @@
 
 #include "eplb/placement.hpp"
 #include "model/backend.hpp"
+#include "model/kv_pool.hpp"
 #include "model/model_parallel.hpp"
 #include "model/qwen3_config.hpp"
 #include "model/safetensors.hpp"
@@ -51,14 +52,6 @@ struct ExpertSlotView {
   Tensor down;              // [num_slots, hidden_size, w]
   std::span<int32_t> physical_to_logical;  // [num_slots]: this rank's part of layer_map; write it with its slots
   std::span<const int32_t> layer_map;      // [num_physical_experts]: the whole layer (every rank keeps a copy)
-};
-
-// One sequence's key/value cache for the layers of a stage.
-struct KvCache {
-  int64_t capacity = 0;     // positions it can hold
-  int64_t num_tokens = 0;   // positions filled so far (= position of the next token)
-  std::vector<Tensor> k;    // per owned layer: [capacity, num_key_value_heads, head_dim]
-  std::vector<Tensor> v;    // per owned layer: [capacity, num_key_value_heads, head_dim]
 };
 
 // One sequence of a batch: new tokens, appended after what its cache already holds.
@@ -119,7 +112,13 @@ class Qwen3MoeModel {
   void save_weight_cache(const std::string& path);
   void load_weight_cache(const std::string& path);
 
+  // A sequence's cache of `capacity` positions for this stage's layers: pages of this model's KvPool
+  // (kv_pool.hpp), returned when the cache goes. Without reserve_kv_pool the pool grows as needed; after
+  // it, a request beyond the free pages throws "KV pool exhausted: need N pages, M free".
   KvCache create_kv_cache(int64_t capacity);
+  // Fixes the pool at `num_pages` pages of `page_size` positions, allocated now; no cache may be alive.
+  void reserve_kv_pool(int64_t num_pages, int64_t page_size);
+  const KvPool& kv_pool() const { return *kv_pool_; }  // page counts, page size, bytes
 
   // Whole-model step (the stage must own every layer): logits [num_new_tokens, vocab_size] per sequence.
   std::vector<Tensor> forward(std::span<const SequenceInput> batch, const ForwardHooks& hooks = {});
@@ -154,6 +153,7 @@ class Qwen3MoeModel {
   Tensor embed_tokens_;                          // [vocab_size, hidden_size], first stage
   Tensor norm_;                                  // [hidden_size], last stage
   Tensor lm_head_;                               // [vocab_size, hidden_size], last stage (the embedding when tied)
+  std::shared_ptr<KvPool> kv_pool_;              // K/V pages of the owned layers; caches hold weak references
 };
 
 }  // namespace fulcrum::model

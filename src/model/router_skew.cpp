@@ -43,9 +43,8 @@ class BiasingBackend final : public Backend {
   Tensor rms_norm(const Tensor& x, const Tensor& w, float eps) override { return cpu_.rms_norm(x, w, eps); }
   Tensor matmul(const Tensor& x, const Tensor& w) override { return cpu_.matmul(x, w); }
   void rope_inplace(const Tensor& x, std::span<const int32_t> pos, double theta) override { cpu_.rope_inplace(x, pos, theta); }
-  void write_kv(const Tensor& cache, const Tensor& src, int64_t start) override { cpu_.write_kv(cache, src, start); }
-  Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t start) override {
-    return cpu_.attention(q, k, v, start);
+  Tensor paged_attention(const Tensor& q, const Tensor& k, const Tensor& v, KvPages pages, int64_t start) override {
+    return cpu_.paged_attention(q, k, v, pages, start);
   }
   Tensor silu_mul(const Tensor& gate_up) override { return cpu_.silu_mul(gate_up); }
   void add_inplace(const Tensor& x, const Tensor& y) override { cpu_.add_inplace(x, y); }

@@ -116,19 +116,18 @@ void CpuBackend::rope_inplace(const Tensor& x, std::span<const int32_t> position
   }
 }
 
-void CpuBackend::write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos) {
-  model::check_write_kv(cache, src, start_pos);
-  copy(cache.rows(start_pos, src.dim(0)), src);
-}
-
-Tensor CpuBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t start_pos) {
+Tensor CpuBackend::paged_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, model::KvPages pages,
+                                  int64_t start_pos) {
   const int64_t num_tokens = q.dim(0), num_heads = q.dim(1), head_dim = q.dim(2);
-  const int64_t num_kv_heads = k_cache.dim(1);
-  FULCRUM_CHECK(num_heads % num_kv_heads == 0 && k_cache.dim(2) == head_dim,
+  const int64_t num_kv_heads = k_pool.dim(1);
+  FULCRUM_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_pool.dim(2) == head_dim,
                 "attention: {} query heads of {} do not fit {} kv heads of {}", num_heads, head_dim, num_kv_heads,
-                k_cache.dim(2));
-  FULCRUM_CHECK(start_pos + num_tokens <= k_cache.dim(0), "attention: positions beyond the kv cache capacity {}",
-                k_cache.dim(0));
+                k_pool.dim(2));
+  FULCRUM_CHECK(v_pool.shape() == k_pool.shape(), "attention: key and value pools differ in shape");
+  FULCRUM_CHECK(start_pos >= 0, "attention: start position {}", start_pos);
+  model::check_kv_pages(k_pool, pages, start_pos + num_tokens, "attention");
+  std::vector<int64_t> key_rows(static_cast<size_t>(start_pos + num_tokens));  // pool row of each position
+  for (size_t j = 0; j < key_rows.size(); ++j) key_rows[j] = pages.row(static_cast<int64_t>(j));
   const int64_t group = num_heads / num_kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   Tensor out = zeros({num_tokens, num_heads * head_dim});  // [num_tokens, num_heads * head_dim]
@@ -141,7 +140,7 @@ Tensor CpuBackend::attention(const Tensor& q, const Tensor& k_cache, const Tenso
       const float* qv = q.data() + (t * num_heads + h) * head_dim;
       double max_score = -INFINITY;
       for (int64_t j = 0; j < num_keys; ++j) {
-        const float* kv = k_cache.data() + (j * num_kv_heads + kv_h) * head_dim;
+        const float* kv = k_pool.data() + (key_rows[j] * num_kv_heads + kv_h) * head_dim;
         double dot = 0;
         for (int64_t d = 0; d < head_dim; ++d) dot += static_cast<double>(qv[d]) * kv[d];
         scores[j] = dot * scale;
@@ -151,7 +150,7 @@ Tensor CpuBackend::attention(const Tensor& q, const Tensor& k_cache, const Tenso
       for (int64_t j = 0; j < num_keys; ++j) denom += (scores[j] = std::exp(scores[j] - max_score));
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t j = 0; j < num_keys; ++j) {
-        const float* vv = v_cache.data() + (j * num_kv_heads + kv_h) * head_dim;
+        const float* vv = v_pool.data() + (key_rows[j] * num_kv_heads + kv_h) * head_dim;
         const double p = scores[j] / denom;
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vv[d];
       }

@@ -19,9 +19,8 @@ class CpuBackend final : public model::Backend {
   model::Tensor rms_norm(const model::Tensor& x, const model::Tensor& weight, float eps) override;
   model::Tensor matmul(const model::Tensor& x, const model::Tensor& weight) override;
   void rope_inplace(const model::Tensor& x, std::span<const int32_t> positions, double rope_theta) override;
-  void write_kv(const model::Tensor& cache, const model::Tensor& src, int64_t start_pos) override;
-  model::Tensor attention(const model::Tensor& q, const model::Tensor& k_cache, const model::Tensor& v_cache,
-                          int64_t start_pos) override;
+  model::Tensor paged_attention(const model::Tensor& q, const model::Tensor& k_pool, const model::Tensor& v_pool,
+                                model::KvPages pages, int64_t start_pos) override;
   model::Tensor silu_mul(const model::Tensor& gate_up) override;
   void add_inplace(const model::Tensor& x, const model::Tensor& y) override;
   model::RouterChoice route(const model::Tensor& router_logits, int top_k, bool norm_topk_prob) override;

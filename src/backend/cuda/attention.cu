@@ -2,6 +2,8 @@
 // the query and all of its scores in shared memory (so the key count is bounded by the shared memory a
 // block may opt into: about 56K keys on an H100/H200), computes the scores one warp per key, the softmax
 // in fp32 (max subtracted), then one thread per output dimension accumulates the values in key order.
+// Keys and values are read through a page table; the order of every sum is that of the positions, so
+// any page layout gives the same bits.
 #include <cmath>
 
 #include "backend/cuda/kernels.hpp"
@@ -13,9 +15,14 @@ namespace {
 constexpr int kAttentionThreads = 128;
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 
-__global__ void attention_kernel(const float* q, const float* k_cache, const float* v_cache, float* out,
-                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t start_pos,
-                                 float scale) {
+// Pool row of position `pos`.
+__device__ __forceinline__ int64_t pool_row(const int32_t* page_ids, int64_t page_size, int64_t pos) {
+  return static_cast<int64_t>(page_ids[pos / page_size]) * page_size + pos % page_size;
+}
+
+__global__ void attention_kernel(const float* q, const float* k_pool, const float* v_pool, const int32_t* page_ids,
+                                 int64_t page_size, float* out, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t start_pos, float scale) {
   extern __shared__ float smem[];
   __shared__ float scratch[32];
   float* q_s = smem;                // [head_dim]
@@ -30,7 +37,7 @@ __global__ void attention_kernel(const float* q, const float* k_cache, const flo
   __syncthreads();
 
   for (int64_t j = warp; j < num_keys; j += num_warps) {
-    const float* kv = k_cache + (j * num_kv_heads + kv_h) * head_dim;
+    const float* kv = k_pool + (pool_row(page_ids, page_size, j) * num_kv_heads + kv_h) * head_dim;
     float dot = 0.0f;
     for (int64_t d = lane; d < head_dim; d += 32) dot += q_s[d] * kv[d];
     dot = warp_sum(dot);
@@ -53,7 +60,12 @@ __global__ void attention_kernel(const float* q, const float* k_cache, const flo
   float* o = out + (t * num_heads + h) * head_dim;
   for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < num_keys; ++j) acc += scores[j] * v_cache[(j * num_kv_heads + kv_h) * head_dim + d];
+    for (int64_t page_start = 0; page_start < num_keys; page_start += page_size) {  // page by page, in order
+      const float* page = v_pool + (static_cast<int64_t>(page_ids[page_start / page_size]) * page_size * num_kv_heads +
+                                    kv_h) * head_dim + d;
+      const int64_t page_end = min(num_keys, page_start + page_size);
+      for (int64_t j = page_start; j < page_end; ++j) acc += scores[j] * page[(j - page_start) * num_kv_heads * head_dim];
+    }
     o[d] = acc * inv_denom;
   }
 }
@@ -72,9 +84,9 @@ size_t attention_shared_bytes(int64_t head_dim, int64_t num_keys) {
   return dynamic_shared_bytes(head_dim, num_keys) + kStaticSharedBytes;
 }
 
-cudaError_t launch_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
-                             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t start_pos, cudaStream_t stream) {
+cudaError_t launch_paged_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* page_ids,
+                                   int64_t page_size, float* out, int64_t num_tokens, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t start_pos, cudaStream_t stream) {
   if (num_tokens == 0 || num_heads == 0 || head_dim == 0) return cudaSuccess;
   const size_t shared_bytes = dynamic_shared_bytes(head_dim, start_pos + num_tokens);
   if (shared_bytes + kStaticSharedBytes > kDefaultSharedBytes) {
@@ -84,8 +96,8 @@ cudaError_t launch_attention(const float* q, const float* k_cache, const float* 
   }
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(num_heads));
-  attention_kernel<<<grid, kAttentionThreads, shared_bytes, stream>>>(q, k_cache, v_cache, out, num_heads,
-                                                                      num_kv_heads, head_dim, start_pos, scale);
+  attention_kernel<<<grid, kAttentionThreads, shared_bytes, stream>>>(
+      q, k_pool, v_pool, page_ids, page_size, out, num_heads, num_kv_heads, head_dim, start_pos, scale);
   return cudaGetLastError();
 }
 

@@ -216,30 +216,31 @@ void CudaBackend::rope_inplace(const Tensor& x, std::span<const int32_t> positio
   FULCRUM_CUDA_CHECK(cuda::launch_rope(x.data(), table.as<float>(), num_tokens, num_heads, head_dim, stream_));
 }
 
-void CudaBackend::write_kv(const Tensor& cache, const Tensor& src, int64_t start_pos) {
-  model::check_write_kv(cache, src, start_pos);
-  copy(cache.rows(start_pos, src.dim(0)), src);
-}
-
-Tensor CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t start_pos) {
+Tensor CudaBackend::paged_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, model::KvPages pages,
+                                   int64_t start_pos) {
   check_cuda_tensor(q, "attention query");
-  check_cuda_tensor(k_cache, "attention key cache");
-  check_cuda_tensor(v_cache, "attention value cache");
+  check_cuda_tensor(k_pool, "attention key pool");
+  check_cuda_tensor(v_pool, "attention value pool");
   const int64_t num_tokens = q.dim(0), num_heads = q.dim(1), head_dim = q.dim(2);
-  const int64_t num_kv_heads = k_cache.dim(1);
-  FULCRUM_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_cache.dim(2) == head_dim,
+  const int64_t num_kv_heads = k_pool.dim(1);
+  FULCRUM_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_pool.dim(2) == head_dim,
                 "attention: {} query heads of {} do not fit {} kv heads of {}", num_heads, head_dim, num_kv_heads,
-                k_cache.dim(2));
-  FULCRUM_CHECK(v_cache.shape() == k_cache.shape(), "attention: key and value caches differ in shape");
-  FULCRUM_CHECK(start_pos >= 0 && start_pos + num_tokens <= k_cache.dim(0),
-                "attention: positions beyond the kv cache capacity {}", k_cache.dim(0));
+                k_pool.dim(2));
+  FULCRUM_CHECK(v_pool.shape() == k_pool.shape(), "attention: key and value pools differ in shape");
+  FULCRUM_CHECK(start_pos >= 0, "attention: start position {}", start_pos);
+  model::check_kv_pages(k_pool, pages, start_pos + num_tokens, "attention");
   const size_t shared_bytes = cuda::attention_shared_bytes(head_dim, start_pos + num_tokens);
   FULCRUM_CHECK(shared_bytes <= max_shared_bytes_per_block_,
                 "attention: {} keys of head_dim {} need {} bytes of shared memory, the device allows {}",
                 start_pos + num_tokens, head_dim, shared_bytes, max_shared_bytes_per_block_);
   Tensor out = zeros({num_tokens, num_heads * head_dim});  // [num_tokens, num_heads * head_dim]
-  FULCRUM_CUDA_CHECK(cuda::launch_attention(q.data(), k_cache.data(), v_cache.data(), out.data(), num_tokens,
-                                            num_heads, num_kv_heads, head_dim, start_pos, stream_));
+  if (num_tokens == 0) return out;
+  // Only the pages that hold positions [0, start_pos + num_tokens).
+  const int64_t num_used_pages = (start_pos + num_tokens + pages.page_size - 1) / pages.page_size;
+  const Scratch page_ids = upload_span(pages.page_ids.first(static_cast<size_t>(num_used_pages)), stream_);
+  FULCRUM_CUDA_CHECK(cuda::launch_paged_attention(q.data(), k_pool.data(), v_pool.data(), page_ids.as<int32_t>(),
+                                                  pages.page_size, out.data(), num_tokens, num_heads, num_kv_heads,
+                                                  head_dim, start_pos, stream_));
   return out;
 }
 

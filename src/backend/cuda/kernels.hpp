@@ -33,11 +33,13 @@ cudaError_t launch_rope(float* x, const float* cos_sin, int64_t num_tokens, int6
 
 // Bytes of shared memory (dynamic plus static) the attention kernel needs for a query seeing `num_keys` keys.
 size_t attention_shared_bytes(int64_t head_dim, int64_t num_keys);
-// Causal GQA of one sequence: q [num_tokens, num_heads, head_dim]; caches [capacity, num_kv_heads, head_dim];
-// query t sees cache rows [0, start_pos + t]; out [num_tokens, num_heads * head_dim].
-cudaError_t launch_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
-                             int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t start_pos, cudaStream_t stream);
+// Causal GQA of one sequence over a paged pool: q [num_tokens, num_heads, head_dim]; pools [num_pool_rows,
+// num_kv_heads, head_dim]; position p is pool row page_ids[p / page_size] * page_size + p % page_size
+// (page_ids: device array covering positions [0, start_pos + num_tokens)); query t sees positions
+// [0, start_pos + t]; out [num_tokens, num_heads * head_dim].
+cudaError_t launch_paged_attention(const float* q, const float* k_pool, const float* v_pool, const int32_t* page_ids,
+                                   int64_t page_size, float* out, int64_t num_tokens, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t start_pos, cudaStream_t stream);
 
 // Most experts launch_route handles (its probabilities live in shared memory without an opt-in).
 constexpr int kMaxRouteExperts = 8192;
