@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include <fmt/format.h>
+
 #include "eplb/error.hpp"
 
 namespace fulcrum::cli {
@@ -57,6 +59,11 @@ engine::InProcessRun EngineFlags::make_run(const engine::ParallelLayout& layout,
   FULCRUM_CHECK(device == "cpu" || layout.world_size() == 1,
                 "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)", device,
                 layout.world_size());
+  if (layout.tp() != parallel.tp) {
+    fmt::print(stderr, "fulcrum: note: --tp {} --dp {} --ep {} read as --tp {} (attention TP {} in each of {} DP groups): {}\n",
+               parallel.tp, parallel.dp, parallel.ep, layout.tp(), layout.attn_tp_size(), layout.attn_dp_size(),
+               layout.describe());
+  }
   engine::InProcessRun run;
   run.device = device;
   run.weight_cache_dir = weight_cache_dir;

@@ -6,7 +6,18 @@
 
 namespace fulcrum::engine {
 
-ParallelLayout::ParallelLayout(const ParallelFlags& flags, const model::Qwen3MoeConfig& config) : flags_(flags) {
+ParallelFlags sglang_reading(const ParallelFlags& flags) {
+  ParallelFlags out = flags;
+  if (flags.enable_dp_attention && flags.dp > 1 && flags.tp >= 1 && flags.ep > flags.tp &&
+      flags.ep == flags.tp * flags.dp) {
+    out.tp = flags.ep;
+  }
+  return out;
+}
+
+ParallelLayout::ParallelLayout(const ParallelFlags& given, const model::Qwen3MoeConfig& config)
+    : flags_(sglang_reading(given)) {
+  const ParallelFlags& flags = flags_;
   FULCRUM_CHECK(flags.tp >= 1 && flags.dp >= 1 && flags.ep >= 1 && flags.pp >= 1,
                 "--tp, --dp, --ep and --pp must be positive (got {}, {}, {}, {})", flags.tp, flags.dp, flags.ep,
                 flags.pp);

@@ -40,9 +40,16 @@ struct RankCoords {
   int moe_tp_rank = 0;   // rank among the M sharing one EP rank's slots
 };
 
+// Two readings of --tp with DP attention name the same world: SGLang's (--tp 8 --dp 2 --ep 8: 8 ranks, attention
+// TP 8 / 2 = 4) and the per-group one (--tp 4 --dp 2 --ep 8: attention TP 4 in each of 2 groups). --ep greater
+// than --tp is only meaningful in the second, so when ep == tp * dp with --enable-dp-attention, --tp is read
+// as the attention TP size and the ranks per stage become ep. Returns the flags in SGLang's reading.
+ParallelFlags sglang_reading(const ParallelFlags& flags);
+
 class ParallelLayout {
  public:
-  // Validates the flags against the model; an impossible layout throws fulcrum::Error with one line saying why.
+  // Validates the flags (after sglang_reading) against the model; an impossible layout throws fulcrum::Error
+  // with one line saying why.
   ParallelLayout(const ParallelFlags& flags, const model::Qwen3MoeConfig& config);
 
   const ParallelFlags& flags() const { return flags_; }

@@ -43,6 +43,9 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
     threads_->run([&](int rank, comm::Communicator& world) {
       ranks_[static_cast<size_t>(rank)] =
           engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, world);
+      if (options_.kv_pages > 0) {
+        ranks_[static_cast<size_t>(rank)].engine->model().reserve_kv_pool(options_.kv_pages, options_.page_size);
+      }
       std::lock_guard lock(progress_mutex);
       ++num_loaded;
       if (options_.on_rank_loaded) options_.on_rank_loaded(num_loaded, world_size);

@@ -34,6 +34,10 @@ struct EngineExecutorOptions {
   ServerMetrics* metrics = nullptr;                   // EPLB gauges; may be null
   std::function<void(const std::string&)> log;        // EPLB lines (world rank 0); empty: stderr
   std::function<void(int done, int total)> on_rank_loaded;  // weight loading progress, from rank threads
+  // Each rank's KV pool, fixed at load (Qwen3MoeModel::reserve_kv_pool): the scheduler's pages, so a rank
+  // never runs short whatever attention-DP group its sequences join. 0: the pool grows as needed.
+  int64_t kv_pages = 0;
+  int page_size = 16;
 };
 
 class EngineStepExecutor final : public StepExecutor {

@@ -55,7 +55,10 @@ void serve(const ServeOptions& options) {
   engine_options.parallel = options.parallel;
   engine_options.run = options.run;
   engine_options.metrics = &metrics;
-  const int world_size = options.parallel.tp * options.parallel.pp;
+  engine_options.kv_pages = options.scheduler.kv_pages;
+  engine_options.page_size = options.scheduler.page_size;
+  const engine::ParallelFlags layout_flags = engine::sglang_reading(options.parallel);
+  const int world_size = layout_flags.tp * layout_flags.pp;
   ProgressBar progress("fulcrum serve: loading weights", world_size, world_size == 1 ? "rank" : "ranks");
   progress.update(0);
   engine_options.on_rank_loaded = [&progress](int done, int) { progress.update(done); };
