@@ -1,15 +1,18 @@
-// `fulcrum generate`: token-id prompts through a Qwen3-MoE checkpoint on the parallel engine (in-process
-// ranks; one rank by default), greedy or sampled, optionally with the EPLB loop running between passes.
+// `fulcrum generate`: token-id prompts through a Qwen3-MoE checkpoint on the parallel engine (in-process ranks,
+// or one process per rank over one or several nodes; one rank by default), greedy or sampled, optionally with
+// the EPLB loop running between passes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
 #include "cli/token_ids.hpp"
+#include "engine/multi_process_run.hpp"
 #include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
 #include "eplb/metrics.hpp"
@@ -37,6 +40,7 @@ struct GenerateFlags {
   engine::EplbSettings eplb;
   std::string expert_distribution_dump;
   std::vector<std::string> eplb_only_flags_given;  // flags that do nothing without --enable-eplb
+  engine::DistFlags dist;  // ranks as processes, over one or several nodes
 };
 
 std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, int vocab_size) {
@@ -46,7 +50,10 @@ std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, in
   return ids;
 }
 
-void warn(const std::string& line) { std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str()); }
+// A launched rank process stays quiet: its launcher already said it.
+void warn(const std::string& line) {
+  if (!engine::launched_rank()) std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str());
+}
 
 void run_generate(GenerateFlags& flags) {
   FULCRUM_CHECK(flags.device == "cpu" || flags.device == "cuda", "unknown device '{}' (available: cpu, cuda)",
@@ -62,10 +69,9 @@ void run_generate(GenerateFlags& flags) {
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
   const engine::ParallelLayout layout(flags.parallel, config);
 
-  // The MoE exchange between in-process ranks goes through host memory: CUDA runs the single-rank path.
-  FULCRUM_CHECK(flags.device == "cpu" || layout.world_size() == 1,
-                "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)",
-                flags.device, layout.world_size());
+  engine::validate_dist_flags(flags.dist, layout.world_size());
+  const std::optional<engine::LaunchedRank> me = engine::launched_rank();
+  const bool as_processes = me || engine::runs_as_processes(flags.dist, flags.device, layout.world_size());
   engine::InProcessRun run;
   run.device = flags.device;
   run.weight_cache_dir = flags.weight_cache_dir;
@@ -89,7 +95,14 @@ void run_generate(GenerateFlags& flags) {
   }
 
   const auto start = std::chrono::steady_clock::now();
-  const engine::InProcessResult result = engine::generate_in_process(flags.model_dir, config, layout, run, prompts);
+  if (as_processes && !me) {  // the launcher: its rank processes generate, world rank 0 prints
+    engine::launch_rank_processes(flags.dist, layout.world_size(), flags.device);
+    return;
+  }
+  const engine::InProcessResult result =
+      me ? engine::generate_as_rank(*me, flags.model_dir, config, layout, run, prompts)
+         : engine::generate_in_process(flags.model_dir, config, layout, run, prompts);
+  if (me && me->world_rank != 0) return;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   if (!flags.dump_logits_file.empty()) {
@@ -107,8 +120,9 @@ void run_generate(GenerateFlags& flags) {
     num_tokens += prompts[i].size() + result.generated.new_tokens[i].size();
     fmt::print("seq{}: {}\n", i, fmt::join(result.generated.new_tokens[i], " "));
   }
-  fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} in-process ranks, prompt logits checksum {:.6f}\n",
-             prompts.size(), num_tokens, seconds, flags.device, layout.world_size(), checksum);
+  fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} {} ranks, prompt logits checksum {:.6f}\n",
+             prompts.size(), num_tokens, seconds, flags.device, layout.world_size(),
+             as_processes ? "process" : "in-process", checksum);
   if (run.eplb.enabled) {
     const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
     const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);
@@ -178,6 +192,15 @@ void register_generate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--expert-distribution-dump", flags->expert_distribution_dump,
                   "Write the recorder's window (JSON that `fulcrum plan --loads` reads)");
+  cmd->add_option("--nnodes", flags->dist.nnodes, "Nodes the ranks spread over; start one command per node")
+      ->capture_default_str();
+  cmd->add_option("--node-rank", flags->dist.node_rank, "This node's index in [0, --nnodes)")->capture_default_str();
+  cmd->add_option("--dist-init-addr", flags->dist.dist_init_addr,
+                  "HOST:PORT of node 0, where world rank 0 serves the rendezvous (default: a free local port)");
+  cmd->add_option("--dist-timeout", flags->dist.dist_timeout_s, "Seconds the rendezvous waits for every rank")
+      ->capture_default_str();
+  cmd->add_flag("--multi-process", flags->dist.multi_process,
+                "Ranks as processes (TCP between them) with --device cpu; always so with cuda and several ranks");
   cmd->callback([flags] { run_generate(*flags); });
 }
 

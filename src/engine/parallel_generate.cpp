@@ -28,6 +28,10 @@ void load_rank_weights(model::Qwen3MoeModel& model, const std::string& model_dir
   }
 }
 
+bool records_routing(const model::Qwen3MoeConfig& config, const InProcessRun& run) {
+  return !config.moe_layer_indices().empty() && (run.record || run.eplb.enabled || !run.dump_file.empty());
+}
+
 }  // namespace
 
 std::vector<model::HostTensor> RankDecodeTarget::forward(const std::vector<std::vector<int32_t>>& new_tokens) {
@@ -36,12 +40,11 @@ std::vector<model::HostTensor> RankDecodeTarget::forward(const std::vector<std::
   return logits;
 }
 
-InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
-                                    const ParallelLayout& layout, const InProcessRun& run,
-                                    const std::vector<std::vector<int32_t>>& prompts) {
+InProcessResult prepare_generate(const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                 const InProcessRun& run) {
   const int num_moe_layers = static_cast<int>(config.moe_layer_indices().size());
   const bool has_moe = num_moe_layers > 0;
-  const bool record = has_moe && (run.record || run.eplb.enabled || !run.dump_file.empty());
+  const bool record = records_routing(config, run);
   FULCRUM_CHECK(has_moe || run.dump_file.empty(), "--expert-distribution-dump: the model has no MoE layer to record");
   if (run.eplb.enabled) {
     const std::string why = why_eplb_cannot_run(layout, config);
@@ -55,28 +58,43 @@ InProcessResult generate_in_process(const std::string& model_dir, const model::Q
                                                                     config.num_experts,
                                                                     eplb_runtime::default_planner_name());
   }
+  return result;
+}
+
+void generate_on_rank(int rank, comm::Communicator& world, const std::string& model_dir,
+                      const model::Qwen3MoeConfig& config, const ParallelLayout& layout, const InProcessRun& run,
+                      const std::vector<std::vector<int32_t>>& prompts, InProcessResult& result) {
+  const bool has_moe = !config.moe_layer_indices().empty();
+  const bool record = records_routing(config, run);
+  const std::unique_ptr<model::Backend> backend_owner = make_backend(run.device);
+  model::Backend& backend = *backend_owner;
+  RankEngine engine(config, layout, world, backend, has_moe ? &result.initial_placement : nullptr, run.engine);
+  load_rank_weights(engine.model(), model_dir, run.weight_cache_dir, rank);
+  std::unique_ptr<RankEplb> eplb;
+  if (record) eplb = std::make_unique<RankEplb>(engine, world, backend, result.initial_placement, run.eplb);
+  RankDecodeTarget target(engine, eplb.get());
+  model::GenerateResult mine = model::generate(target, prompts, run.decode);
+  eplb::LoadMatrix window;
+  if (eplb != nullptr) {
+    window = eplb->merged_window_loads();
+    if (!run.dump_file.empty()) eplb->dump(run.dump_file);
+  }
+  if (rank != 0) return;
+  result.generated = std::move(mine);
+  result.window_loads = std::move(window);
+  result.final_placement = eplb != nullptr ? eplb->live_placement() : result.initial_placement;
+  if (eplb != nullptr) {
+    result.rebalances = eplb->rebalances();
+    result.migration = eplb->migration_totals();
+  }
+}
+
+InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
+                                    const ParallelLayout& layout, const InProcessRun& run,
+                                    const std::vector<std::vector<int32_t>>& prompts) {
+  InProcessResult result = prepare_generate(config, layout, run);
   comm::run_in_process(layout.world_size(), [&](int rank, comm::Communicator& world) {
-    const std::unique_ptr<model::Backend> backend_owner = make_backend(run.device);
-    model::Backend& backend = *backend_owner;
-    RankEngine engine(config, layout, world, backend, has_moe ? &result.initial_placement : nullptr, run.engine);
-    load_rank_weights(engine.model(), model_dir, run.weight_cache_dir, rank);
-    std::unique_ptr<RankEplb> eplb;
-    if (record) eplb = std::make_unique<RankEplb>(engine, world, backend, result.initial_placement, run.eplb);
-    RankDecodeTarget target(engine, eplb.get());
-    model::GenerateResult mine = model::generate(target, prompts, run.decode);
-    eplb::LoadMatrix window;
-    if (eplb != nullptr) {
-      window = eplb->merged_window_loads();
-      if (!run.dump_file.empty()) eplb->dump(run.dump_file);
-    }
-    if (rank != 0) return;
-    result.generated = std::move(mine);
-    result.window_loads = std::move(window);
-    result.final_placement = eplb != nullptr ? eplb->live_placement() : result.initial_placement;
-    if (eplb != nullptr) {
-      result.rebalances = eplb->rebalances();
-      result.migration = eplb->migration_totals();
-    }
+    generate_on_rank(rank, world, model_dir, config, layout, run, prompts, result);
   });
   return result;
 }
