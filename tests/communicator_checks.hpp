@@ -3,7 +3,9 @@
 // definition (awkward group sizes come from the caller), split groups and point to point.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -98,6 +100,55 @@ inline void check_split(int rank, Communicator& comm) {
     EXPECT_EQ(got[0] % 2, rank % 2);
     EXPECT_NE(got[0], rank);
   }
+}
+
+// The outputs of every collective on random inputs (a pure function of rank and group size), to compare one
+// implementation bitwise against another (the in-process communicator is the reference).
+inline std::vector<std::vector<std::byte>> collective_outputs(int rank, int n, Communicator& comm) {
+  std::mt19937 rng(1234 + rank);
+  std::uniform_real_distribution<float> real(-3.0f, 3.0f);
+  auto random_bytes = [&](size_t count) {
+    std::vector<std::byte> out(count);
+    for (auto& b : out) b = static_cast<std::byte>(rng() & 0xff);
+    return out;
+  };
+  auto as_bytes = [](const std::vector<float>& v) {
+    std::vector<std::byte> out(v.size() * sizeof(float));
+    std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  };
+  std::vector<std::vector<std::byte>> outputs;
+  std::vector<float> x(1000);
+  for (auto& v : x) v = real(rng) * (rank % 2 == 0 ? 1e4f : 1e-3f);  // sums that depend on the order
+  comm.all_reduce_sum(x);
+  outputs.push_back(as_bytes(x));
+
+  std::vector<int64_t> gather_counts(n);
+  for (int r = 0; r < n; ++r) gather_counts[r] = 100 * (r + 1) + 7;
+  std::vector<std::byte> gathered(std::accumulate(gather_counts.begin(), gather_counts.end(), int64_t{0}));
+  comm.all_gather_v(random_bytes(gather_counts[rank]), gathered, gather_counts);
+  outputs.push_back(gathered);
+
+  std::vector<float> blocks(static_cast<size_t>(n) * 333), reduced(333);
+  for (auto& v : blocks) v = real(rng);
+  comm.reduce_scatter_sum(blocks, reduced);
+  outputs.push_back(as_bytes(reduced));
+
+  auto bytes_between = [](int from, int to) -> int64_t { return (from + 2 * to) % 3 == 0 ? 0 : 50 * (from + 1) + 3 * to; };
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  for (int d = 0; d < n; ++d) {
+    send_counts[d] = bytes_between(rank, d);
+    recv_counts[d] = bytes_between(d, rank);
+  }
+  const std::vector<std::byte> send = random_bytes(std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0}));
+  std::vector<std::byte> recv(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}));
+  comm.all_to_all_v(send, send_counts, recv, recv_counts);
+  outputs.push_back(recv);
+
+  std::vector<std::byte> value = random_bytes(12345);
+  comm.broadcast(value, n - 1);
+  outputs.push_back(value);
+  return outputs;
 }
 
 }  // namespace fulcrum::test

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include <sys/wait.h>
@@ -54,5 +55,15 @@ inline CliRun run_cli(const TempDir& dir, const std::string& args) {
 }
 
 inline std::string golden_model_dir(const std::string& name) { return shared_path("golden/hf/" + name); }
+
+// The "seqI: TOKENS" lines of a `fulcrum generate` output.
+inline std::string tokens_of(const std::string& out) {
+  std::string lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("seq", 0) == 0) lines += line + "\n";
+  }
+  return lines;
+}
 
 }  // namespace fulcrum::test

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstdlib>
+#include <exception>
 #include <numeric>
 #include <thread>
 
@@ -28,15 +29,17 @@ struct NcclCommunicator::State {
   ~State() {
     if (comm != nullptr && !aborted) {
       // Every rank tears its communicators down in the same order (the engine's members), so NCCL's
-      // teardown finds its peers; a peer that already failed gets an abort instead.
-      if (mesh->failure().empty() && ncclCommFinalize(comm) == ncclInProgress) {
+      // teardown finds its peers; when a peer failed, or this rank is unwinding from an error (its peers may
+      // be inside a collective), abort instead.
+      const bool clean = std::uncaught_exceptions() == 0;
+      if (clean && mesh->failure().empty() && ncclCommFinalize(comm) == ncclInProgress) {
         ncclResult_t state = ncclInProgress;
         while (state == ncclInProgress && mesh->failure().empty()) {
           ncclCommGetAsyncError(comm, &state);
           std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
       }
-      if (mesh->failure().empty()) {
+      if (clean && mesh->failure().empty()) {
         ncclCommDestroy(comm);
       } else {
         ncclCommAbort(comm);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 
 #include <sys/socket.h>
 
@@ -209,8 +210,7 @@ void PeerMesh::read_loop(int src) {
   peer.state = end;
   peer.reader_done = true;
   if (end == PeerState::kFailed && failure_.empty()) {
-    failure_ = fmt::format("rank {} ({}) closed its connection without finishing: it failed or was killed", src,
-                           peer.address);
+    failure_ = fmt::format("rank {} ({}) {}: it failed or was killed", src, peer.address, kPeerFailedPhrase);
   }
   cv_.notify_all();
 }
@@ -219,9 +219,17 @@ void PeerMesh::send(uint64_t channel, int dst, std::span<const std::byte> data) 
   FULCRUM_CHECK(dst >= 0 && dst < size() && dst != rank_, "send: peer {} outside the world of {} (or self)", dst, size());
   Peer& peer = *peers_[dst];
   const std::string what = fmt::format("rank {} sending to rank {} ({})", rank_, dst, peer.address);
-  std::lock_guard lock(peer.write_mutex);
-  write_all(peer.socket, pod_bytes(FrameHeader{channel, data.size()}), what);
-  if (!data.empty()) write_all(peer.socket, data, what);
+  try {
+    std::lock_guard lock(peer.write_mutex);
+    write_all(peer.socket, pod_bytes(FrameHeader{channel, data.size()}), what);
+    if (!data.empty()) write_all(peer.socket, data, what);
+  } catch (const Error&) {
+    // A broken pipe says less than the reader, which sees why the peer went away: ask it (briefly).
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, std::chrono::seconds(1), [&] { return peer.reader_done; });
+    if (peer.state == PeerState::kFailed && !failure_.empty()) throw Error(failure_);
+    throw;
+  }
 }
 
 std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) {
@@ -246,6 +254,14 @@ std::string PeerMesh::failure() const {
 }
 
 PeerMesh::~PeerMesh() {
+  // Unwinding after an error: no goodbye, so the peers take this rank for failed instead of waiting for it.
+  if (std::uncaught_exceptions() > 0) {
+    for (auto& peer : peers_) peer->socket.shutdown_both();
+    for (auto& peer : peers_) {
+      if (peer->reader.joinable()) peer->reader.join();
+    }
+    return;
+  }
   // Goodbye, then half-close: the peers read everything sent so far, then the goodbye, then end of stream.
   for (int r = 0; r < size(); ++r) {
     if (r == rank_ || !peers_[r]->socket.valid()) continue;

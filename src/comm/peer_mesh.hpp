@@ -20,6 +20,9 @@
 
 namespace fulcrum::comm {
 
+// In every error about a peer that failed first (how a launcher tells a cause from its consequences).
+inline constexpr const char* kPeerFailedPhrase = "closed its connection without finishing";
+
 struct DistInit {
   HostPort address;  // --dist-init-addr: world rank 0 listens here, every other rank connects
   int world_size = 1;
@@ -33,7 +36,8 @@ class PeerMesh {
   // Collective over the world: returns once every pair of ranks is connected. Throws a one-line error on an
   // unreachable address, a timeout, mismatched world sizes, a rank announced twice or out of range.
   static std::shared_ptr<PeerMesh> connect(const DistInit& init);
-  // Says goodbye to every peer (so they do not take this rank's exit for a failure) and closes.
+  // Says goodbye to every peer (so they do not take this rank's exit for a failure) and closes; while an
+  // exception unwinds, closes without goodbye: the peers see this rank fail.
   ~PeerMesh();
 
   int rank() const { return rank_; }

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -70,10 +71,41 @@ std::string describe_status(int status) {
   return "stopped";
 }
 
+// An unlinked temporary file: a child's stderr, read back by the launcher once the child is gone.
+int anonymous_file() {
+  char path[] = "/tmp/fulcrum_rank_stderr_XXXXXX";
+  const int fd = ::mkstemp(path);
+  FULCRUM_CHECK(fd >= 0, "cannot create a temporary file for a rank's stderr: {}", std::strerror(errno));
+  ::unlink(path);
+  return fd;
+}
+
+std::string read_back(int fd) {
+  std::string text;
+  char buffer[4096];
+  for (off_t offset = 0;;) {
+    const ssize_t n = ::pread(fd, buffer, sizeof(buffer), offset);
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    offset += n;
+  }
+  return text;
+}
+
+// The child's own one-line error (its last "fulcrum: error: " line), without the prefix.
+std::string error_line(const std::string& err) {
+  const std::string prefix = "fulcrum: error: ";
+  const size_t at = err.rfind(prefix);
+  if (at == std::string::npos) return "";
+  const size_t end = err.find('\n', at);
+  return err.substr(at + prefix.size(), end == std::string::npos ? std::string::npos : end - at - prefix.size());
+}
+
 [[noreturn]] void exec_rank(const std::vector<std::string>& args, pid_t launcher, const std::string& launch,
-                            const std::string& gpu) {
+                            const std::string& gpu, int stderr_fd) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // the launcher dies: so does this rank
   if (::getppid() != launcher) ::_exit(1);
+  ::dup2(stderr_fd, STDERR_FILENO);
   ::setenv(kLaunchEnv, launch.c_str(), 1);
   ::setenv("NCCL_NVLS_ENABLE", "0", 1);
   if (!gpu.empty()) ::setenv("CUDA_VISIBLE_DEVICES", gpu.c_str(), 1);
@@ -126,17 +158,25 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
 
   const pid_t launcher = ::getpid();
   std::map<pid_t, int> running;  // pid -> local rank
-  std::string failure;
+  std::vector<int> stderr_fds;   // per local rank
+  struct Failure {
+    std::string line;
+    bool lost_a_peer = false;  // it only reports another rank's failure
+  };
+  std::vector<Failure> failures;  // in the order the launcher saw them
+  size_t num_stopped = 0;
   auto stop_all = [&](int sig) {
     for (const auto& [pid, local] : running) ::kill(pid, sig);
   };
   for (int local = 0; local < num_local; ++local) {
     const std::string launch =
         fmt::format("{} {} {} {} {}", local, first_rank + local, world_size, address, flags.dist_timeout_s);
+    stderr_fds.push_back(anonymous_file());
     const pid_t pid = ::fork();
-    if (pid == 0) exec_rank(args, launcher, launch, gpus[local]);
+    if (pid == 0) exec_rank(args, launcher, launch, gpus[local], stderr_fds.back());
     if (pid < 0) {
-      failure = fmt::format("cannot start local rank {}: fork failed: {}", local, std::strerror(errno));
+      failures.push_back({fmt::format("cannot start local rank {}: fork failed: {}", local, std::strerror(errno))});
+      num_stopped = running.size();
       stop_all(SIGTERM);
       break;
     }
@@ -160,15 +200,31 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     if (it == running.end()) continue;
     const int local = it->second;
     running.erase(it);
-    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && failure.empty()) {
-      failure = fmt::format("rank {} (local rank {}, pid {}) {}", first_rank + local, local, pid, describe_status(status));
-      if (!running.empty()) failure += fmt::format("; stopped the other {} local rank(s)", running.size());
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    const bool stopped_by_us = !failures.empty() && WIFSIGNALED(status) &&
+                               (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
+    if (stopped_by_us) continue;
+    const std::string own = error_line(read_back(stderr_fds[local]));
+    const std::string exit = fmt::format("rank {} (pid {}) {}", first_rank + local, pid, describe_status(status));
+    failures.push_back({own.empty() ? exit : own + " [" + exit + "]",
+                        own.find(comm::kPeerFailedPhrase) != std::string::npos});
+    if (failures.size() == 1) {
+      num_stopped = running.size();
       stop_all(SIGTERM);
       kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     }
   }
-  FULCRUM_CHECK(failure.empty(), "{}", failure);
+  // Success: pass on what the ranks said (warnings). Failure: one line, the cause's (a rank that failed on
+  // its own rather than one that lost its peer), whichever the launcher happened to reap first.
+  for (const int fd : stderr_fds) {
+    if (failures.empty()) std::fputs(read_back(fd).c_str(), stderr);
+    ::close(fd);
+  }
+  if (failures.empty()) return;
+  const auto cause = std::find_if(failures.begin(), failures.end(), [](const Failure& f) { return !f.lost_a_peer; });
+  std::string line = (cause != failures.end() ? *cause : failures.front()).line;
+  if (num_stopped > 0) line += fmt::format("; stopped the other {} local rank(s)", num_stopped);
+  throw Error(line);
 }
 
 InProcessResult generate_as_rank(const LaunchedRank& me, const std::string& model_dir,

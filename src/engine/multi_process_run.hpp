@@ -37,7 +37,8 @@ struct LaunchedRank {
 std::optional<LaunchedRank> launched_rank();
 
 // The launcher: starts this node's world_size / nnodes rank processes and waits for them. When one fails,
-// the others are stopped (SIGTERM, then SIGKILL) and a one-line error names it; children die with the
+// the others are stopped (SIGTERM, then SIGKILL) and one line carries the first failing rank's own error
+// and exit (the ranks' stderr is held back and passed on only on success); children die with the
 // launcher (PR_SET_PDEATHSIG), so none is orphaned. With --device cuda, local rank i sees only the i-th
 // visible GPU (CUDA_VISIBLE_DEVICES). NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in every child.
 void launch_rank_processes(const DistFlags& flags, int world_size, const std::string& device);
