@@ -127,6 +127,8 @@ std::vector<HostPort> join_rendezvous(const DistInit& init, int my_mesh_port, Cl
   const std::string what = fmt::format("rank {} joining the rendezvous at {}", init.rank, init.address.str());
   const Socket s = connect_tcp(init.address, deadline, what);
   write_all(s, pod_bytes(Hello{kMagic, init.world_size, init.rank, my_mesh_port}), what);
+  // Rank 0 answers by its own deadline (with the error when ranks are missing): wait for it a while longer.
+  deadline += init.timeout;
   uint32_t status = 0;
   FULCRUM_CHECK(read_all(s, pod_writable(status), what, deadline), "{}: rank 0 closed the connection", what);
   if (status != 0) throw Error(read_string(s, what, deadline));
