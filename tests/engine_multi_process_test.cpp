@@ -43,17 +43,13 @@ TEST(MultiProcessGenerate, OneNodeAndTwoNodesPrintTheOneRankTokens) {
   EXPECT_EQ(tokens_of(local.out), tokens_of(one.out));
   EXPECT_NE(local.out.find("on cpu x 2 process ranks"), std::string::npos) << local.out;
 
-  // Two nodes of one rank each: node 1 in the background, node 0 in the foreground, as a user would.
+  // Two nodes of one rank each.
   const std::string addr = "127.0.0.1:" + std::to_string(comm::pick_free_port());
-  const std::string node = base_command() + " --tp 2 --ep 2 --nnodes 2 --dist-init-addr " + addr + " --node-rank ";
-  const std::string script = std::string(FULCRUM_CLI_PATH) + " " + node + "1 >" + dir.file("n1.out") + " 2>" +
-                             dir.file("n1.err") + " & p=$!; " + FULCRUM_CLI_PATH + " " + node + "0 >" +
-                             dir.file("n0.out") + " 2>" + dir.file("n0.err") + "; r0=$?; wait $p; echo $r0 $? >" +
-                             dir.file("rc");
-  ASSERT_EQ(std::system(script.c_str()), 0);
-  EXPECT_EQ(slurp(dir.file("rc")), "0 0\n") << slurp(dir.file("n0.err")) << slurp(dir.file("n1.err"));
-  EXPECT_EQ(tokens_of(slurp(dir.file("n0.out"))), tokens_of(one.out));
-  EXPECT_EQ(slurp(dir.file("n1.out")), "");  // world rank 0 (node 0) prints
+  const auto [node0, node1] = run_cli_two_nodes(dir, base_command() + " --tp 2 --ep 2 --nnodes 2 --dist-init-addr " + addr);
+  EXPECT_EQ(node0.exit_code, 0) << node0.err;
+  EXPECT_EQ(node1.exit_code, 0) << node1.err;
+  EXPECT_EQ(tokens_of(node0.out), tokens_of(one.out));
+  EXPECT_EQ(node1.out, "");  // world rank 0 (node 0) prints
 }
 
 TEST(MultiProcessGenerate, AFailingRankStopsTheOthersWithOneErrorLine) {

@@ -209,17 +209,13 @@ TEST(CudaGenerate, TwoGpuRanksPrintTheCpuOneRankTokens) {
   std::printf("one command, 2 GPUs:\n%s", gpus.out.c_str());
 
   // 2 nodes x 1 GPU on this host: each command sees one GPU.
-  const std::string node = base + " --device cuda --tp 2 --ep 2 --nnodes 2 --dist-init-addr 127.0.0.1:" +
-                           std::to_string(comm::pick_free_port()) + " --node-rank ";
-  const std::string cli = FULCRUM_CLI_PATH;
-  const std::string script = "CUDA_VISIBLE_DEVICES=1 " + cli + " " + node + "1 >" + dir.file("n1.out") + " 2>" +
-                             dir.file("n1.err") + " & p=$!; CUDA_VISIBLE_DEVICES=0 " + cli + " " + node + "0 >" +
-                             dir.file("n0.out") + " 2>" + dir.file("n0.err") + "; r0=$?; wait $p; echo $r0 $? >" +
-                             dir.file("rc");
-  ASSERT_EQ(std::system(script.c_str()), 0);
-  EXPECT_EQ(slurp(dir.file("rc")), "0 0\n") << slurp(dir.file("n0.err")) << slurp(dir.file("n1.err"));
-  EXPECT_EQ(tokens_of(slurp(dir.file("n0.out"))), tokens_of(cpu.out));
-  std::printf("2 nodes x 1 GPU, node 0:\n%s", slurp(dir.file("n0.out")).c_str());
+  const auto [node0, node1] = run_cli_two_nodes(dir, base + " --device cuda --tp 2 --ep 2 --nnodes 2 --dist-init-addr 127.0.0.1:" +
+                                                         std::to_string(comm::pick_free_port()),
+                                                "CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1");
+  EXPECT_EQ(node0.exit_code, 0) << node0.err;
+  EXPECT_EQ(node1.exit_code, 0) << node1.err;
+  EXPECT_EQ(tokens_of(node0.out), tokens_of(cpu.out));
+  std::printf("2 nodes x 1 GPU, node 0:\n%s", node0.out.c_str());
 }
 
 }  // namespace
