@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "comm/in_process_communicator.hpp"
+#include "communicator_checks.hpp"
 #include "eplb/error.hpp"
 
 namespace fulcrum::comm {
@@ -14,83 +15,13 @@ class Collectives : public ::testing::TestWithParam<int> {};
 
 TEST_P(Collectives, MatchTheirDefinitions) {
   const int n = GetParam();
-  run_in_process(n, [n](int rank, Communicator& comm) {
-    ASSERT_EQ(comm.rank(), rank);
-    ASSERT_EQ(comm.size(), n);
-    // all_reduce: x = rank + i -> sum_r (r + i)
-    std::vector<float> x(5);
-    for (int i = 0; i < 5; ++i) x[i] = static_cast<float>(rank + i);
-    comm.all_reduce_sum(x);
-    for (int i = 0; i < 5; ++i) EXPECT_EQ(x[i], static_cast<float>(n * (n - 1) / 2 + n * i));
-    // all_gather of 3 ints per rank
-    std::vector<int> mine{rank, 10 * rank, 100 * rank}, all(3 * n);
-    comm.all_gather(bytes_of(std::span<const int>(mine)), writable_bytes_of(std::span<int>(all)));
-    for (int r = 0; r < n; ++r) EXPECT_EQ(all[3 * r + 1], 10 * r);
-    // all_gather_v: rank r contributes r + 1 ints equal to r
-    std::vector<int64_t> counts(n);
-    for (int r = 0; r < n; ++r) counts[r] = (r + 1) * static_cast<int64_t>(sizeof(int));
-    std::vector<int> var(rank + 1, rank), gathered(n * (n + 1) / 2);
-    comm.all_gather_v(bytes_of(std::span<const int>(var)), writable_bytes_of(std::span<int>(gathered)), counts);
-    size_t k = 0;
-    for (int r = 0; r < n; ++r) {
-      for (int j = 0; j <= r; ++j) EXPECT_EQ(gathered[k++], r);
-    }
-    // reduce_scatter: block b of rank r holds (r * 100 + b) -> rank b gets sum_r (r * 100 + b)
-    std::vector<float> blocks(2 * n), reduced(2);
-    for (int b = 0; b < n; ++b) blocks[2 * b] = blocks[2 * b + 1] = static_cast<float>(rank * 100 + b);
-    comm.reduce_scatter_sum(blocks, reduced);
-    EXPECT_EQ(reduced[0], static_cast<float>(100 * n * (n - 1) / 2 + n * rank));
-    // all_to_all_v: rank r sends (r + d) copies of value (r * 1000 + d) to rank d
-    std::vector<int> send;
-    std::vector<int64_t> send_counts(n), recv_counts(n);
-    for (int d = 0; d < n; ++d) {
-      for (int j = 0; j < rank + d; ++j) send.push_back(rank * 1000 + d);
-      send_counts[d] = (rank + d) * static_cast<int64_t>(sizeof(int));
-      recv_counts[d] = (d + rank) * static_cast<int64_t>(sizeof(int));
-    }
-    std::vector<int> recv(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}) / sizeof(int));
-    comm.all_to_all_v(bytes_of(std::span<const int>(send)), send_counts, writable_bytes_of(std::span<int>(recv)),
-                      recv_counts);
-    k = 0;
-    for (int s = 0; s < n; ++s) {
-      for (int j = 0; j < s + rank; ++j) EXPECT_EQ(recv[k++], s * 1000 + rank);
-    }
-    // broadcast from the last rank
-    std::vector<int> value{rank == n - 1 ? 42 : -1};
-    comm.broadcast(writable_bytes_of(std::span<int>(value)), n - 1);
-    EXPECT_EQ(value[0], 42);
-    // ring send/recv
-    if (n > 1) {
-      std::vector<int> out{rank}, in{-1};
-      comm.send(bytes_of(std::span<const int>(out)), (rank + 1) % n);
-      comm.recv(writable_bytes_of(std::span<int>(in)), (rank + n - 1) % n);
-      EXPECT_EQ(in[0], (rank + n - 1) % n);
-    }
-    comm.barrier();
-  });
+  run_in_process(n, [n](int rank, Communicator& comm) { test::check_collectives(rank, n, comm); });
 }
 
 INSTANTIATE_TEST_SUITE_P(GroupSizes, Collectives, ::testing::Values(1, 2, 3, 4, 8));
 
 TEST(Split, GroupsByColorOrderedByKey) {
-  run_in_process(6, [](int rank, Communicator& comm) {
-    // color = rank % 2; key reverses the order inside each group
-    auto sub = comm.split(rank % 2, -rank);
-    EXPECT_EQ(sub->size(), 3);
-    EXPECT_EQ(sub->rank(), 2 - rank / 2);
-    std::vector<float> x{static_cast<float>(rank)};
-    sub->all_reduce_sum(x);
-    EXPECT_EQ(x[0], rank % 2 == 0 ? 0 + 2 + 4 : 1 + 3 + 5);
-    // nested split and point to point inside a subgroup
-    auto pair = sub->split(sub->rank() / 2, sub->rank());
-    if (pair->size() == 2) {
-      std::vector<int> v{rank}, got{-1};
-      pair->send(bytes_of(std::span<const int>(v)), 1 - pair->rank());
-      pair->recv(writable_bytes_of(std::span<int>(got)), 1 - pair->rank());
-      EXPECT_EQ(got[0] % 2, rank % 2);
-      EXPECT_NE(got[0], rank);
-    }
-  });
+  run_in_process(6, [](int rank, Communicator& comm) { test::check_split(rank, comm); });
 }
 
 TEST(RunInProcess, AFailingRankStopsTheOthersAndItsErrorIsReported) {

@@ -11,15 +11,6 @@ namespace {
 
 const std::string kPrompts = " --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' --prompt-tokens '0 8 99'";
 
-std::string tokens_of(const std::string& out) {
-  std::string lines;
-  std::istringstream in(out);
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("seq", 0) == 0) lines += line + "\n";
-  }
-  return lines;
-}
-
 TEST(EngineCli, SeedsConfigurationAndPlannedPlacementPrintThePlainTokens) {
   TempDir dir("engine_cli");
   const std::string base = "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 6" + kPrompts;

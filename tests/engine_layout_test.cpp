@@ -72,6 +72,28 @@ TEST(EngineLayout, ShardedModelHoldsOnlyItsSlices) {
   });
 }
 
+// --tp as the attention TP size per DP group (--tp 4 --dp 2 --ep 8) names the world SGLang writes --tp 8
+// --dp 2 --ep 8; only an ep equal to tp * dp with DP attention is read so, anything else is left as given.
+TEST(EngineLayout, PerGroupTpReadingNamesTheSglangWorld) {
+  const auto config = model::load_qwen3_moe_config(golden_model_dir(k128e));
+  const engine::ParallelLayout per_group(make_flags(4, 2, 8, 1), config);
+  const engine::ParallelLayout sglang(make_flags(8, 2, 8, 1), config);
+  EXPECT_EQ(per_group.world_size(), 8);
+  EXPECT_EQ(per_group.attn_tp_size(), 4);
+  EXPECT_EQ(per_group.attn_dp_size(), 2);
+  EXPECT_EQ(per_group.ep(), 8);
+  EXPECT_EQ(per_group.describe(), sglang.describe());
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(per_group.coords(r).attn_dp_rank, sglang.coords(r).attn_dp_rank);
+    EXPECT_EQ(per_group.coords(r).ep_rank, sglang.coords(r).ep_rank);
+  }
+  engine::ParallelFlags no_dp_attention = make_flags(4, 2, 8, 1);
+  no_dp_attention.enable_dp_attention = false;
+  EXPECT_EQ(engine::sglang_reading(no_dp_attention).tp, 4);
+  EXPECT_EQ(engine::sglang_reading(make_flags(4, 2, 16, 1)).tp, 4);
+  EXPECT_NE(layout_error(config, make_flags(4, 2, 16, 1)).find("--tp 4 is not divisible by --ep 16"), std::string::npos);
+}
+
 TEST(EngineLayout, ImpossibleLayoutsAreRefusedWithTheReason) {
   const auto config = model::load_qwen3_moe_config(golden_model_dir(k128e));  // 4 heads, 4 kv, 128 experts
   EXPECT_EQ(layout_error(config, make_flags(3, 1, 1, 1)),

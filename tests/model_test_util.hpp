@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include <sys/wait.h>
@@ -53,6 +54,37 @@ inline CliRun run_cli(const TempDir& dir, const std::string& args) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir.file("out.txt")), slurp(dir.file("err.txt"))};
 }
 
+// Two nodes on this host: `env1 fulcrum ARGS --node-rank 1` in the background while `env0 fulcrum ARGS
+// --node-rank 0` runs in the foreground, as two users would start them. Returns {node 0, node 1}.
+inline std::pair<CliRun, CliRun> run_cli_two_nodes(const TempDir& dir, const std::string& args, const std::string& env0 = "",
+                                                   const std::string& env1 = "") {
+  auto node = [&](int n, const std::string& env) {
+    const std::string files = dir.file("n" + std::to_string(n));
+    return env + " " + FULCRUM_CLI_PATH + " " + args + " --node-rank " + std::to_string(n) + " >" + files + ".out 2>" +
+           files + ".err";
+  };
+  const std::string script = node(1, env1) + " & p=$!; " + node(0, env0) + "; r0=$?; wait $p; echo $r0 $? >" + dir.file("rc");
+  EXPECT_EQ(std::system(script.c_str()), 0);
+  std::istringstream rc(slurp(dir.file("rc")));
+  std::pair<CliRun, CliRun> runs;
+  rc >> runs.first.exit_code >> runs.second.exit_code;
+  runs.first.out = slurp(dir.file("n0.out"));
+  runs.first.err = slurp(dir.file("n0.err"));
+  runs.second.out = slurp(dir.file("n1.out"));
+  runs.second.err = slurp(dir.file("n1.err"));
+  return runs;
+}
+
 inline std::string golden_model_dir(const std::string& name) { return shared_path("golden/hf/" + name); }
+
+// The "seqI: TOKENS" lines of a `fulcrum generate` output.
+inline std::string tokens_of(const std::string& out) {
+  std::string lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("seq", 0) == 0) lines += line + "\n";
+  }
+  return lines;
+}
 
 }  // namespace fulcrum::test

@@ -149,7 +149,7 @@ TEST(ServerEplb, EngineFlagsAreCheckedLikeGenerates) {
   TempDir dir("serve_flags");
   const std::string serve = "serve --model " + skewed_served_model() + " --port 0 ";
   for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
-           {"--tp 4 --dp 2 --enable-dp-attention --ep 8", "--tp 4 is not divisible by --ep 8"},
+           {"--tp 4 --dp 2 --enable-dp-attention --ep 16", "--tp 4 is not divisible by --ep 16"},
            {"--tp 2 --ep 2 --ep-num-redundant-experts 3", "not divisible by --ep 2"},
            {"--tp 2 --ep 2 --enable-eplb --eplb-rebalance-num-iterations 0", "--eplb-rebalance-num-iterations"},
            {"--expert-distribution-recorder-mode per_layer", "per_layer"}}) {
@@ -181,16 +181,16 @@ TEST(ServerEplb, ARankThatFailsWhileLoadingIsAOneLineErrorNotAHang) {
   EXPECT_EQ(run.err.find("listening"), std::string::npos) << run.err;
 }
 
-// The seeds' launch (SGLang, Qwen3-235B: --tp 8 --dp 2 --enable-dp-attention --enable-deepep-moe --enable-eplb
-// --expert-distribution-recorder-buffer-size 50 --expert-distribution-recorder-mode stat
-// --eplb-rebalance-num-iterations 50 --ep-dispatch-algorithm static --ep-num-redundant-experts 32) on the
-// tiny skewed model: tp 8 with 2 attention-DP groups, ep 8 over all-to-all dispatch (DeepEP's role),
-// 8 redundant slots (136 = 17 per EP rank), 64 parallel clients. (--tp 4 --ep 8 is refused by generate's
-// layout rules, an EP rank being a set of tp ranks; --tp 8 is the seed's own layout.)
+// The seeds' scenario as issue 5 states it (--tp 4 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall
+// --enable-eplb --expert-distribution-recorder-buffer-size 50 --expert-distribution-recorder-mode stat
+// --eplb-rebalance-num-iterations 50 --ep-dispatch-algorithm static --ep-num-redundant-experts 8; the seed's
+// own SGLang launch writes the same world as --tp 8 --dp 2, see engine::sglang_reading) on the tiny skewed
+// model: 8 ranks, 2 attention-DP groups of 4, ep 8 over all-to-all dispatch (DeepEP's role), 136 slots
+// (17 per EP rank), 64 parallel clients.
 TEST(ServerEplb, SeedScenarioRebalancesUnderSixtyFourClientsAndKeepsEveryResponse) {
   std::signal(SIGPIPE, SIG_IGN);
   const std::string layout =
-      "--tp 8 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --ep-dispatch-algorithm static "
+      "--tp 4 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --ep-dispatch-algorithm static "
       "--ep-num-redundant-experts 8";
   TempDir dir("serve_seed");
   std::vector<std::string> flags = {"--enable-eplb", "--expert-distribution-recorder-buffer-size", "50",

@@ -4,12 +4,16 @@
 
 #include <fmt/format.h>
 
+#include "engine/multi_process_run.hpp"
 #include "eplb/error.hpp"
 
 namespace fulcrum::cli {
 namespace {
 
-void warn(const std::string& line) { std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str()); }
+// A launched rank process stays quiet: its launcher already said it.
+void warn(const std::string& line) {
+  if (!engine::launched_rank()) std::fprintf(stderr, "fulcrum: warning: %s\n", line.c_str());
+}
 
 }  // namespace
 
@@ -55,11 +59,7 @@ void EngineFlags::add_to(CLI::App* cmd, const std::shared_ptr<EngineFlags>& flag
 engine::InProcessRun EngineFlags::make_run(const engine::ParallelLayout& layout,
                                            const model::Qwen3MoeConfig& config) const {
   FULCRUM_CHECK(device == "cpu" || device == "cuda", "unknown device '{}' (available: cpu, cuda)", device);
-  // The MoE exchange between in-process ranks goes through host memory: CUDA runs the single-rank path.
-  FULCRUM_CHECK(device == "cpu" || layout.world_size() == 1,
-                "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)", device,
-                layout.world_size());
-  if (layout.tp() != parallel.tp) {
+  if (layout.tp() != parallel.tp && !engine::launched_rank()) {
     fmt::print(stderr, "fulcrum: note: --tp {} --dp {} --ep {} read as --tp {} (attention TP {} in each of {} DP groups): {}\n",
                parallel.tp, parallel.dp, parallel.ep, layout.tp(), layout.attn_tp_size(), layout.attn_dp_size(),
                layout.describe());

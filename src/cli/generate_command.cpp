@@ -1,8 +1,10 @@
-// `fulcrum generate`: token-id prompts through a Qwen3-MoE checkpoint on the parallel engine (in-process
-// ranks; one rank by default), greedy or sampled, optionally with the EPLB loop running between passes.
+// `fulcrum generate`: token-id prompts through a Qwen3-MoE checkpoint on the parallel engine (in-process ranks,
+// or one process per rank over one or several nodes; one rank by default), greedy or sampled, optionally with
+// the EPLB loop running between passes.
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -10,6 +12,7 @@
 #include "cli/commands.hpp"
 #include "cli/engine_flags.hpp"
 #include "cli/token_ids.hpp"
+#include "engine/multi_process_run.hpp"
 #include "engine/parallel_generate.hpp"
 #include "eplb/error.hpp"
 #include "eplb/metrics.hpp"
@@ -27,6 +30,7 @@ struct GenerateFlags {
   std::string dump_logits_file;
   std::shared_ptr<EngineFlags> engine = std::make_shared<EngineFlags>();
   std::string expert_distribution_dump;
+  engine::DistFlags dist;  // ranks as processes, over one or several nodes
 };
 
 std::vector<int32_t> parse_prompt(const std::string& text, size_t prompt_idx, int vocab_size) {
@@ -45,13 +49,23 @@ void run_generate(GenerateFlags& flags) {
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
   const engine::ParallelLayout layout(flags.engine->parallel, config);
+  engine::validate_dist_flags(flags.dist, layout.world_size());
+  const std::optional<engine::LaunchedRank> me = engine::launched_rank();
+  const bool as_processes = me || engine::runs_as_processes(flags.dist, flags.engine->device, layout.world_size());
   engine::InProcessRun run = flags.engine->make_run(layout, config);
   run.eplb.log = [](const std::string& line) { fmt::print("# eplb: {}\n", line); };
   run.dump_file = flags.expert_distribution_dump;
   run.decode = {flags.max_new_tokens, flags.sampling, flags.seed};
 
   const auto start = std::chrono::steady_clock::now();
-  const engine::InProcessResult result = engine::generate_in_process(flags.model_dir, config, layout, run, prompts);
+  if (as_processes && !me) {  // the launcher: its rank processes generate, world rank 0 prints
+    engine::launch_rank_processes(flags.dist, layout.world_size(), run.device);
+    return;
+  }
+  const engine::InProcessResult result =
+      me ? engine::generate_as_rank(*me, flags.model_dir, config, layout, run, prompts)
+         : engine::generate_in_process(flags.model_dir, config, layout, run, prompts);
+  if (me && me->world_rank != 0) return;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   if (!flags.dump_logits_file.empty()) {
@@ -69,8 +83,9 @@ void run_generate(GenerateFlags& flags) {
     num_tokens += prompts[i].size() + result.generated.new_tokens[i].size();
     fmt::print("seq{}: {}\n", i, fmt::join(result.generated.new_tokens[i], " "));
   }
-  fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} in-process ranks, prompt logits checksum {:.6f}\n",
-             prompts.size(), num_tokens, seconds, run.device, layout.world_size(), checksum);
+  fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} {} ranks, prompt logits checksum {:.6f}\n",
+             prompts.size(), num_tokens, seconds, run.device, layout.world_size(),
+             as_processes ? "process" : "in-process", checksum);
   if (run.eplb.enabled) {
     const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
     const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);
@@ -105,6 +120,15 @@ void register_generate_command(CLI::App& app) {
   EngineFlags::add_to(cmd, flags->engine);
   cmd->add_option("--expert-distribution-dump", flags->expert_distribution_dump,
                   "Write the recorder's window (JSON that `fulcrum plan --loads` reads)");
+  cmd->add_option("--nnodes", flags->dist.nnodes, "Nodes the ranks spread over; start one command per node")
+      ->capture_default_str();
+  cmd->add_option("--node-rank", flags->dist.node_rank, "This node's index in [0, --nnodes)")->capture_default_str();
+  cmd->add_option("--dist-init-addr", flags->dist.dist_init_addr,
+                  "HOST:PORT of node 0, where world rank 0 serves the rendezvous (default: a free local port)");
+  cmd->add_option("--dist-timeout", flags->dist.dist_timeout_s, "Seconds the rendezvous waits for every rank")
+      ->capture_default_str();
+  cmd->add_flag("--multi-process", flags->dist.multi_process,
+                "Ranks as processes (TCP between them) with --device cpu; always so with cuda and several ranks");
   cmd->callback([flags] { run_generate(*flags); });
 }
 

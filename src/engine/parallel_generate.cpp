@@ -71,28 +71,40 @@ InProcessRank build_in_process_rank(const std::string& model_dir, const model::Q
   return rank;
 }
 
+InProcessResult prepare_generate(const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                 const InProcessRun& run) {
+  InProcessResult result;
+  result.initial_placement = prepare_in_process_run(config, layout, run);
+  return result;
+}
+
+void generate_on_rank(int rank, comm::Communicator& world, const std::string& model_dir,
+                      const model::Qwen3MoeConfig& config, const ParallelLayout& layout, const InProcessRun& run,
+                      const std::vector<std::vector<int32_t>>& prompts, InProcessResult& result) {
+  InProcessRank me = build_in_process_rank(model_dir, config, layout, run, result.initial_placement, world);
+  RankDecodeTarget target(*me.engine, me.eplb.get());
+  model::GenerateResult mine = model::generate(target, prompts, run.decode);
+  eplb::LoadMatrix window;
+  if (me.eplb != nullptr) {
+    window = me.eplb->merged_window_loads();
+    if (!run.dump_file.empty()) me.eplb->dump(run.dump_file);
+  }
+  if (rank != 0) return;
+  result.generated = std::move(mine);
+  result.window_loads = std::move(window);
+  result.final_placement = me.eplb != nullptr ? me.eplb->live_placement() : result.initial_placement;
+  if (me.eplb != nullptr) {
+    result.rebalances = me.eplb->rebalances();
+    result.migration = me.eplb->migration_totals();
+  }
+}
+
 InProcessResult generate_in_process(const std::string& model_dir, const model::Qwen3MoeConfig& config,
                                     const ParallelLayout& layout, const InProcessRun& run,
                                     const std::vector<std::vector<int32_t>>& prompts) {
-  InProcessResult result;
-  result.initial_placement = prepare_in_process_run(config, layout, run);
+  InProcessResult result = prepare_generate(config, layout, run);
   comm::run_in_process(layout.world_size(), [&](int rank, comm::Communicator& world) {
-    InProcessRank me = build_in_process_rank(model_dir, config, layout, run, result.initial_placement, world);
-    RankDecodeTarget target(*me.engine, me.eplb.get());
-    model::GenerateResult mine = model::generate(target, prompts, run.decode);
-    eplb::LoadMatrix window;
-    if (me.eplb != nullptr) {
-      window = me.eplb->merged_window_loads();
-      if (!run.dump_file.empty()) me.eplb->dump(run.dump_file);
-    }
-    if (rank != 0) return;
-    result.generated = std::move(mine);
-    result.window_loads = std::move(window);
-    result.final_placement = me.eplb != nullptr ? me.eplb->live_placement() : result.initial_placement;
-    if (me.eplb != nullptr) {
-      result.rebalances = me.eplb->rebalances();
-      result.migration = me.eplb->migration_totals();
-    }
+    generate_on_rank(rank, world, model_dir, config, layout, run, prompts, result);
   });
   return result;
 }

@@ -78,4 +78,13 @@ InProcessResult generate_in_process(const std::string& model_dir, const model::Q
                                     const ParallelLayout& layout, const InProcessRun& run,
                                     const std::vector<std::vector<int32_t>>& prompts);
 
+// generate_in_process in two halves, for runners that start the ranks elsewhere (multi_process_run.hpp):
+// the checks and the initial placement (the same on every rank), then one rank's whole run, which fills
+// `result` on world rank 0.
+InProcessResult prepare_generate(const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                 const InProcessRun& run);
+void generate_on_rank(int rank, comm::Communicator& world, const std::string& model_dir,
+                      const model::Qwen3MoeConfig& config, const ParallelLayout& layout, const InProcessRun& run,
+                      const std::vector<std::vector<int32_t>>& prompts, InProcessResult& result);
+
 }  // namespace fulcrum::engine

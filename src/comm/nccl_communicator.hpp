@@ -1,0 +1,63 @@
+#pragma once
+// The Communicator of GPU rank processes: collectives through NCCL on the current CUDA device, over host
+// spans (uploaded to device staging buffers on the communicator's own stream, downloaded after), plus a
+// device-pointer path for callers whose data already lives on the GPU. Send/recv are buffered (a send never
+// waits for its receiver), so they travel over the host mesh (TcpCommunicator) rather than ncclSend, whose
+// unmatched sends would deadlock the send-everything-then-receive pattern of slot migration.
+// Failures (an NCCL status, a CUDA error, an asynchronous NCCL error, a peer process that died) abort the
+// NCCL communicator, so no rank waits forever, and throw fulcrum::Error with one line.
+// NOTES: NVLink multicast (NVLS) is forced off: NCCL_NVLS_ENABLE=0 before the first communicator.
+// NOTES: all_reduce_sum gives every rank bitwise the same result (NCCL reduces each element once and
+// distributes it); its summation order is NCCL's, bitwise the rank-order sum for 2 ranks.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "comm/communicator.hpp"
+#include "comm/peer_mesh.hpp"
+#include "comm/tcp_communicator.hpp"
+
+namespace fulcrum::comm {
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Collective over the mesh's world: rank 0 makes the ncclUniqueId and sends its bytes over the mesh; every
+  // rank uses its current CUDA device (cudaSetDevice before).
+  static std::unique_ptr<NcclCommunicator> create_world(std::shared_ptr<PeerMesh> mesh);
+  ~NcclCommunicator() override;
+
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+
+  void all_reduce_sum(std::span<float> data) override;
+  void all_gather(std::span<const std::byte> send, std::span<std::byte> recv) override;
+  void all_gather_v(std::span<const std::byte> send, std::span<std::byte> recv,
+                    std::span<const int64_t> recv_counts) override;
+  void reduce_scatter_sum(std::span<const float> send, std::span<float> recv) override;
+  void all_to_all_v(std::span<const std::byte> send, std::span<const int64_t> send_counts, std::span<std::byte> recv,
+                    std::span<const int64_t> recv_counts) override;
+  void broadcast(std::span<std::byte> data, int root) override;
+  void barrier() override;
+  void send(std::span<const std::byte> data, int peer) override;
+  void recv(std::span<std::byte> data, int peer) override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+  // Device pointers (current device): send holds send_counts[r] bytes per rank r in rank order, recv gets
+  // recv_counts[r] bytes from each r; one NCCL group of ncclSend/ncclRecv, returns when complete.
+  void all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
+                           std::span<const int64_t> recv_counts);
+
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  struct State;  // NCCL and CUDA handles (nccl_communicator.cpp)
+
+ private:
+  NcclCommunicator(std::unique_ptr<TcpCommunicator> host, std::unique_ptr<State> state);
+
+  std::unique_ptr<TcpCommunicator> host_;  // the same group over the mesh: ids, send/recv, peer failures
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace fulcrum::comm

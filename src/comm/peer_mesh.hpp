@@ -1,0 +1,79 @@
+#pragma once
+// The rank processes of one world, joined over TCP: a rendezvous at --dist-init-addr (world rank 0 serves it)
+// where every rank announces (world size, rank, mesh port) and learns every other rank's address, then one
+// socket per pair of ranks. Each socket has a reader thread that files incoming messages per (channel,
+// sender), so a send never waits for its receiver (the buffered semantics of Communicator::send).
+// A peer that exits without saying goodbye (a crash, a kill) is a failure every later receive reports.
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/tcp_socket.hpp"
+
+namespace fulcrum::comm {
+
+// In every error about a peer that failed first (how a launcher tells a cause from its consequences).
+inline constexpr const char* kPeerFailedPhrase = "closed its connection without finishing";
+
+struct DistInit {
+  HostPort address;  // --dist-init-addr: world rank 0 listens here, every other rank connects
+  int world_size = 1;
+  int rank = 0;
+  // How long the rendezvous waits for every rank (and each rank for rank 0) before failing.
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+};
+
+class PeerMesh {
+ public:
+  // Collective over the world: returns once every pair of ranks is connected. Throws a one-line error on an
+  // unreachable address, a timeout, mismatched world sizes, a rank announced twice or out of range.
+  static std::shared_ptr<PeerMesh> connect(const DistInit& init);
+  // Says goodbye to every peer (so they do not take this rank's exit for a failure) and closes; while an
+  // exception unwinds, closes without goodbye: the peers see this rank fail.
+  ~PeerMesh();
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(peers_.size()); }
+
+  // Buffered: returns once the bytes are handed to the kernel, whether or not `dst` receives yet.
+  void send(uint64_t channel, int dst, std::span<const std::byte> data);
+  // The next message from `src` on `channel` (waits); throws when `src` failed or left first.
+  std::vector<std::byte> recv(uint64_t channel, int src);
+  // Empty while no peer has failed; else one line naming the first peer that did.
+  std::string failure() const;
+
+  PeerMesh(const PeerMesh&) = delete;
+  PeerMesh& operator=(const PeerMesh&) = delete;
+
+ private:
+  enum class PeerState { kConnected, kLeft, kFailed };
+  struct Peer {
+    Socket socket;
+    std::string address;
+    std::mutex write_mutex;
+    std::thread reader;
+    PeerState state = PeerState::kConnected;
+    bool reader_done = false;
+  };
+
+  PeerMesh(int rank, int world_size);
+  void start_readers();
+  void read_loop(int src);
+
+  int rank_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // peers_[rank_] is unused
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<std::pair<uint64_t, int>, std::deque<std::vector<std::byte>>> mailboxes_;  // (channel, src)
+  std::string failure_;
+};
+
+}  // namespace fulcrum::comm

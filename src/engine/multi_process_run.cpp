@@ -1,0 +1,258 @@
+#include "engine/multi_process_run.hpp"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "comm/peer_mesh.hpp"
+#include "comm/tcp_communicator.hpp"
+#include "eplb/error.hpp"
+#ifdef FULCRUM_WITH_NCCL
+#include "comm/nccl_communicator.hpp"
+#endif
+
+namespace fulcrum::engine {
+namespace {
+
+constexpr const char* kLaunchEnv = "FULCRUM_RANK_LAUNCH";  // "local_rank world_rank world_size HOST:PORT timeout_s"
+
+std::vector<std::string> own_arguments() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::vector<std::string> args;
+  std::string arg;
+  while (std::getline(in, arg, '\0')) args.push_back(arg);
+  FULCRUM_CHECK(!args.empty(), "cannot read this process's arguments from /proc/self/cmdline");
+  return args;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+// The GPU each local rank sees as its device 0: the i-th of CUDA_VISIBLE_DEVICES, or GPU i.
+std::vector<std::string> local_gpus(int num_local) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  std::vector<std::string> gpus;
+  if (visible == nullptr) {
+    for (int i = 0; i < num_local; ++i) gpus.push_back(std::to_string(i));
+    return gpus;
+  }
+  gpus = split_list(visible);
+  FULCRUM_CHECK(static_cast<int>(gpus.size()) >= num_local,
+                "--device cuda: this node runs {} ranks but CUDA_VISIBLE_DEVICES='{}' lists {} GPUs", num_local,
+                visible, gpus.size());
+  gpus.resize(num_local);
+  return gpus;
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  return "stopped";
+}
+
+// An unlinked temporary file: a child's stderr, read back by the launcher once the child is gone.
+int anonymous_file() {
+  char path[] = "/tmp/fulcrum_rank_stderr_XXXXXX";
+  const int fd = ::mkstemp(path);
+  FULCRUM_CHECK(fd >= 0, "cannot create a temporary file for a rank's stderr: {}", std::strerror(errno));
+  ::unlink(path);
+  return fd;
+}
+
+std::string read_back(int fd) {
+  std::string text;
+  char buffer[4096];
+  for (off_t offset = 0;;) {
+    const ssize_t n = ::pread(fd, buffer, sizeof(buffer), offset);
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    offset += n;
+  }
+  return text;
+}
+
+// The child's own one-line error (its last "fulcrum: error: " line), without the prefix.
+std::string error_line(const std::string& err) {
+  const std::string prefix = "fulcrum: error: ";
+  const size_t at = err.rfind(prefix);
+  if (at == std::string::npos) return "";
+  const size_t end = err.find('\n', at);
+  return err.substr(at + prefix.size(), end == std::string::npos ? std::string::npos : end - at - prefix.size());
+}
+
+[[noreturn]] void exec_rank(const std::vector<std::string>& args, pid_t launcher, const std::string& launch,
+                            const std::string& gpu, int stderr_fd) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // the launcher dies: so does this rank
+  if (::getppid() != launcher) ::_exit(1);
+  ::dup2(stderr_fd, STDERR_FILENO);
+  ::setenv(kLaunchEnv, launch.c_str(), 1);
+  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+  if (!gpu.empty()) ::setenv("CUDA_VISIBLE_DEVICES", gpu.c_str(), 1);
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  ::execv("/proc/self/exe", argv.data());
+  std::fprintf(stderr, "fulcrum: error: cannot start a rank process: %s\n", std::strerror(errno));
+  ::_exit(127);
+}
+
+}  // namespace
+
+bool runs_as_processes(const DistFlags& flags, const std::string& device, int world_size) {
+  return flags.nnodes > 1 || flags.multi_process || (device == "cuda" && world_size > 1);
+}
+
+void validate_dist_flags(const DistFlags& flags, int world_size) {
+  FULCRUM_CHECK(flags.nnodes >= 1, "--nnodes must be at least 1, got {}", flags.nnodes);
+  FULCRUM_CHECK(flags.node_rank >= 0 && flags.node_rank < flags.nnodes, "--node-rank {} outside [0, --nnodes {})",
+                flags.node_rank, flags.nnodes);
+  FULCRUM_CHECK(world_size % flags.nnodes == 0, "the layout's {} ranks do not divide evenly over --nnodes {}",
+                world_size, flags.nnodes);
+  FULCRUM_CHECK(flags.nnodes == 1 || !flags.dist_init_addr.empty(),
+                "--nnodes {} needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)", flags.nnodes);
+  if (!flags.dist_init_addr.empty()) comm::parse_host_port(flags.dist_init_addr, "--dist-init-addr");
+  FULCRUM_CHECK(flags.dist_timeout_s > 0, "--dist-timeout must be positive, got {}", flags.dist_timeout_s);
+}
+
+std::optional<LaunchedRank> launched_rank() {
+  const char* text = std::getenv(kLaunchEnv);
+  if (text == nullptr) return std::nullopt;
+  LaunchedRank me;
+  std::istringstream in(text);
+  in >> me.local_rank >> me.world_rank >> me.world_size >> me.dist_init_addr >> me.timeout_s;
+  FULCRUM_CHECK(!in.fail() && me.world_rank >= 0 && me.world_rank < me.world_size, "malformed {}='{}'", kLaunchEnv,
+                text);
+  return me;
+}
+
+void launch_rank_processes(const DistFlags& flags, int world_size, const std::string& device) {
+  validate_dist_flags(flags, world_size);
+  const int num_local = world_size / flags.nnodes;
+  const int first_rank = flags.node_rank * num_local;
+  const std::string address =
+      flags.dist_init_addr.empty() ? fmt::format("127.0.0.1:{}", comm::pick_free_port()) : flags.dist_init_addr;
+  const std::vector<std::string> gpus = device == "cuda" ? local_gpus(num_local) : std::vector<std::string>(num_local);
+  const std::vector<std::string> args = own_arguments();
+  std::fflush(nullptr);  // nothing buffered is written twice by the children
+
+  const pid_t launcher = ::getpid();
+  std::map<pid_t, int> running;  // pid -> local rank
+  std::vector<int> stderr_fds;   // per local rank
+  struct Failure {
+    std::string line;
+    bool lost_a_peer = false;  // it only reports another rank's failure
+  };
+  std::vector<Failure> failures;  // in the order the launcher saw them
+  size_t num_stopped = 0;
+  auto stop_all = [&](int sig) {
+    for (const auto& [pid, local] : running) ::kill(pid, sig);
+  };
+  for (int local = 0; local < num_local; ++local) {
+    const std::string launch =
+        fmt::format("{} {} {} {} {}", local, first_rank + local, world_size, address, flags.dist_timeout_s);
+    stderr_fds.push_back(anonymous_file());
+    const pid_t pid = ::fork();
+    if (pid == 0) exec_rank(args, launcher, launch, gpus[local], stderr_fds.back());
+    if (pid < 0) {
+      failures.push_back({fmt::format("cannot start local rank {}: fork failed: {}", local, std::strerror(errno))});
+      num_stopped = running.size();
+      stop_all(SIGTERM);
+      break;
+    }
+    running[pid] = local;
+  }
+  // Reap; the first failure stops the rest (SIGTERM, then SIGKILL after a grace period).
+  auto kill_deadline = std::chrono::steady_clock::time_point::max();
+  while (!running.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno != EINTR) break;
+    if (pid <= 0) {
+      if (std::chrono::steady_clock::now() > kill_deadline) {
+        stop_all(SIGKILL);
+        kill_deadline = std::chrono::steady_clock::time_point::max();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    const auto it = running.find(pid);
+    if (it == running.end()) continue;
+    const int local = it->second;
+    running.erase(it);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    const bool stopped_by_us = !failures.empty() && WIFSIGNALED(status) &&
+                               (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
+    if (stopped_by_us) continue;
+    const std::string own = error_line(read_back(stderr_fds[local]));
+    const std::string exit = fmt::format("rank {} (pid {}) {}", first_rank + local, pid, describe_status(status));
+    failures.push_back({own.empty() ? exit : own + " [" + exit + "]",
+                        own.find(comm::kPeerFailedPhrase) != std::string::npos});
+    if (failures.size() == 1) {
+      num_stopped = running.size();
+      stop_all(SIGTERM);
+      kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    }
+  }
+  // Success: pass on what the ranks said (warnings). Failure: one line, the cause's (a rank that failed on
+  // its own rather than one that lost its peer), whichever the launcher happened to reap first.
+  for (const int fd : stderr_fds) {
+    if (failures.empty()) std::fputs(read_back(fd).c_str(), stderr);
+    ::close(fd);
+  }
+  if (failures.empty()) return;
+  const auto cause = std::find_if(failures.begin(), failures.end(), [](const Failure& f) { return !f.lost_a_peer; });
+  std::string line = (cause != failures.end() ? *cause : failures.front()).line;
+  if (num_stopped > 0) line += fmt::format("; stopped the other {} local rank(s)", num_stopped);
+  throw Error(line);
+}
+
+InProcessResult generate_as_rank(const LaunchedRank& me, const std::string& model_dir,
+                                 const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
+                                 const InProcessRun& run, const std::vector<std::vector<int32_t>>& prompts) {
+  try {
+    FULCRUM_CHECK(layout.world_size() == me.world_size, "the layout has {} ranks, the launcher started {}",
+                  layout.world_size(), me.world_size);
+    InProcessResult result = prepare_generate(config, layout, run);
+    const comm::DistInit init{comm::parse_host_port(me.dist_init_addr, "--dist-init-addr"), me.world_size,
+                              me.world_rank,
+                              std::chrono::milliseconds(static_cast<int64_t>(me.timeout_s * 1000))};
+    std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
+    std::unique_ptr<comm::Communicator> world;
+    if (run.device == "cuda") {
+#ifdef FULCRUM_WITH_NCCL
+      world = comm::NcclCommunicator::create_world(mesh);  // this process's GPU is its device 0
+#else
+      throw Error("--device cuda with several ranks needs a build with NCCL (FULCRUM_ENABLE_CUDA and NCCL found)");
+#endif
+    } else {
+      world = std::make_unique<comm::TcpCommunicator>(mesh);
+    }
+    generate_on_rank(me.world_rank, *world, model_dir, config, layout, run, prompts, result);
+    return result;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank {}: {}", me.world_rank, e.what()));
+  }
+}
+
+}  // namespace fulcrum::engine

@@ -1,0 +1,222 @@
+// NCCL communicator on 2 GPUs, its ranks as processes (this binary re-executed with one NcclRank.* test and
+// FULCRUM_NCCL_TEST="rank size port"): every collective against its definition and bitwise against the
+// in-process communicator, a peer that dies aborts the survivor instead of hanging it, and a bandwidth
+// report of the device-pointer path (no threshold: figures only). Then `fulcrum generate --device cuda
+// --tp 2 --ep 2` on 2 GPUs, as one command and as 2 nodes x 1 GPU, prints the CPU one-rank tokens.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "backend/cuda/cuda_backend.hpp"
+#include "backend/cuda/cuda_check.hpp"
+#include "comm/in_process_communicator.hpp"
+#include "comm/nccl_communicator.hpp"
+#include "communicator_checks.hpp"
+#include "eplb/error.hpp"
+#include "model_test_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct RankEnv {
+  int rank = 0;
+  int size = 0;
+  int port = 0;
+};
+
+std::optional<RankEnv> rank_env() {
+  const char* text = std::getenv("FULCRUM_NCCL_TEST");
+  if (text == nullptr) return std::nullopt;
+  RankEnv e;
+  std::istringstream(text) >> e.rank >> e.size >> e.port;
+  return e;
+}
+
+// Runs `child_test` of this binary as `n` rank processes; returns their exit statuses (-1: killed).
+std::vector<int> run_rank_processes(int n, const std::string& child_test) {
+  const int port = comm::pick_free_port();
+  std::fflush(nullptr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setenv("FULCRUM_NCCL_TEST", fmt::format("{} {} {}", r, n, port).c_str(), 1);
+      ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+      const std::string filter = "--gtest_filter=" + child_test;
+      ::execl("/proc/self/exe", "fulcrum_cuda_tests", filter.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> statuses(n, -1);
+  const auto deadline = std::chrono::steady_clock::now() + 300s;
+  for (int r = 0; r < n; ++r) {
+    int status = 0;
+    while (::waitpid(pids[r], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) ::kill(pids[r], SIGKILL);
+      std::this_thread::sleep_for(10ms);
+    }
+    statuses[r] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  return statuses;
+}
+
+std::unique_ptr<comm::NcclCommunicator> join_world(const RankEnv& e) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(e.rank % backend::CudaBackend::device_count()));
+  auto mesh = comm::PeerMesh::connect({{"127.0.0.1", e.port}, e.size, e.rank, 60s});
+  return comm::NcclCommunicator::create_world(mesh);
+}
+
+#define FULCRUM_RANK_ONLY(env)                                      \
+  const std::optional<RankEnv> env = rank_env();                    \
+  if (!env) GTEST_SKIP() << "runs as a rank process of another test"
+
+#define FULCRUM_NEEDS_GPUS(n)                                                  \
+  if (backend::CudaBackend::device_count() < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs"
+
+TEST(NcclRank, Collectives) {
+  FULCRUM_RANK_ONLY(env);
+  auto world = join_world(*env);
+  check_collectives(env->rank, env->size, *world);
+  // Bitwise the in-process communicator's results on the same inputs (each rank runs that reference itself).
+  std::vector<std::vector<std::byte>> expected;
+  comm::run_in_process(env->size, [&](int r, comm::Communicator& c) {
+    auto out = collective_outputs(r, env->size, c);
+    if (r == env->rank) expected = std::move(out);
+  });
+  const auto got = collective_outputs(env->rank, env->size, *world);
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(got[i], expected[i]) << "collective #" << i;
+  // Every rank holds bitwise the same all_reduce result.
+  std::vector<std::byte> all(got[0].size() * env->size);
+  world->all_gather(got[0], all);
+  for (int r = 0; r < env->size; ++r) {
+    EXPECT_TRUE(std::equal(got[0].begin(), got[0].end(), all.begin() + static_cast<std::ptrdiff_t>(r * got[0].size())));
+  }
+  // Split: singletons and the whole world again, reversed.
+  auto alone = world->split(env->rank, 0);
+  EXPECT_EQ(alone->size(), 1);
+  auto reversed = world->split(7, -env->rank);
+  EXPECT_EQ(reversed->rank(), env->size - 1 - env->rank);
+  std::vector<float> x{static_cast<float>(env->rank + 1)};
+  reversed->all_reduce_sum(x);
+  EXPECT_EQ(x[0], static_cast<float>(env->size * (env->size + 1) / 2));
+  alone->all_reduce_sum(x);
+  check_collectives(reversed->rank(), env->size, *reversed);
+}
+
+TEST(NcclRank, APeerThatDiesAbortsTheSurvivor) {
+  FULCRUM_RANK_ONLY(env);
+  auto world = join_world(*env);
+  world->barrier();
+  if (env->rank == 1) ::_exit(3);  // dies without a goodbye, while rank 0 is in an all_reduce
+  std::vector<float> x(1 << 20, 1.0f);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    world->all_reduce_sum(x);
+    world->all_reduce_sum(x);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NCCL communicator aborted: rank 1"), std::string::npos) << e.what();
+  }
+  std::printf("survivor noticed the dead peer after %.3f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  std::fflush(nullptr);
+  ::_exit(::testing::Test::HasFailure() ? 1 : 0);  // the aborted communicator is not torn down again
+}
+
+// Figures only (no threshold): the device-pointer all_to_all_v between the 2 GPUs, one direction (NCCL
+// P2P send/recv) and both directions at once.
+TEST(NcclRank, Bandwidth) {
+  FULCRUM_RANK_ONLY(env);
+  auto world = join_world(*env);
+  const int peer = 1 - env->rank;
+  for (const int64_t bytes : {int64_t{1} << 20, int64_t{16} << 20, int64_t{256} << 20}) {
+    std::byte* send = nullptr;
+    std::byte* recv = nullptr;
+    FULCRUM_CUDA_CHECK(cudaMalloc(&send, bytes));
+    FULCRUM_CUDA_CHECK(cudaMalloc(&recv, bytes));
+    for (const bool both : {false, true}) {
+      std::vector<int64_t> send_counts(2, 0), recv_counts(2, 0);
+      if (both || env->rank == 0) send_counts[peer] = bytes;
+      if (both || env->rank == 1) recv_counts[peer] = bytes;
+      world->all_to_all_v_device(send, send_counts, recv, recv_counts);  // warm-up (connections)
+      world->barrier();
+      const int iterations = 20;
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < iterations; ++i) world->all_to_all_v_device(send, send_counts, recv, recv_counts);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iterations;
+      if (env->rank == 0) {
+        std::printf("nccl all_to_all_v_device %s %8.1f MiB: %.3f ms, %.1f GB/s per direction\n",
+                    both ? "both directions" : "rank 0 -> 1    ", bytes / 1048576.0, seconds * 1e3, bytes / seconds / 1e9);
+      }
+    }
+    // The host-span path the engine uses today (upload, NCCL, download), for comparison.
+    std::vector<std::byte> host_send(static_cast<size_t>(bytes)), host_recv(static_cast<size_t>(bytes));
+    std::vector<int64_t> counts(2, 0);
+    counts[peer] = bytes;
+    world->all_to_all_v(host_send, counts, host_recv, counts);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 5; ++i) world->all_to_all_v(host_send, counts, host_recv, counts);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 5;
+    if (env->rank == 0) {
+      std::printf("nccl all_to_all_v (host spans) both directions %8.1f MiB: %.3f ms, %.1f GB/s per direction\n",
+                  bytes / 1048576.0, seconds * 1e3, bytes / seconds / 1e9);
+    }
+    FULCRUM_CUDA_CHECK(cudaFree(send));
+    FULCRUM_CUDA_CHECK(cudaFree(recv));
+  }
+}
+
+TEST(NcclCommunicator, CollectivesOnTwoGpus) {
+  FULCRUM_NEEDS_GPUS(2);
+  EXPECT_EQ(run_rank_processes(2, "NcclRank.Collectives"), (std::vector<int>{0, 0}));
+}
+
+TEST(NcclCommunicator, APeerThatDiesAbortsTheSurvivor) {
+  FULCRUM_NEEDS_GPUS(2);
+  EXPECT_EQ(run_rank_processes(2, "NcclRank.APeerThatDiesAbortsTheSurvivor"), (std::vector<int>{0, 3}));
+}
+
+TEST(NcclCommunicator, Bandwidth) {
+  FULCRUM_NEEDS_GPUS(2);
+  EXPECT_EQ(run_rank_processes(2, "NcclRank.Bandwidth"), (std::vector<int>{0, 0}));
+}
+
+TEST(CudaGenerate, TwoGpuRanksPrintTheCpuOneRankTokens) {
+  FULCRUM_NEEDS_GPUS(2);
+  TempDir dir("cuda_multi_gpu");
+  const std::string base = "generate --model " + golden_model_dir("qwen3moe-tiny-128e") +
+                           " --max-new-tokens 6 --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' "
+                           "--prompt-tokens '0 8 99'";
+  const CliRun cpu = run_cli(dir, base);
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  const CliRun gpus = run_cli(dir, base + " --device cuda --tp 2 --ep 2");
+  ASSERT_EQ(gpus.exit_code, 0) << gpus.err;
+  EXPECT_EQ(tokens_of(gpus.out), tokens_of(cpu.out));
+  EXPECT_NE(gpus.out.find("on cuda x 2 process ranks"), std::string::npos) << gpus.out;
+  std::printf("one command, 2 GPUs:\n%s", gpus.out.c_str());
+
+  // 2 nodes x 1 GPU on this host: each command sees one GPU.
+  const auto [node0, node1] = run_cli_two_nodes(dir, base + " --device cuda --tp 2 --ep 2 --nnodes 2 --dist-init-addr 127.0.0.1:" +
+                                                         std::to_string(comm::pick_free_port()),
+                                                "CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1");
+  EXPECT_EQ(node0.exit_code, 0) << node0.err;
+  EXPECT_EQ(node1.exit_code, 0) << node1.err;
+  EXPECT_EQ(tokens_of(node0.out), tokens_of(cpu.out));
+  std::printf("2 nodes x 1 GPU, node 0:\n%s", node0.out.c_str());
+}
+
+}  // namespace
+}  // namespace fulcrum::test
