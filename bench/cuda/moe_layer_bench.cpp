@@ -5,8 +5,9 @@
 //              combine) with the recorder on and off, the two interleaved rep by rep; the router GEMM
 //              [T, H] x [H, E] is timed on its own (it does not depend on routing)
 //   router     the router kernel alone, recorder on and off
-//   experts    the expert stage (gate_up GEMM, SwiGLU, down GEMM) over all slots, cuBLAS grouped and
-//              per-slot GEMMs, with FLOPs and minimum bytes against the ceilings measured at start
+//   experts    the expert stage (gate_up GEMM, SwiGLU, down GEMM) over all slots, cuBLAS grouped,
+//              per-slot and auto (the layer's default), with FLOPs and minimum bytes against the ceilings
+//              measured at start
 //   EP ranks   the expert stage over each virtual EP rank's slot subset (--ep ranks, P/ep contiguous
 //              slots each), one at a time on this GPU; max and mean over ranks
 // Routing scenarios: uniform (every token's top-k uniform without replacement), loads without EPLB
@@ -177,16 +178,19 @@ json run_scenario(const Scenario& sc, int64_t tokens, const Options& opt, const 
   layer.permute(xp, tokens);
   const int p = shape.num_slots;
   json gemm;
-  for (const auto variant : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+  const auto variant_name = [](backend::ExpertGemm v) {
+    return v == backend::ExpertGemm::kGrouped ? "grouped" : v == backend::ExpertGemm::kPerSlot ? "per_slot" : "auto";
+  };
+  for (const auto variant : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot, backend::ExpertGemm::kAuto}) {
     layer.set_expert_gemm(variant);
     const double ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, p); });
     const double flops = layer.expert_flops(0, p), bytes = layer.expert_min_bytes(0, p);
     const double floor_ms = std::max(flops / peak_flops, bytes / peak_bytes) * 1e3;
-    gemm[variant == backend::ExpertGemm::kGrouped ? "grouped" : "per_slot"] = {
+    gemm[variant_name(variant)] = {
         {"ms", ms}, {"tflops", flops / (ms * 1e-3) / 1e12}, {"gbytes_per_s_min_bytes", bytes / (ms * 1e-3) / 1e9},
         {"bound", flops / peak_flops > bytes / peak_bytes ? "tensor-core" : "HBM"}, {"roofline_fraction", floor_ms / ms}};
   }
-  layer.set_expert_gemm(backend::ExpertGemm::kGrouped);
+  layer.set_expert_gemm(backend::ExpertGemm::kAuto);  // as the layer runs
   std::vector<double> rank_ms;
   std::vector<int64_t> rank_tokens;
   for (int r = 0; r < opt.ep; ++r) {
@@ -279,14 +283,14 @@ int run(const Options& opt) {
         r["router_gemm_ms"] = router_gemm_ms;
         const json& g = r["expert_gemm"];
         fmt::print("{:16} T={:6} {:19} P={:3} layer {:8.3f} ms ({:9.0f} tok/s) rec-off {:8.3f} ms ({:+.2f}%) | router "
-                   "{:.3f}/{:.3f} ms | experts grouped {:.3f} ms {:.2f} of {} roofline, per-slot {:.3f} ms | EP{} max "
+                   "{:.3f}/{:.3f} ms | experts grouped {:.3f} / per-slot {:.3f} / auto {:.3f} ms, auto {:.2f} of {} roofline | EP{} max "
                    "rank {:.3f} ms, time bal {:.3f}, token bal {:.3f}\n",
                    m.name, tokens, sc.name, sc.map.size(), r["layer_ms_recorder_on"].get<double>(),
                    r["tokens_per_s"].get<double>(), r["layer_ms_recorder_off"].get<double>(),
                    100 * r["recorder_overhead_fraction"].get<double>(), r["router_kernel_ms_recorder_on"].get<double>(),
                    r["router_kernel_ms_recorder_off"].get<double>(), g["grouped"]["ms"].get<double>(),
-                   g["grouped"]["roofline_fraction"].get<double>(), g["grouped"]["bound"].get<std::string>(),
-                   g["per_slot"]["ms"].get<double>(), opt.ep, r["ep_max_rank_expert_ms"].get<double>(),
+                   g["per_slot"]["ms"].get<double>(), g["auto"]["ms"].get<double>(),
+                   g["auto"]["roofline_fraction"].get<double>(), g["auto"]["bound"].get<std::string>(), opt.ep, r["ep_max_rank_expert_ms"].get<double>(),
                    r["ep_time_balancedness"].get<double>(), r["ep_token_balancedness"].get<double>());
         results.push_back(r);
       }

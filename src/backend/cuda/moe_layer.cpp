@@ -247,7 +247,9 @@ void GpuMoeLayer::expert_gemm(int gemm_idx, int slot_begin, int slot_end) {
   const void** host_b = host_ptrs_ + (3 * gemm_idx + 1) * p + first;
   const void** host_c = host_ptrs_ + (3 * gemm_idx + 2) * p + first;
   // Row-major out [n, N] = in [n, K] @ W [N, K]^T is column-major out^T = W^T(op T) in^T: m = N, n = rows, k = K.
-  if (expert_gemm_ == ExpertGemm::kPerSlot) {
+  const bool per_slot = expert_gemm_ == ExpertGemm::kPerSlot ||
+                        (expert_gemm_ == ExpertGemm::kAuto && expert_flops(slot_begin, slot_end) >= kPerSlotMinFlops);
+  if (per_slot) {
     for (int q = 0; q < count; ++q) {
       FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out_features, problem_rows_[first + q],
                                         in_features, &alpha, host_a[q], CUDA_R_16BF, in_features, host_b[q],

@@ -31,8 +31,13 @@ struct MoeLayerShape {
 };
 
 // How the expert GEMMs are issued: one cublasGemmGroupedBatchedEx per GEMM over all non-empty slots, or
-// one cublasGemmEx per non-empty slot.
-enum class ExpertGemm { kGrouped, kPerSlot };
+// one cublasGemmEx per non-empty slot, or (auto, the default) grouped below kPerSlotMinFlops of expert work
+// and per-slot above. Measured on an H200 (docs/benchmarks.md): grouped wins while host launch overhead
+// dominates (about 2.5 ms for 256 per-slot calls), per-slot wins on large problems (its GEMMs run at
+// about 0.45-0.67 of the bf16 roofline, grouped at about 0.33); the crossover lies between 0.31 and 1.2
+// TFLOP per call at both Qwen3 shapes.
+enum class ExpertGemm { kGrouped, kPerSlot, kAuto };
+constexpr double kPerSlotMinFlops = 0.7e12;
 
 // A device allocation freed with the object.
 class DeviceBuffer {
@@ -110,7 +115,7 @@ class GpuMoeLayer {
   int device_idx_ = 0;
   CUstream_st* stream_ = nullptr;
   cublasContext* cublas_ = nullptr;
-  ExpertGemm expert_gemm_ = ExpertGemm::kGrouped;
+  ExpertGemm expert_gemm_ = ExpertGemm::kAuto;
   model::moe::ReplicaChoiceSpec spec_;
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;
