@@ -13,18 +13,12 @@
 #include "eplb/error.hpp"
 #include "model/model_parallel.hpp"
 #include "model/moe_reference.hpp"
+#include "moe_test_util.hpp"
 
 namespace fulcrum::test {
 namespace {
 
 namespace moe = model::moe;
-
-std::vector<float> random_bf16(int64_t n, uint64_t seed, float scale) {
-  eplb::SplitMix64 rng(seed);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = moe::round_bf16(static_cast<float>((2.0 * rng.uniform() - 1.0) * scale));
-  return v;
-}
 
 // 16 experts on 4 GPUs with 4 replicas: experts 0, 1, 2 have two replicas, expert 0 a third.
 std::vector<int32_t> replicated_map() {
@@ -46,7 +40,7 @@ TEST(MoeReference, ReplicaChoiceMatchesEngine) {
   const eplb::Topology topo{20, 4, 1};
   const int num_experts = 16, top_k = 4;
   const int64_t num_tokens = 37, per_source = 10;  // the last source has 7 tokens
-  const std::vector<float> logits = random_bf16(num_tokens * num_experts, 3, 4.0f);
+  const std::vector<float> logits = random_bf16_values(num_tokens * num_experts, 3, 4.0f);
   const model::RouterChoice choice = moe::route_reference(logits, num_tokens, num_experts, top_k, true);
   const uint64_t seed = 42, pass_idx = 5;
   const int moe_layer_idx = 2;
@@ -84,7 +78,7 @@ TEST(MoeReference, ReplicaChoiceMatchesEngine) {
 TEST(MoeReference, DynamicChoiceSpreadsOverReplicas) {
   const std::vector<int32_t> map = replicated_map();
   const int64_t num_tokens = 4000;
-  std::vector<float> logits = random_bf16(num_tokens * 16, 4, 1.0f);
+  std::vector<float> logits = random_bf16_values(num_tokens * 16, 4, 1.0f);
   for (int64_t t = 0; t < num_tokens; ++t) logits[t * 16] = 10.0f;  // expert 0 (3 replicas) always chosen
   const model::RouterChoice choice = moe::route_reference(logits, num_tokens, 16, 4, true);
   const moe::ReplicaChoiceSpec spec = moe::make_replica_choice(eplb::DispatchAlgorithm::kDynamic, map, 16,
@@ -118,15 +112,15 @@ TEST(MoeReference, LayerMatchesModelOpsAndIgnoresReplicaChoice) {
   const int hidden = 24, inter = 10, experts = 16, top_k = 4;
   const int64_t num_tokens = 19;
   const std::vector<int32_t> map = replicated_map();
-  const std::vector<float> logical_gate_up = random_bf16(int64_t{experts} * 2 * inter * hidden, 5, 0.3f);
-  const std::vector<float> logical_down = random_bf16(int64_t{experts} * hidden * inter, 6, 0.3f);
+  const std::vector<float> logical_gate_up = random_bf16_values(int64_t{experts} * 2 * inter * hidden, 5, 0.3f);
+  const std::vector<float> logical_down = random_bf16_values(int64_t{experts} * hidden * inter, 6, 0.3f);
   std::vector<float> gate_up, down;
   for (const int32_t e : map) {
     gate_up.insert(gate_up.end(), logical_gate_up.begin() + e * 2 * inter * hidden, logical_gate_up.begin() + (e + 1) * 2 * inter * hidden);
     down.insert(down.end(), logical_down.begin() + e * hidden * inter, logical_down.begin() + (e + 1) * hidden * inter);
   }
-  const std::vector<float> x = random_bf16(num_tokens * hidden, 7, 1.0f);
-  const std::vector<float> logits = random_bf16(num_tokens * experts, 8, 3.0f);
+  const std::vector<float> x = random_bf16_values(num_tokens * hidden, 7, 1.0f);
+  const std::vector<float> logits = random_bf16_values(num_tokens * experts, 8, 3.0f);
   const eplb::Topology topo{20, 4, 1};
   const auto spec_static = moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, experts, topo, 5);
   const auto spec_dynamic = moe::make_replica_choice(eplb::DispatchAlgorithm::kDynamic, map, experts, topo, 5, {9, 8, 7, 6});
@@ -149,10 +143,9 @@ TEST(MoeReference, LayerMatchesModelOpsAndIgnoresReplicaChoice) {
   }
   cpu.upload(rows, all_rows);
   const std::vector<float> expected = cpu.download(cpu.weighted_sum(rows, choice.weights, top_k));
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < out.size(); ++i) diff += (out[i] - expected[i]) * (out[i] - expected[i]), ref += expected[i] * expected[i];
-  EXPECT_LE(std::sqrt(diff / ref), 1e-2);  // bf16 intermediates vs fp32 (tests_cuda/moe_layer_test.cpp says why)
-  EXPECT_GT(std::sqrt(diff / ref), 0.0);   // the reference does round to bf16
+  const double error = relative_error(out, expected);
+  EXPECT_LE(error, 1e-2);  // bf16 intermediates vs fp32 (tests_cuda/moe_layer_test.cpp says why)
+  EXPECT_GT(error, 0.0);   // the reference does round to bf16
 
   // combine_reference on the model's own rows is the model's weighted sum.
   std::vector<int32_t> identity(static_cast<size_t>(num_tokens * top_k));

@@ -36,6 +36,7 @@
 #include "model/checkpoint_writer.hpp"
 #include "model/model_parallel.hpp"
 #include "model/moe_reference.hpp"
+#include "moe_test_util.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -62,14 +63,6 @@ std::string name_of(const Case& c) {
                      c.tokens, c.sources);
 }
 
-// Uniform in [-scale, scale), rounded to bf16 (SplitMix64: the real shapes need hundreds of millions).
-std::vector<float> random_bf16_values(int64_t n, uint32_t seed, float scale) {
-  eplb::SplitMix64 rng(seed);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = moe::round_bf16(static_cast<float>((2.0 * rng.uniform() - 1.0) * scale));
-  return v;
-}
-
 std::vector<uint16_t> to_bits(const std::vector<float>& v) {
   std::vector<uint16_t> bits(v.size());
   for (size_t i = 0; i < v.size(); ++i) bits[i] = model::f32_to_bf16_bits(v[i]);
@@ -88,17 +81,6 @@ std::vector<T> to_host(const T* device, int64_t n) {
   std::vector<T> host(static_cast<size_t>(n));
   EXPECT_EQ(cudaMemcpy(host.data(), device, sizeof(T) * host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   return host;
-}
-
-double relative_error(const std::vector<float>& actual, const std::vector<float>& expected) {
-  EXPECT_EQ(actual.size(), expected.size());
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < std::min(actual.size(), expected.size()); ++i) {
-    if (!std::isfinite(actual[i])) return INFINITY;
-    diff += (double(actual[i]) - expected[i]) * (double(actual[i]) - expected[i]);
-    ref += double(expected[i]) * expected[i];
-  }
-  return std::sqrt(diff / std::max(ref, 1e-30));
 }
 
 // A layer map with P = E + extra slots over `gpus` GPUs: every expert once, then replicas of the first

@@ -341,20 +341,23 @@ cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int interm
   return cudaGetLastError();
 }
 
+template <typename Out>
+cudaError_t launch_combine(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
+                           int top_k, int hidden_size, Out* out, cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  combine_kernel<Out><<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
+                                                                     hidden_size, out);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,
                                int64_t num_tokens, int top_k, int hidden_size, float* out, cudaStream_t stream) {
-  if (num_tokens == 0) return cudaSuccess;
-  combine_kernel<float><<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
-                                                                       hidden_size, out);
-  return cudaGetLastError();
+  return launch_combine(rows, entry_row, weights, num_tokens, top_k, hidden_size, out, stream);
 }
 
 cudaError_t launch_combine_bf16(const uint16_t* rows, const int32_t* entry_row, const float* weights,
                                 int64_t num_tokens, int top_k, int hidden_size, uint16_t* out, cudaStream_t stream) {
-  if (num_tokens == 0) return cudaSuccess;
-  combine_kernel<uint16_t><<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
-                                                                          hidden_size, out);
-  return cudaGetLastError();
+  return launch_combine(rows, entry_row, weights, num_tokens, top_k, hidden_size, out, stream);
 }
 
 cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream) {
