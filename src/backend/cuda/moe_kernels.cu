@@ -1,0 +1,375 @@
+// Kernels of the GPU MoE layer: router (softmax, top-k, renormalization, replica choice, recorder
+// histogram), permutation by physical slot, SwiGLU activation, combine. See moe_kernels.hpp.
+#include <cuda_bf16.h>
+
+#include "backend/cuda/launch_util.cuh"
+#include "backend/cuda/moe_kernels.hpp"
+
+namespace fulcrum::cuda::moe {
+namespace {
+
+constexpr int kRouterWarps = 8;
+constexpr int kTokensPerRouterBlock = 64;  // shared histogram flushed once per 64 tokens
+constexpr int kLogitsPerLane = kMaxRouterExperts / 32;
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;  // SplitMix64 increment (eplb::SplitMix64)
+
+__device__ __forceinline__ uint64_t splitmix_mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+__device__ __forceinline__ uint16_t f32_to_bf16(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+__global__ void moe_router_kernel(RouterArgs a) {
+  extern __shared__ unsigned int s_hist[];  // [E] when recording
+  const bool record = a.histogram != nullptr;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_experts = a.num_experts, top_k = a.top_k;
+  if (record) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_hist[e] = 0;
+    __syncthreads();
+  }
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTokensPerRouterBlock;
+  const int64_t last = min(first + kTokensPerRouterBlock, a.num_tokens);
+  for (int64_t t = first + warp; t < last; t += kRouterWarps) {
+    const float* row = a.logits + t * num_experts;  // [E]
+    float logit[kLogitsPerLane];
+    float max_logit = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      const int e = lane + 32 * i;
+      logit[i] = e < num_experts ? row[e] : -INFINITY;
+      max_logit = fmaxf(max_logit, logit[i]);
+    }
+    max_logit = warp_max(max_logit);
+    double denom = 0.0;
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      if (lane + 32 * i < num_experts) denom += exp(static_cast<double>(logit[i]) - max_logit);
+    }
+    denom = warp_sum(denom);
+    float prob[kLogitsPerLane];  // -1: not an expert, or already chosen
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      prob[i] = lane + 32 * i < num_experts ? static_cast<float>(exp(static_cast<double>(logit[i]) - max_logit) / denom)
+                                            : -1.0f;
+    }
+    // k rounds of warp-wide argmax; ties go to the lower expert index, as the CPU's sort.
+    float my_prob = 0.0f, sum = 0.0f;
+    int my_expert = -1;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (j >= top_k) break;
+      float best = -2.0f;
+      int best_e = 0x7fffffff;
+#pragma unroll
+      for (int i = 0; i < kLogitsPerLane; ++i) {
+        if (prob[i] > best) {
+          best = prob[i];
+          best_e = lane + 32 * i;
+        }
+      }
+      for (int offset = 16; offset > 0; offset /= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_e = __shfl_xor_sync(0xffffffffu, best_e, offset);
+        if (other > best || (other == best && other_e < best_e)) {
+          best = other;
+          best_e = other_e;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kLogitsPerLane; ++i) {
+        if (lane + 32 * i == best_e) prob[i] = -1.0f;
+      }
+      sum += best;  // every lane sums the same values in j order
+      if (lane == j) {
+        my_prob = best;
+        my_expert = best_e;
+      }
+    }
+    int multi = 0;  // dynamic: entries whose expert has several replicas
+    if (lane < top_k) {
+      const int64_t entry = t * top_k + lane;
+      a.expert_ids[entry] = my_expert;
+      a.weights[entry] = a.norm_topk_prob ? my_prob / sum : my_prob;
+      if (a.static_slot_of != nullptr) {
+        const int64_t source = t / a.tokens_per_source;
+        a.slots[entry] = a.static_slot_of[source * num_experts + my_expert];
+      } else {
+        multi = a.replica_offsets[my_expert + 1] - a.replica_offsets[my_expert] > 1 ? 1 : 0;
+      }
+      if (record) atomicAdd(&s_hist[my_expert], 1u);
+    }
+    if (a.static_slot_of == nullptr) {
+      multi = warp_sum(multi);
+      if (lane == 0) a.multi_draws[t] = multi;
+    }
+  }
+  if (record) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      if (s_hist[e] != 0) atomicAdd(&a.histogram[e], static_cast<unsigned long long>(s_hist[e]));
+    }
+  }
+}
+
+__global__ void dynamic_pick_kernel(const int32_t* expert_ids, const int32_t* draw_base, int64_t num_tokens, int top_k,
+                                    int64_t tokens_per_source, const uint64_t* source_streams,
+                                    const int32_t* replica_offsets, const int32_t* replica_slots, int32_t* slots) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < num_tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t source = t / tokens_per_source;
+    const int64_t base = draw_base[t] - draw_base[source * tokens_per_source];
+    const uint64_t stream = source_streams[source];
+    const int32_t* ids = expert_ids + t * top_k;
+    for (int j = 0; j < top_k; ++j) {
+      const int e = ids[j];
+      const int first = replica_offsets[e], num_replicas = replica_offsets[e + 1] - first;
+      if (num_replicas == 1) {
+        slots[t * top_k + j] = replica_slots[first];
+        continue;
+      }
+      // Draws are taken in ascending expert order: count the token's lower experts that drew before.
+      int64_t draw = base;
+      for (int i = 0; i < top_k; ++i) {
+        const int other = ids[i];
+        if (other < e && replica_offsets[other + 1] - replica_offsets[other] > 1) ++draw;
+      }
+      const uint64_t z = splitmix_mix(stream + static_cast<uint64_t>(draw + 1) * kGolden);
+      const auto pick = static_cast<int>(((z >> 32) * static_cast<uint64_t>(num_replicas)) >> 32);
+      slots[t * top_k + j] = replica_slots[first + pick];
+    }
+  }
+}
+
+// One block of 1024 threads walks the array in chunks, carrying the running total.
+__global__ void exclusive_scan_kernel(const int32_t* values, int64_t n, int32_t* out, int32_t* total) {
+  __shared__ int32_t warp_totals[32];
+  __shared__ int32_t carry;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t begin = 0; begin < n; begin += blockDim.x) {
+    const int64_t i = begin + threadIdx.x;
+    const int32_t v = i < n ? values[i] : 0;
+    int32_t inclusive = v;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t w = warp_totals[lane];
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, w, offset);
+        if (lane >= offset) w += up;
+      }
+      warp_totals[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const int32_t before = carry + (warp > 0 ? warp_totals[warp - 1] : 0);
+    if (i < n) out[i] = before + inclusive - v;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += warp_totals[31];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && total != nullptr) *total = carry;
+}
+
+__global__ void slot_counts_kernel(const int32_t* slots, int64_t num_entries, int32_t* slot_counts) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_entries;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    atomicAdd(&slot_counts[slots[i]], 1);
+  }
+}
+
+// One warp per entry: claim a row of the entry's slot, then copy the token's row into it.
+__global__ void permute_rows_kernel(const uint16_t* x, int64_t num_entries, int top_k, int hidden_size,
+                                    const int32_t* slots, int32_t* cursor, int32_t* entry_row, uint16_t* permuted) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t entry = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; entry < num_entries;
+       entry += warps) {
+    int32_t row = 0;
+    if (lane == 0) row = atomicAdd(&cursor[slots[entry]], 1);
+    row = __shfl_sync(0xffffffffu, row, 0);
+    if (lane == 0) entry_row[entry] = row;
+    const uint16_t* src = x + (entry / top_k) * hidden_size;
+    uint16_t* dst = permuted + static_cast<int64_t>(row) * hidden_size;
+    if (hidden_size % 8 == 0) {  // 16-byte rows of 8 bf16
+      const uint4* s = reinterpret_cast<const uint4*>(src);
+      uint4* d = reinterpret_cast<uint4*>(dst);
+      for (int c = lane; c < hidden_size / 8; c += 32) d[c] = s[c];
+    } else {
+      for (int c = lane; c < hidden_size; c += 32) dst[c] = src[c];
+    }
+  }
+}
+
+__global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act) {
+  const int64_t n = num_rows * intermediate_size;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / intermediate_size, i = idx % intermediate_size;
+    const float gate = bf16_to_f32(h[r * 2 * intermediate_size + i]);
+    const float up = bf16_to_f32(h[r * 2 * intermediate_size + intermediate_size + i]);
+    act[idx] = f32_to_bf16(gate / (1.0f + expf(-gate)) * up);
+  }
+}
+
+template <typename Out>
+__device__ __forceinline__ void store_out(Out* out, int64_t i, float v);
+template <>
+__device__ __forceinline__ void store_out<float>(float* out, int64_t i, float v) { out[i] = v; }
+template <>
+__device__ __forceinline__ void store_out<uint16_t>(uint16_t* out, int64_t i, float v) { out[i] = f32_to_bf16(v); }
+
+// One block per token: its k rows and weights in shared memory, columns spread over the threads.
+template <typename Out>
+__global__ void combine_kernel(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
+                               int top_k, int hidden_size, Out* out) {
+  __shared__ int32_t s_row[kMaxTopK];
+  __shared__ float s_weight[kMaxTopK];
+  for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();
+    if (threadIdx.x < top_k) {
+      s_row[threadIdx.x] = entry_row[t * top_k + threadIdx.x];
+      s_weight[threadIdx.x] = weights[t * top_k + threadIdx.x];
+    }
+    __syncthreads();
+    if (hidden_size % 8 == 0) {
+      for (int c8 = threadIdx.x; c8 < hidden_size / 8; c8 += blockDim.x) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < top_k; ++j) {
+          const uint4 v = reinterpret_cast<const uint4*>(rows + static_cast<int64_t>(s_row[j]) * hidden_size)[c8];
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[2 * q] += s_weight[j] * bf16_to_f32(static_cast<uint16_t>(words[q] & 0xffffu));
+            acc[2 * q + 1] += s_weight[j] * bf16_to_f32(static_cast<uint16_t>(words[q] >> 16));
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < 8; ++q) store_out(out, t * hidden_size + c8 * 8 + q, acc[q]);
+      }
+    } else {
+      for (int c = threadIdx.x; c < hidden_size; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < top_k; ++j) acc += s_weight[j] * bf16_to_f32(rows[static_cast<int64_t>(s_row[j]) * hidden_size + c]);
+        store_out(out, t * hidden_size + c, acc);
+      }
+    }
+  }
+}
+
+__global__ void f32_to_bf16_kernel(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = f32_to_bf16(in[i]);
+  }
+}
+
+__global__ void fill_random_bf16_kernel(uint16_t* out, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t z = splitmix_mix(seed + static_cast<uint64_t>(i + 1) * kGolden);
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    out[i] = f32_to_bf16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+unsigned int blocks_for(int64_t n, int per_block) {
+  const int64_t b = (n + per_block - 1) / per_block;
+  return static_cast<unsigned int>(b < 1 ? 1 : (b > 65535 * 16 ? 65535 * 16 : b));
+}
+
+}  // namespace
+
+cudaError_t launch_moe_router(const RouterArgs& args, cudaStream_t stream) {
+  if (args.num_tokens == 0) return cudaSuccess;
+  const size_t shared = args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0;
+  const auto blocks = static_cast<unsigned int>((args.num_tokens + kTokensPerRouterBlock - 1) / kTokensPerRouterBlock);
+  moe_router_kernel<<<blocks, kRouterWarps * 32, shared, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dynamic_pick(const int32_t* expert_ids, const int32_t* draw_base, int64_t num_tokens, int top_k,
+                                int64_t tokens_per_source, const uint64_t* source_streams,
+                                const int32_t* replica_offsets, const int32_t* replica_slots, int32_t* slots,
+                                cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  dynamic_pick_kernel<<<blocks_for(num_tokens, 128), 128, 0, stream>>>(
+      expert_ids, draw_base, num_tokens, top_k, tokens_per_source, source_streams, replica_offsets, replica_slots, slots);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_exclusive_scan(const int32_t* values, int64_t n, int32_t* out, int32_t* total, cudaStream_t stream) {
+  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(values, n, out, total);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_slot_counts(const int32_t* slots, int64_t num_entries, int num_slots, int32_t* slot_counts,
+                               int32_t* offsets, cudaStream_t stream) {
+  cudaError_t status = cudaMemsetAsync(slot_counts, 0, sizeof(int32_t) * num_slots, stream);
+  if (status != cudaSuccess) return status;
+  if (num_entries > 0) {
+    slot_counts_kernel<<<blocks_for(num_entries, 256), 256, 0, stream>>>(slots, num_entries, slot_counts);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  }
+  return launch_exclusive_scan(slot_counts, num_slots, offsets, offsets + num_slots, stream);
+}
+
+cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k, int hidden_size,
+                                const int32_t* slots, int32_t* cursor, int32_t* entry_row, uint16_t* permuted,
+                                cudaStream_t stream) {
+  const int64_t num_entries = num_tokens * top_k;
+  if (num_entries == 0) return cudaSuccess;
+  permute_rows_kernel<<<blocks_for(num_entries, 8), 256, 0, stream>>>(x, num_entries, top_k, hidden_size, slots, cursor,
+                                                                      entry_row, permuted);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
+                                 cudaStream_t stream) {
+  const int64_t n = num_rows * intermediate_size;
+  if (n == 0) return cudaSuccess;
+  silu_mul_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(h, num_rows, intermediate_size, act);
+  return cudaGetLastError();
+}
+
+template <typename Out>
+cudaError_t launch_combine(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
+                           int top_k, int hidden_size, Out* out, cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  combine_kernel<Out><<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
+                                                                     hidden_size, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,
+                               int64_t num_tokens, int top_k, int hidden_size, float* out, cudaStream_t stream) {
+  return launch_combine(rows, entry_row, weights, num_tokens, top_k, hidden_size, out, stream);
+}
+
+cudaError_t launch_combine_bf16(const uint16_t* rows, const int32_t* entry_row, const float* weights,
+                                int64_t num_tokens, int top_k, int hidden_size, uint16_t* out, cudaStream_t stream) {
+  return launch_combine(rows, entry_row, weights, num_tokens, top_k, hidden_size, out, stream);
+}
+
+cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  f32_to_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(in, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  fill_random_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(out, n, seed, scale);
+  return cudaGetLastError();
+}
+
+}  // namespace fulcrum::cuda::moe

@@ -1,0 +1,72 @@
+#pragma once
+// Kernels of the GPU MoE layer (moe_kernels.cu), as raw-pointer launchers on a stream that return the
+// launch status. bf16 tensors are passed as uint16_t bit patterns (the .cu side reads them as
+// __nv_bfloat16). Entries are [num_tokens * top_k], entry t*top_k+j being token t's j-th choice in
+// descending probability. CPU reference of each: src/model/moe_reference.hpp.
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace fulcrum::cuda::moe {
+
+constexpr int kMaxRouterExperts = 256;  // the router keeps E / 32 logits per lane in registers
+constexpr int kMaxTopK = 16;
+
+// Router arguments (device pointers). Token t comes from source t / tokens_per_source.
+struct RouterArgs {
+  const float* logits = nullptr;           // [T, E]
+  int64_t num_tokens = 0;
+  int num_experts = 0;                     // <= kMaxRouterExperts
+  int top_k = 0;                           // <= kMaxTopK
+  bool norm_topk_prob = true;
+  int64_t tokens_per_source = 1;
+  const int32_t* static_slot_of = nullptr;  // static dispatch: [num_sources][E]; null for dynamic
+  const int32_t* replica_offsets = nullptr; // dynamic: [E + 1]
+  int32_t* expert_ids = nullptr;           // out [T * k]
+  float* weights = nullptr;                // out [T * k]
+  int32_t* slots = nullptr;                // out [T * k] (static: here; dynamic: by launch_dynamic_pick)
+  int32_t* multi_draws = nullptr;          // dynamic out [T]: entries of the token with >= 2 replicas
+  unsigned long long* histogram = nullptr; // recorder row [E] (+= counts); null: no recording
+};
+
+// Softmax (double exponentials and sum, fp32 probabilities, as CpuBackend::route), top-k by k warp-wide
+// argmax rounds (ties to the lower expert), renormalization in fp32 in j order, static replica lookup,
+// and the recorder's histogram (per-block shared counts, then one global atomicAdd per expert and block).
+cudaError_t launch_moe_router(const RouterArgs& args, cudaStream_t stream);
+
+// Dynamic replica choice after launch_moe_router: draw_base [T] is the exclusive prefix sum of
+// multi_draws; a token's entries, visited in ascending expert order, take SplitMix64 draws number
+// draw_base[t] - draw_base[first token of its source] + i of the source's stream (eplb::DynamicDispatcher).
+cudaError_t launch_dynamic_pick(const int32_t* expert_ids, const int32_t* draw_base, int64_t num_tokens, int top_k,
+                                int64_t tokens_per_source, const uint64_t* source_streams,
+                                const int32_t* replica_offsets, const int32_t* replica_slots, int32_t* slots,
+                                cudaStream_t stream);
+
+// Exclusive prefix sum of values [n] into out [n] (single block loop; n is T or P, small).
+cudaError_t launch_exclusive_scan(const int32_t* values, int64_t n, int32_t* out, int32_t* total, cudaStream_t stream);
+
+// Permutation: slot_counts [P] (zeroed by the launcher), then offsets [P + 1] (exclusive scan).
+cudaError_t launch_slot_counts(const int32_t* slots, int64_t num_entries, int num_slots, int32_t* slot_counts,
+                               int32_t* offsets, cudaStream_t stream);
+// Scatter: each entry takes a row of its slot (cursor [P] starts as a copy of offsets and is consumed),
+// entry_row [T * k] (the inverse index for combine) and permuted [T * k, H] = x [token] rows.
+cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k, int hidden_size,
+                                const int32_t* slots, int32_t* cursor, int32_t* entry_row, uint16_t* permuted,
+                                cudaStream_t stream);
+
+// act [n, I] = bf16(silu(gate) * up) from h [n, 2I] (gate | up), fp32 math.
+cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
+                                 cudaStream_t stream);
+
+// out [T, H] = sum_j weights[t*k+j] * rows[entry_row[t*k+j]] (bf16 rows, fp32 sum in j order).
+cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,
+                               int64_t num_tokens, int top_k, int hidden_size, float* out, cudaStream_t stream);
+cudaError_t launch_combine_bf16(const uint16_t* rows, const int32_t* entry_row, const float* weights,
+                                int64_t num_tokens, int top_k, int hidden_size, uint16_t* out, cudaStream_t stream);
+
+// fp32 -> bf16 (round to nearest even), and a deterministic pseudo-random fill in [-scale, scale) (bench
+// weights without a host round trip): value i is a hash of (seed, i).
+cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream);
+cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+
+}  // namespace fulcrum::cuda::moe

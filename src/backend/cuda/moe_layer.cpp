@@ -1,0 +1,323 @@
+// GPU MoE layer: buffers, cuBLAS calls and the launch sequence (kernels in moe_kernels.cu).
+#include "backend/cuda/moe_layer.hpp"
+
+#include <cmath>
+#include <utility>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "backend/cuda/moe_kernels.hpp"
+#include "eplb/error.hpp"
+
+namespace fulcrum::backend {
+
+DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
+  if (bytes > 0) FULCRUM_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+}
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) cudaFree(ptr_);
+}
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+namespace {
+
+template <typename T>
+DeviceBuffer device_array(int64_t n) {
+  return DeviceBuffer(sizeof(T) * static_cast<size_t>(n < 1 ? 1 : n));
+}
+
+template <typename T>
+DeviceBuffer upload_array(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer buffer = device_array<T>(static_cast<int64_t>(host.size()));
+  if (!host.empty()) {
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(buffer.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice, stream));
+  }
+  return buffer;
+}
+
+}  // namespace
+
+GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx) : shape_(shape), device_idx_(device_idx) {
+  FULCRUM_CHECK(shape.hidden_size > 0 && shape.moe_intermediate_size > 0 && shape.max_tokens > 0,
+                "MoE layer: hidden {} / intermediate {} / max tokens {} must be positive", shape.hidden_size,
+                shape.moe_intermediate_size, shape.max_tokens);
+  FULCRUM_CHECK(shape.num_experts > 0 && shape.num_experts <= cuda::moe::kMaxRouterExperts,
+                "MoE layer: {} experts, the GPU router takes 1..{}", shape.num_experts, cuda::moe::kMaxRouterExperts);
+  FULCRUM_CHECK(shape.num_experts_per_tok > 0 && shape.num_experts_per_tok <= cuda::moe::kMaxTopK &&
+                    shape.num_experts_per_tok <= shape.num_experts,
+                "MoE layer: top-k {} outside 1..min({}, {})", shape.num_experts_per_tok, cuda::moe::kMaxTopK,
+                shape.num_experts);
+  FULCRUM_CHECK(shape.num_slots >= shape.num_experts, "MoE layer: {} slots for {} experts", shape.num_slots,
+                shape.num_experts);
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
+  cudaStream_t stream = nullptr;
+  FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  stream_ = stream;
+  cublasHandle_t handle = nullptr;
+  FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
+  cublas_ = handle;
+  FULCRUM_CUBLAS_CHECK(cublasSetStream(handle, stream));
+
+  const int64_t h = shape.hidden_size, i = shape.moe_intermediate_size, e = shape.num_experts, p = shape.num_slots;
+  const int64_t t = shape.max_tokens, n = t * shape.num_experts_per_tok;
+  router_w_ = device_array<uint16_t>(e * h);
+  gate_up_w_ = device_array<uint16_t>(p * 2 * i * h);
+  down_w_ = device_array<uint16_t>(p * h * i);
+  logits_ = device_array<float>(t * e);
+  expert_ids_ = device_array<int32_t>(n);
+  weights_ = device_array<float>(n);
+  slots_ = device_array<int32_t>(n);
+  multi_draws_ = device_array<int32_t>(t);
+  draw_base_ = device_array<int32_t>(t + 1);
+  counts_ = device_array<int32_t>(p);
+  offsets_ = device_array<int32_t>(p + 1);
+  cursor_ = device_array<int32_t>(p);
+  entry_row_ = device_array<int32_t>(n);
+  permuted_ = device_array<uint16_t>(n * h);
+  h_ = device_array<uint16_t>(n * 2 * i);
+  act_ = device_array<uint16_t>(n * i);
+  expert_out_ = device_array<uint16_t>(n * h);
+  gemm_ptrs_ = device_array<void*>(6 * p);
+  FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_), sizeof(int32_t) * (p + 1)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_ptrs_), sizeof(void*) * 6 * p));
+}
+
+GpuMoeLayer::~GpuMoeLayer() {
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (host_counts_ != nullptr) cudaFreeHost(host_counts_);
+  if (host_ptrs_ != nullptr) cudaFreeHost(host_ptrs_);
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void GpuMoeLayer::synchronize() { FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<const uint16_t> gate_up,
+                                 std::span<const uint16_t> down) {
+  FULCRUM_CHECK(router.size() * 2 == router_w_.bytes() && gate_up.size() * 2 == gate_up_w_.bytes() &&
+                    down.size() * 2 == down_w_.bytes(),
+                "MoE layer weights: router {} / gate_up {} / down {} values, expected {} / {} / {}", router.size(),
+                gate_up.size(), down.size(), router_w_.bytes() / 2, gate_up_w_.bytes() / 2, down_w_.bytes() / 2);
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(router_w_.as<uint16_t>(), router.data(), router_w_.bytes(), cudaMemcpyHostToDevice, stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(gate_up_w_.as<uint16_t>(), gate_up.data(), gate_up_w_.bytes(), cudaMemcpyHostToDevice, stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(down_w_.as<uint16_t>(), down.data(), down_w_.bytes(), cudaMemcpyHostToDevice, stream_));
+  synchronize();  // the host spans may go away after return
+}
+
+void GpuMoeLayer::randomize_weights(uint64_t seed) {
+  const float h = static_cast<float>(shape_.hidden_size), i = static_cast<float>(shape_.moe_intermediate_size);
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(router_w_.as<uint16_t>(), router_w_.bytes() / 2, seed, 1.0f / std::sqrt(h), stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(gate_up_w_.as<uint16_t>(), gate_up_w_.bytes() / 2, seed + 1, 1.0f / std::sqrt(h), stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(down_w_.as<uint16_t>(), down_w_.bytes() / 2, seed + 2, 1.0f / std::sqrt(i), stream_));
+}
+
+void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) {
+  FULCRUM_CHECK(spec.num_logical_experts == shape_.num_experts && spec.num_slots == shape_.num_slots,
+                "replica choice for {} experts / {} slots, the layer has {} / {}", spec.num_logical_experts,
+                spec.num_slots, shape_.num_experts, shape_.num_slots);
+  FULCRUM_CHECK(spec.num_sources > 0 && spec.tokens_per_source > 0, "replica choice: {} sources of {} tokens",
+                spec.num_sources, spec.tokens_per_source);
+  const bool is_static = spec.algorithm == eplb::DispatchAlgorithm::kStatic;
+  FULCRUM_CHECK(is_static || spec.algorithm == eplb::DispatchAlgorithm::kDynamic,
+                "GPU replica choice supports static and dynamic dispatch, not balanced");
+  const size_t table = static_cast<size_t>(spec.num_sources) * spec.num_logical_experts;
+  FULCRUM_CHECK(!is_static || spec.static_slot_of.size() == table, "static table has {} entries, expected {}",
+                spec.static_slot_of.size(), table);
+  FULCRUM_CHECK(is_static || (spec.replica_offsets.size() == static_cast<size_t>(spec.num_logical_experts) + 1 &&
+                              spec.replica_slots.size() == static_cast<size_t>(spec.num_slots) &&
+                              spec.source_streams.size() == static_cast<size_t>(spec.num_sources)),
+                "dynamic replica tables have the wrong sizes");
+  for (const int32_t s : is_static ? spec.static_slot_of : spec.replica_slots) {
+    FULCRUM_CHECK(s >= 0 && s < spec.num_slots, "replica table names slot {} outside [0, {})", s, spec.num_slots);
+  }
+  spec_ = spec;
+  has_spec_ = true;
+  static_slot_of_ = upload_array(spec.static_slot_of, stream_);
+  replica_offsets_ = upload_array(spec.replica_offsets, stream_);
+  replica_slots_ = upload_array(spec.replica_slots, stream_);
+  source_streams_ = upload_array(spec.source_streams, stream_);
+  synchronize();
+}
+
+void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
+  FULCRUM_CHECK(num_tokens >= 0 && num_tokens <= shape_.max_tokens, "MoE layer: {} tokens, at most {}", num_tokens,
+                shape_.max_tokens);
+  if (num_tokens == 0) return;
+  // Row-major logits [T, E] = x [T, H] @ router [E, H]^T, i.e. column-major logits^T = router^T(op T) x.
+  const float alpha = 1.0f, beta = 0.0f;
+  FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, shape_.num_experts, static_cast<int>(num_tokens),
+                                    shape_.hidden_size, &alpha, router_w_.as<uint16_t>(), CUDA_R_16BF, shape_.hidden_size,
+                                    x, CUDA_R_16BF, shape_.hidden_size, &beta, logits_.as<float>(), CUDA_R_32F,
+                                    shape_.num_experts, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
+  FULCRUM_CHECK(has_spec_, "MoE layer: set_replica_choice before the first forward");
+  FULCRUM_CHECK(num_tokens >= 0 && num_tokens <= shape_.max_tokens, "MoE layer: {} tokens, at most {}", num_tokens,
+                shape_.max_tokens);
+  FULCRUM_CHECK(num_tokens <= spec_.tokens_per_source * spec_.num_sources,
+                "MoE layer: {} tokens but {} sources of {} tokens", num_tokens, spec_.num_sources,
+                spec_.tokens_per_source);
+  num_tokens_ = num_tokens;
+  const bool is_static = spec_.algorithm == eplb::DispatchAlgorithm::kStatic;
+  cuda::moe::RouterArgs args;
+  args.logits = logits;
+  args.num_tokens = num_tokens;
+  args.num_experts = shape_.num_experts;
+  args.top_k = shape_.num_experts_per_tok;
+  args.norm_topk_prob = shape_.norm_topk_prob;
+  args.tokens_per_source = spec_.tokens_per_source;
+  args.static_slot_of = is_static ? static_slot_of_.as<int32_t>() : nullptr;
+  args.replica_offsets = replica_offsets_.as<int32_t>();
+  args.expert_ids = expert_ids_.as<int32_t>();
+  args.weights = weights_.as<float>();
+  args.slots = slots_.as<int32_t>();
+  args.multi_draws = multi_draws_.as<int32_t>();
+  args.histogram = histogram_row_;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_moe_router(args, stream_));
+  if (is_static || num_tokens == 0) return;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_exclusive_scan(multi_draws_.as<int32_t>(), num_tokens, draw_base_.as<int32_t>(),
+                                                      draw_base_.as<int32_t>() + num_tokens, stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_dynamic_pick(expert_ids_.as<int32_t>(), draw_base_.as<int32_t>(), num_tokens,
+                                                    shape_.num_experts_per_tok, spec_.tokens_per_source,
+                                                    source_streams_.as<uint64_t>(), replica_offsets_.as<int32_t>(),
+                                                    replica_slots_.as<int32_t>(), slots_.as<int32_t>(), stream_));
+}
+
+void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
+  FULCRUM_CHECK(num_tokens == num_tokens_, "MoE layer: permute of {} tokens after routing {}", num_tokens, num_tokens_);
+  const int p = shape_.num_slots, k = shape_.num_experts_per_tok;
+  const int64_t num_entries = num_tokens * k;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_slot_counts(slots_.as<int32_t>(), num_entries, p, counts_.as<int32_t>(),
+                                                   offsets_.as<int32_t>(), stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(cursor_.as<int32_t>(), offsets_.as<int32_t>(), sizeof(int32_t) * p,
+                                     cudaMemcpyDeviceToDevice, stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows(x, num_tokens, k, shape_.hidden_size, slots_.as<int32_t>(),
+                                                    cursor_.as<int32_t>(), entry_row_.as<int32_t>(),
+                                                    permuted_.as<uint16_t>(), stream_));
+  // The one host synchronization: cuBLAS takes the GEMM sizes as host arrays.
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, counts_.as<int32_t>(), sizeof(int32_t) * p, cudaMemcpyDeviceToHost, stream_));
+  synchronize();
+  // One problem per non-empty slot; pointers of both GEMMs for all of them, uploaded once.
+  const int64_t h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  compact_begin_.assign(static_cast<size_t>(p) + 1, 0);
+  problem_rows_.clear();
+  const void** a1 = host_ptrs_;
+  const void** b1 = host_ptrs_ + p;
+  const void** c1 = host_ptrs_ + 2 * p;
+  const void** a2 = host_ptrs_ + 3 * p;
+  const void** b2 = host_ptrs_ + 4 * p;
+  const void** c2 = host_ptrs_ + 5 * p;
+  int64_t row = 0;
+  for (int s = 0; s < p; ++s) {
+    compact_begin_[s] = static_cast<int>(problem_rows_.size());
+    const int n = host_counts_[s];
+    if (n > 0) {
+      const size_t q = problem_rows_.size();
+      a1[q] = gate_up_w_.as<uint16_t>() + s * 2 * i * h;
+      b1[q] = permuted_.as<uint16_t>() + row * h;
+      c1[q] = h_.as<uint16_t>() + row * 2 * i;
+      a2[q] = down_w_.as<uint16_t>() + s * h * i;
+      b2[q] = act_.as<uint16_t>() + row * i;
+      c2[q] = expert_out_.as<uint16_t>() + row * h;
+      problem_rows_.push_back(n);
+    }
+    row += n;
+  }
+  compact_begin_[p] = static_cast<int>(problem_rows_.size());
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(gemm_ptrs_.as<void*>(), host_ptrs_, sizeof(void*) * 6 * p, cudaMemcpyHostToDevice, stream_));
+}
+
+void GpuMoeLayer::expert_gemm(int gemm_idx, int slot_begin, int slot_end) {
+  const int first = compact_begin_[slot_begin], count = compact_begin_[slot_end] - first;
+  if (count == 0) return;
+  const int p = shape_.num_slots;
+  const int out_features = gemm_idx == 0 ? 2 * shape_.moe_intermediate_size : shape_.hidden_size;
+  const int in_features = gemm_idx == 0 ? shape_.hidden_size : shape_.moe_intermediate_size;
+  const float alpha = 1.0f, beta = 0.0f;
+  const void** host_a = host_ptrs_ + (3 * gemm_idx) * p + first;
+  const void** host_b = host_ptrs_ + (3 * gemm_idx + 1) * p + first;
+  const void** host_c = host_ptrs_ + (3 * gemm_idx + 2) * p + first;
+  // Row-major out [n, N] = in [n, K] @ W [N, K]^T is column-major out^T = W^T(op T) in^T: m = N, n = rows, k = K.
+  const bool per_slot = expert_gemm_ == ExpertGemm::kPerSlot ||
+                        (expert_gemm_ == ExpertGemm::kAuto && expert_flops(slot_begin, slot_end) >= kPerSlotMinFlops);
+  if (per_slot) {
+    for (int q = 0; q < count; ++q) {
+      FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out_features, problem_rows_[first + q],
+                                        in_features, &alpha, host_a[q], CUDA_R_16BF, in_features, host_b[q],
+                                        CUDA_R_16BF, in_features, &beta, const_cast<void*>(host_c[q]), CUDA_R_16BF,
+                                        out_features, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    return;
+  }
+  const std::vector<cublasOperation_t> trans_a(count, CUBLAS_OP_T), trans_b(count, CUBLAS_OP_N);
+  const std::vector<int> m(count, out_features), k(count, in_features), group_size(count, 1);
+  const std::vector<float> alphas(count, alpha), betas(count, beta);
+  void** device_ptrs = gemm_ptrs_.as<void*>();
+  FULCRUM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+      cublas_, trans_a.data(), trans_b.data(), m.data(), problem_rows_.data() + first, k.data(), alphas.data(),
+      device_ptrs + (3 * gemm_idx) * p + first, CUDA_R_16BF, k.data(), device_ptrs + (3 * gemm_idx + 1) * p + first,
+      CUDA_R_16BF, k.data(), betas.data(), device_ptrs + (3 * gemm_idx + 2) * p + first, CUDA_R_16BF, m.data(), count,
+      group_size.data(), CUBLAS_COMPUTE_32F));
+}
+
+void GpuMoeLayer::run_experts(int slot_begin, int slot_end) {
+  FULCRUM_CHECK(0 <= slot_begin && slot_begin <= slot_end && slot_end <= shape_.num_slots,
+                "run_experts: slots [{}, {}) outside [0, {})", slot_begin, slot_end, shape_.num_slots);
+  expert_gemm(0, slot_begin, slot_end);
+  int64_t row_begin = 0, num_rows = 0;
+  for (int s = 0; s < slot_end; ++s) (s < slot_begin ? row_begin : num_rows) += host_counts_[s];
+  const int64_t i = shape_.moe_intermediate_size;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(h_.as<uint16_t>() + row_begin * 2 * i, num_rows,
+                                                     shape_.moe_intermediate_size, act_.as<uint16_t>() + row_begin * i,
+                                                     stream_));
+  expert_gemm(1, slot_begin, slot_end);
+}
+
+void GpuMoeLayer::combine(int64_t num_tokens, float* out) {
+  FULCRUM_CHECK(num_tokens == num_tokens_, "MoE layer: combine of {} tokens after routing {}", num_tokens, num_tokens_);
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_combine_f32(expert_out_.as<uint16_t>(), entry_row_.as<int32_t>(),
+                                                   weights_.as<float>(), num_tokens, shape_.num_experts_per_tok,
+                                                   shape_.hidden_size, out, stream_));
+}
+
+void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out) {
+  route(logits, num_tokens);
+  permute(x, num_tokens);
+  run_experts(0, shape_.num_slots);
+  combine(num_tokens, out);
+}
+
+void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {
+  router_logits(x, num_tokens);
+  forward_from_logits(x, logits_.as<float>(), num_tokens, out);
+}
+
+double GpuMoeLayer::expert_flops(int slot_begin, int slot_end) const {
+  double rows = 0;
+  for (int s = slot_begin; s < slot_end; ++s) rows += host_counts_[s];
+  const double h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  return rows * (2.0 * h * 2.0 * i + 2.0 * i * h);
+}
+
+double GpuMoeLayer::expert_min_bytes(int slot_begin, int slot_end) const {
+  double rows = 0, slots = 0;
+  for (int s = slot_begin; s < slot_end; ++s) {
+    rows += host_counts_[s];
+    slots += host_counts_[s] > 0 ? 1 : 0;
+  }
+  const double h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  // Weights of the used slots once, input rows read and output rows written once (bf16); the [n, 2I]
+  // and [n, I] intermediates are not counted (a fused kernel keeps them on chip).
+  return 2.0 * (slots * 3.0 * h * i + rows * 2.0 * h);
+}
+
+}  // namespace fulcrum::backend

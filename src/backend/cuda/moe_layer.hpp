@@ -1,0 +1,138 @@
+#pragma once
+// One MoE layer on one GPU, bf16 with fp32 accumulation: router GEMM -> fused router (softmax, top-k,
+// renormalization, replica choice, recorder histogram) -> permutation by physical slot -> SwiGLU expert
+// GEMMs over the slots (cuBLAS) -> combine with the routing weights. Semantics: model::Qwen3MoeModel's
+// moe_block with this layer's physical slots; CPU reference: model::moe::moe_layer_reference.
+//
+// Host synchronization: one per forward, after the permutation, to read the per-slot token counts that
+// cuBLAS's grouped GEMM takes as host arrays. The recorder never synchronizes: it adds into a device row.
+//
+// This header includes no CUDA header; device pointers are plain pointers (bf16 as uint16_t bits).
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "model/moe_reference.hpp"
+
+struct CUstream_st;
+struct cublasContext;
+
+namespace fulcrum::backend {
+
+struct MoeLayerShape {
+  int hidden_size = 0;            // H
+  int moe_intermediate_size = 0;  // I
+  int num_experts = 0;            // E logical experts (<= 256)
+  int num_experts_per_tok = 8;    // k (<= 16)
+  bool norm_topk_prob = true;
+  int num_slots = 0;              // P physical slots held on this GPU (>= E here: one GPU holds them all)
+  int64_t max_tokens = 0;         // buffers are sized for this many tokens per forward
+};
+
+// How the expert GEMMs are issued: one cublasGemmGroupedBatchedEx per GEMM over all non-empty slots, or
+// one cublasGemmEx per non-empty slot, or (auto, the default) grouped below kPerSlotMinFlops of expert work
+// and per-slot above. Measured on an H200 (docs/benchmarks.md): grouped wins while host launch overhead
+// dominates (about 2.5 ms for 256 per-slot calls), per-slot wins on large problems (its GEMMs run at
+// about 0.45-0.67 of the bf16 roofline, grouped at about 0.33); the crossover lies between 0.31 and 1.2
+// TFLOP per call at both Qwen3 shapes.
+enum class ExpertGemm { kGrouped, kPerSlot, kAuto };
+constexpr double kPerSlotMinFlops = 0.7e12;
+
+// A device allocation freed with the object.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class GpuMoeLayer {
+ public:
+  GpuMoeLayer(const MoeLayerShape& shape, int device_idx = 0);
+  ~GpuMoeLayer();
+  GpuMoeLayer(const GpuMoeLayer&) = delete;
+  GpuMoeLayer& operator=(const GpuMoeLayer&) = delete;
+
+  const MoeLayerShape& shape() const { return shape_; }
+  CUstream_st* stream() const { return stream_; }
+  void synchronize();
+
+  // Host bf16 weights: router [E, H] (mlp.gate), gate_up [P, 2I, H] (gate rows, then up rows), down [P, H, I].
+  void upload_weights(std::span<const uint16_t> router, std::span<const uint16_t> gate_up,
+                      std::span<const uint16_t> down);
+  // Pseudo-random bf16 weights filled on the device (benchmarks), uniform in +-1/sqrt(fan_in).
+  void randomize_weights(uint64_t seed);
+  // Replica choice tables for this layer (static or dynamic; model::moe::make_replica_choice builds them).
+  void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
+  // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
+  void set_recorder(unsigned long long* histogram_row) { histogram_row_ = histogram_row; }
+  void set_expert_gemm(ExpertGemm gemm) { expert_gemm_ = gemm; }
+
+  // x: device bf16 [T, H] -> out: device fp32 [T, H]; T <= max_tokens.
+  void forward(const uint16_t* x, int64_t num_tokens, float* out);
+  // The same from given router logits (device fp32 [T, E]), skipping the router GEMM.
+  void forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out);
+
+  // Stages, in order (forward runs them all); tests and the benchmark call them one by one.
+  void router_logits(const uint16_t* x, int64_t num_tokens);  // -> logits()
+  void route(const float* logits, int64_t num_tokens);         // -> expert_ids, weights, slots; histogram
+  void permute(const uint16_t* x, int64_t num_tokens);         // -> slot offsets, entry_row, permuted rows; host counts
+  void run_experts(int slot_begin, int slot_end);              // permuted rows of those slots -> expert_out rows
+  void combine(int64_t num_tokens, float* out);                // expert_out rows -> out [T, H]
+
+  // Device buffers of the last forward (entries [T * k] in router order; rows [T * k] slot-contiguous).
+  const float* logits() const { return logits_.as<float>(); }              // [T, E]
+  const int32_t* expert_ids() const { return expert_ids_.as<int32_t>(); }  // [T * k]
+  const float* weights() const { return weights_.as<float>(); }            // [T * k]
+  const int32_t* entry_slots() const { return slots_.as<int32_t>(); }      // [T * k]
+  const int32_t* slot_offsets() const { return offsets_.as<int32_t>(); }   // [P + 1]
+  const int32_t* entry_row() const { return entry_row_.as<int32_t>(); }    // [T * k]
+  const uint16_t* permuted() const { return permuted_.as<uint16_t>(); }    // [T * k, H]
+  const uint16_t* expert_out() const { return expert_out_.as<uint16_t>(); }  // [T * k, H]
+  // Per-slot entry counts of the last permute, on the host [P].
+  std::span<const int32_t> slot_counts() const { return {host_counts_, static_cast<size_t>(shape_.num_slots)}; }
+  // FLOPs and minimum HBM bytes of run_experts over [slot_begin, slot_end) for the last permute.
+  double expert_flops(int slot_begin, int slot_end) const;
+  double expert_min_bytes(int slot_begin, int slot_end) const;
+
+ private:
+  // One expert GEMM (0: gate_up, 1: down) over the non-empty slots of [slot_begin, slot_end).
+  void expert_gemm(int gemm_idx, int slot_begin, int slot_end);
+
+  MoeLayerShape shape_;
+  int device_idx_ = 0;
+  CUstream_st* stream_ = nullptr;
+  cublasContext* cublas_ = nullptr;
+  ExpertGemm expert_gemm_ = ExpertGemm::kAuto;
+  model::moe::ReplicaChoiceSpec spec_;
+  bool has_spec_ = false;
+  unsigned long long* histogram_row_ = nullptr;
+  int64_t num_tokens_ = 0;  // of the last route/permute
+
+  DeviceBuffer router_w_, gate_up_w_, down_w_;
+  DeviceBuffer static_slot_of_, replica_offsets_, replica_slots_, source_streams_;
+  DeviceBuffer logits_, expert_ids_, weights_, slots_, multi_draws_, draw_base_;
+  DeviceBuffer counts_, offsets_, cursor_, entry_row_, permuted_, h_, act_, expert_out_;
+  // Grouped GEMM problems, one per non-empty slot in slot order, built by permute: compact_begin_[s] is
+  // the first problem of slot >= s; pointer arrays [2 GEMMs][A, B, C][P] on the device (cuBLAS reads
+  // them there) and their pinned host staging, written once per permute.
+  std::vector<int> compact_begin_;  // [P + 1]
+  std::vector<int> problem_rows_;   // [problems]: tokens of each problem's slot
+  DeviceBuffer gemm_ptrs_;
+  int32_t* host_counts_ = nullptr;    // pinned [P + 1]: counts, then the total
+  const void** host_ptrs_ = nullptr;  // pinned [2][3][P]
+};
+
+}  // namespace fulcrum::backend
