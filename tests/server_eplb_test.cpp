@@ -104,7 +104,8 @@ TEST(ServerEplb, ConcurrentClientsDuringRebalancesMatchGenerate) {
   std::istringstream words(layout);
   for (std::string w; words >> w;) flags.push_back(w);
   ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
-  EXPECT_NE(server.log().find("loading weights [##############################] 4/4 ranks"), std::string::npos)
+  // 4 layers on each of the 4 ranks of the stage, counted as they load.
+  EXPECT_NE(server.log().find("loading weights [##############################] 16/16 layers"), std::string::npos)
       << server.log();
   ASSERT_EQ(post(server.port(), "/start_expert_distribution_record", "").first, 200);
 

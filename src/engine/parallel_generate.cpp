@@ -13,15 +13,20 @@
 namespace fulcrum::engine {
 namespace {
 
-void load_rank_weights(model::Qwen3MoeModel& model, const std::string& model_dir, const std::string& cache_dir,
-                       int rank) {
+void load_rank_weights(model::Qwen3MoeModel& model, const std::string& model_dir, const InProcessRun& run, int rank) {
+  const std::string& cache_dir = run.weight_cache_dir;
   const std::string cache_file = cache_dir.empty() ? "" : fmt::format("{}/rank{}.safetensors", cache_dir, rank);
+  const auto progress = [&](int done, int total) {
+    if (run.on_layer_loaded) run.on_layer_loaded(rank, done, total);
+  };
   if (!cache_file.empty() && std::filesystem::exists(cache_file)) {
     model.load_weight_cache(cache_file);
+    const int owned = model.end_layer() - model.start_layer();
+    progress(owned, owned);
     return;
   }
   model::Checkpoint checkpoint(model_dir);
-  model.load_weights(checkpoint);
+  model.load_weights(checkpoint, progress);
   if (!cache_file.empty()) {
     std::filesystem::create_directories(cache_dir);
     model.save_weight_cache(cache_file);
@@ -64,7 +69,7 @@ InProcessRank build_in_process_rank(const std::string& model_dir, const model::Q
   rank.backend = make_backend(run.device);
   rank.engine = std::make_unique<RankEngine>(config, layout, world, *rank.backend, has_moe ? &initial : nullptr,
                                              run.engine);
-  load_rank_weights(rank.engine->model(), model_dir, run.weight_cache_dir, world.rank());
+  load_rank_weights(rank.engine->model(), model_dir, run, world.rank());
   if (records_routing(config, run)) {
     rank.eplb = std::make_unique<RankEplb>(*rank.engine, world, *rank.backend, initial, run.eplb);
   }

@@ -1,6 +1,7 @@
 #pragma once
 // Generation on the parallel engine, its ranks run as threads of this process (CPU backend), with the
 // EPLB loop between forward passes. The decode loop itself is model::generate (one loop for every path).
+#include <functional>
 #include <memory>
 
 #include "comm/communicator.hpp"
@@ -38,6 +39,9 @@ struct InProcessRun {
   EplbSettings eplb;          // used when record; eplb.enabled: rebalance
   std::string dump_file;      // --expert-distribution-dump: the recorder's JSON, merged over ranks
   model::DecodeOptions decode;
+  // Weight loading progress: called from each rank's thread after each of its layers, (world rank, layers
+  // done, layers the rank owns); a weight-cache load reports all of them at once. Optional.
+  std::function<void(int rank, int done, int total)> on_layer_loaded;
 };
 
 struct InProcessResult {

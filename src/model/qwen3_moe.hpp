@@ -103,7 +103,8 @@ class Qwen3MoeModel {
   // Reads this stage's weights. Every expected tensor must be present with its exact shape; a tensor
   // that belongs to no layer of this model is an error; tensors of other stages' layers are skipped.
   // With tie_word_embeddings, a stored lm_head.weight is accepted and ignored.
-  void load_weights(Checkpoint& checkpoint);
+  // `on_layer` (optional) is called after each owned layer with (layers done, owned layers): a progress bar.
+  void load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer = {});
 
   // The weight cache (weight_cache.cpp): every tensor this stage and rank holds, in its own layout (expert
   // slots as placed), in one safetensors file, so a restart skips per-tensor checkpoint loading. Loading

@@ -72,7 +72,7 @@ void read_cols_into(Backend& backend, Checkpoint& checkpoint, const std::string&
 
 }  // namespace
 
-void Qwen3MoeModel::load_weights(Checkpoint& checkpoint) {
+void Qwen3MoeModel::load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer) {
   const std::set<std::string> known = model_tensor_names(config_);
   for (const std::string& name : checkpoint.names()) {
     FULCRUM_CHECK(known.count(name) != 0, "{}: unexpected tensor '{}' (not part of a {}-layer Qwen3-MoE of this config)",
@@ -87,7 +87,11 @@ void Qwen3MoeModel::load_weights(Checkpoint& checkpoint) {
       read_into(backend_, checkpoint, "model.embed_tokens.weight", lm_head_);
     }
   }
-  for (const auto& layer : layers_) load_layer(*layer, checkpoint);
+  const int total = static_cast<int>(layers_.size());
+  for (int i = 0; i < total; ++i) {
+    load_layer(*layers_[static_cast<size_t>(i)], checkpoint);
+    if (on_layer) on_layer(i + 1, total);
+  }
 }
 
 void Qwen3MoeModel::load_layer(Layer& layer, Checkpoint& checkpoint) {

@@ -38,7 +38,15 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
   ranks_.resize(static_cast<size_t>(world_size));
   threads_ = std::make_unique<engine::RankThreads>(world_size);
   std::mutex progress_mutex;
-  int num_loaded = 0;
+  const int layers_total = layout_->tp() * config_.num_hidden_layers;  // each stage's tp ranks load its layers
+  std::vector<int> layers_done(static_cast<size_t>(world_size), 0);
+  run.on_layer_loaded = [&](int rank, int done, int) {
+    std::lock_guard lock(progress_mutex);
+    layers_done[static_cast<size_t>(rank)] = done;
+    int sum = 0;
+    for (const int d : layers_done) sum += d;
+    if (options_.on_layers_loaded) options_.on_layers_loaded(sum, layers_total);
+  };
   try {
     threads_->run([&](int rank, comm::Communicator& world) {
       ranks_[static_cast<size_t>(rank)] =
@@ -46,9 +54,6 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
       if (options_.kv_pages > 0) {
         ranks_[static_cast<size_t>(rank)].engine->model().reserve_kv_pool(options_.kv_pages, options_.page_size);
       }
-      std::lock_guard lock(progress_mutex);
-      ++num_loaded;
-      if (options_.on_rank_loaded) options_.on_rank_loaded(num_loaded, world_size);
     });
   } catch (const std::exception& e) {
     throw Error(fmt::format("loading {} on {} rank(s) failed: {}", options_.model_dir, world_size, e.what()));

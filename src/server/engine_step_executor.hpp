@@ -33,7 +33,9 @@ struct EngineExecutorOptions {
   engine::InProcessRun run;  // device, weight cache, initial placement, dispatch, EPLB (decode and dump unused)
   ServerMetrics* metrics = nullptr;                   // EPLB gauges; may be null
   std::function<void(const std::string&)> log;        // EPLB lines (world rank 0); empty: stderr
-  std::function<void(int done, int total)> on_rank_loaded;  // weight loading progress, from rank threads
+  // Weight loading progress over the world: layers loaded on all ranks so far, of the sum of every rank's
+  // owned layers. Called from rank threads, serialized.
+  std::function<void(int done, int total)> on_layers_loaded;
   // Each rank's KV pool, fixed at load (Qwen3MoeModel::reserve_kv_pool): the scheduler's pages, so a rank
   // never runs short whatever attention-DP group its sequences join. 0: the pool grows as needed.
   int64_t kv_pages = 0;

@@ -57,13 +57,17 @@ void serve(const ServeOptions& options) {
   engine_options.metrics = &metrics;
   engine_options.kv_pages = options.scheduler.kv_pages;
   engine_options.page_size = options.scheduler.page_size;
-  const engine::ParallelFlags layout_flags = engine::sglang_reading(options.parallel);
-  const int world_size = layout_flags.tp * layout_flags.pp;
-  ProgressBar progress("fulcrum serve: loading weights", world_size, world_size == 1 ? "rank" : "ranks");
-  progress.update(0);
-  engine_options.on_rank_loaded = [&progress](int done, int) { progress.update(done); };
-  progress.tick_every_second();  // the bar's clock moves even while no rank has finished
+  // The bar counts layers loaded over every rank; it starts with the first one (when the total is known).
+  std::unique_ptr<ProgressBar> progress;
+  engine_options.on_layers_loaded = [&progress](int done, int total) {
+    if (!progress) {
+      progress = std::make_unique<ProgressBar>("fulcrum serve: loading weights", total, "layers");
+      progress->tick_every_second();  // the clock moves while a large layer loads
+    }
+    progress->update(done);
+  };
   EngineStepExecutor executor(std::move(engine_options));
+  progress.reset();
   std::unique_ptr<tokenizer::Tokenizer> tok;
   const fs::path tokenizer_file = fs::path(options.model_dir) / "tokenizer.json";
   if (fs::exists(tokenizer_file)) {
