@@ -298,7 +298,11 @@ TEST(ServerShutdown, SigtermFinishesInFlightStreamsAndExitsCleanly) {
     s = stream_post(server.port(), "/v1/completions",
                     json{{"prompt", {4, 5, 6}}, {"max_tokens", 500}, {"ignore_eos", true}, {"stream", true}});
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // SIGTERM only once the stream is running (a fixed sleep lost the race on a loaded machine).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (metrics(server.port())["fulcrum_requests_running"] < 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(server.terminate(), 0) << server.log();
   client.join();
   EXPECT_EQ(s.status, 200);

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include <fmt/format.h>
 #include <httplib.h>
@@ -31,6 +32,7 @@ struct HttpServer::Impl {
   HttpServerOptions options;
   httplib::Server http;
   std::atomic<bool> draining{false};
+  std::atomic<int> open_streams{0};  // streamed responses not yet written to the end
   int listen_socket = -1;
 
   Impl(Scheduler& s, ServerMetrics& m, ExpertDistributionRecorder* r, HttpServerOptions o)
@@ -73,6 +75,7 @@ struct HttpServer::Impl {
       return;
     }
     res.set_header("Cache-Control", "no-cache");
+    ++open_streams;  // the releaser below runs exactly once, when the response goes
     res.set_chunked_content_provider(
         "text/event-stream",
         [writer](size_t, httplib::DataSink& sink) {
@@ -89,8 +92,9 @@ struct HttpServer::Impl {
           if (writer->done()) sink.done();
           return true;
         },
-        [writer](bool success) {
+        [this, writer](bool success) {
           if (!success) writer->handle().cancel();
+          --open_streams;
         });
   }
 
@@ -193,6 +197,15 @@ int HttpServer::bind(const std::string& host, int port) {
 
 void HttpServer::listen() { impl_->http.listen_after_bind(); }
 void HttpServer::stop() { impl_->http.stop(); }
+
+bool HttpServer::wait_streams_sent(double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (impl_->open_streams.load() > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
 void HttpServer::set_draining() { impl_->draining = true; }
 
 }  // namespace fulcrum::server

@@ -37,7 +37,12 @@ class HttpServer {
   int bind(const std::string& host, int port);
   // Serves until stop(); returns after in-flight handlers finished.
   void listen();
+  // Closes the listener. A stream still being written is cut short by cpp-httplib once it stops, so call
+  // wait_streams_sent() first.
   void stop();
+  // Waits until every streamed response has been written to the end (or its client went away), at most
+  // `seconds`; false on timeout.
+  bool wait_streams_sent(double seconds);
   // While draining, /health answers 503 (new requests are refused by the scheduler).
   void set_draining();
 

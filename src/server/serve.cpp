@@ -138,6 +138,9 @@ void serve(const ServeOptions& options) {
     scheduler.cancel_all();
     wait_idle(scheduler, 60);
   }
+  // Every request is finished or cancelled; let each stream write its last events and [DONE] (cpp-httplib
+  // cuts streams short once the listener stops).
+  if (!http.wait_streams_sent(30)) log("closing streams still being written after 30 s");
   http.stop();
   listener.join();
   scheduler.stop();
