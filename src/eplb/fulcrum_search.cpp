@@ -111,27 +111,33 @@ Move MoveFinder::best_swap_indexed(int h, double min_other) const {
   const double eps = 1e-12 * load_h;
   Move best;
   const double* w = ix.weight.data();
-  const int n = static_cast<int>(ix.weight.size());
   for (int sa = h * per_gpu; sa < (h + 1) * per_gpu; ++sa) {
     const double wa = L.slot_w[sa];
     if (wa <= eps) continue;
     const int ea = L.expert[sa];
     const double rest = load_h - wa;
-    double floor = std::max(best.score, eps);
+    const double floor = std::max(best.score, eps);
     const double lo_w = min_other - rest + floor;
-    int i = count_at_most(w, n, lo_w);
-    for (; i < n && w[i] < wa - floor; ++i) {
+    const double hi_w = wa - floor;
+    // The candidates are lighter than wa: walk down the index from sa's own entry (no search needed).
+    // Of equal gains the lowest index wins (an upward scan's first), hence >= below.
+    int i = ix.pos[sa];
+    while (i >= 0 && !(w[i] < hi_w)) --i;
+    int found = -1;
+    double found_gain = floor;
+    for (; i >= 0 && w[i] > lo_w; --i) {
       const int sb = ix.slot[i];
       const int o = ix.gpu[sb];
       if (o == h) continue;
       const double d = wa - w[i];
       const double gain = std::min(d, rest - L.gpu_load[o] + w[i]);
-      if (gain <= floor) continue;
+      if (gain < found_gain || (gain == found_gain && found < 0)) continue;
       const int eb = L.expert[sb];
       if (ea == eb || (!L.allow_dup && (L.on(ea, o) != 0 || L.on(eb, h) != 0))) continue;
-      best = {Move::kSwap, sa, sb, gain};
-      floor = gain;
+      found = i;
+      found_gain = gain;
     }
+    if (found >= 0) best = {Move::kSwap, sa, ix.slot[found], found_gain};
   }
   return best;
 }
