@@ -30,19 +30,37 @@ int count_at_most(const double* a, int n, double x) {
   return static_cast<int>(base - a) + (*base <= x ? 1 : 0);
 }
 
-// The GPUs of [g0, g1) other than h, lightest first (lower index on ties): a pair's gain is at most half
-// their gap, so scans over partners in this order can stop early.
-const std::vector<int>& lightest_first(const Layout& L, int g0, int g1, int h) {
-  thread_local std::vector<int> partners;
-  partners.clear();
-  for (int o = g0; o < g1; ++o) {
-    if (o != h) partners.push_back(o);
+// The GPUs of [g0, g1) other than h, lightest first (lower index on ties), handed out one at a time: a
+// pair's gain is at most half their gap, so scans over partners in this order stop early, usually after
+// a few partners, and selecting them lazily costs less than sorting them all.
+class LightestFirst {
+ public:
+  LightestFirst(const Layout& L, int g0, int g1, int h) : load_(L.gpu_load.data()) {
+    left_.clear();
+    for (int o = g0; o < g1; ++o) {
+      if (o != h) left_.push_back(o);
+    }
   }
-  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
-    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
-  });
-  return partners;
-}
+  // The next partner, or -1 when none is left.
+  int next() {
+    const int n = static_cast<int>(left_.size());
+    if (n == 0) return -1;
+    int k = 0;
+    for (int i = 1; i < n; ++i) {
+      const int x = left_[i], y = left_[k];
+      if (load_[x] < load_[y] || (load_[x] == load_[y] && x < y)) k = i;
+    }
+    const int o = left_[k];
+    left_[k] = left_[n - 1];
+    left_.pop_back();
+    return o;
+  }
+
+ private:
+  const double* load_;
+  static thread_local std::vector<int> left_;
+};
+thread_local std::vector<int> LightestFirst::left_;
 
 }  // namespace
 
@@ -155,8 +173,8 @@ Move MoveFinder::best_swap(int h, Move best) const {
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
   const double min_div = origin_ == nullptr ? 1.0 : 0.5;
-  const std::vector<int>& partners = lightest_first(L, g0_, g1_, h);
-  for (int o : partners) {
+  LightestFirst partners(L, g0_, g1_, h);
+  for (int o = partners.next(); o >= 0; o = partners.next()) {
     const double gap = load_h - L.gpu_load[o];
     if (gap * 0.5 / min_div <= best.score || gap <= eps) break;
     const double* wb = L.slot_w.data() + o * per_gpu;
@@ -203,8 +221,8 @@ Move MoveFinder::best_pair_swap(int h) const {
   for (size_t k = 0; k < pairs_h.size(); ++k) sums_h[k] = pairs_h[k].first;
   const double* sums = sums_h.data();
   const int num_pairs = static_cast<int>(sums_h.size());
-  const std::vector<int>& partners = lightest_first(L, g0_, g1_, h);
-  for (int o : partners) {
+  LightestFirst partners(L, g0_, g1_, h);
+  for (int o = partners.next(); o >= 0; o = partners.next()) {
     const double gap = load_h - L.gpu_load[o];
     if (gap * 0.5 <= best.score || gap <= eps) break;
     for (int i = 0; i < per_gpu; ++i) {
