@@ -24,7 +24,7 @@ int count_at_most(const double* a, int n, double x) {
   const double* base = a;
   while (n > 1) {
     const int half = n / 2;
-    base += (base[half - 1] <= x) ? half : 0;
+    base += half * static_cast<int>(base[half - 1] <= x);  // a multiply: compilers turn `? :` into a branch
     n -= half;
   }
   return static_cast<int>(base - a) + (*base <= x ? 1 : 0);
