@@ -19,7 +19,13 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   const int64_t most = static_cast<int64_t>(cap) - 1;
   auto above = [&](int e, double lambda, double inverse) -> int64_t {  // #{j in [1, most] : load[e] / j > lambda}
     if (!(load[e] > lambda)) return 0;
-    int64_t j = static_cast<int64_t>(std::min(static_cast<double>(most), std::floor(load[e] * inverse)));
+    const double t = load[e] * inverse;  // load / lambda within a few ulps
+    const double whole = std::floor(t);
+    int64_t j = static_cast<int64_t>(std::min(static_cast<double>(most), whole));
+    // Away from an integer, floor(t) is the count and the exact (division) checks below would not move
+    // it: skip their divisions.
+    const double margin = 1e-9 * (1.0 + t);
+    if (t - whole > margin && (whole + 1.0 - t > margin || j == most)) return j;
     while (j > 0 && !(load[e] / static_cast<double>(j) > lambda)) --j;
     while (j < most && load[e] / static_cast<double>(j + 1) > lambda) ++j;
     return j;
@@ -58,19 +64,22 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   }
   int left = extra - static_cast<int>(best_given);
   if (left <= 16) {
+    // Few left: each to the highest key by a scan of the keys (computed once; -1 marks an expert at cap).
+    thread_local std::vector<double> key;
+    key.resize(num_experts);
+    for (int e = 0; e < num_experts; ++e) key[e] = counts[e] >= cap ? -1.0 : load[e] / counts[e];
     for (; left > 0; --left) {
       int pick = -1;
-      double key = 0.0;
+      double best = -1.0;
       for (int e = 0; e < num_experts; ++e) {
-        if (counts[e] >= cap) continue;
-        const double k = load[e] / counts[e];
-        if (pick < 0 || k > key) {
+        if (key[e] > best) {
           pick = e;
-          key = k;
+          best = key[e];
         }
       }
       if (pick < 0) return;
       ++counts[pick];
+      key[pick] = counts[pick] >= cap ? -1.0 : load[pick] / counts[pick];
     }
     return;
   }
