@@ -34,33 +34,33 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   for (double x : load) total += x;
   double best_lambda = -1.0;
   int64_t best_given = 0;
+  thread_local std::vector<int> trial, kept;
+  trial.resize(num_experts);
+  kept.resize(num_experts);
   if (total > 0.0) {
     // Experts above lambda get about load / lambda - 1/2 keys above it: solve for lambda over them.
     double lambda = total / (extra + 0.5 * num_experts);
     for (int iter = 0; iter < 6; ++iter) {
       const double inverse = 1.0 / lambda;
       int64_t given = 0;
-      double heavy = 0.0;
       int num_heavy = 0;
       for (int e = 0; e < num_experts; ++e) {
         const int64_t a = above(e, lambda, inverse);
+        trial[e] = static_cast<int>(a);
         given += a;
-        if (a > 0) {
-          heavy += load[e];
-          ++num_heavy;
-        }
+        num_heavy += a > 0;
       }
       if (given <= extra && given > best_given) {
         best_given = given;
         best_lambda = lambda;
+        std::swap(trial, kept);  // the best lambda's keys per expert, not recomputed afterwards
       }
       if ((given <= extra && extra - given <= 8) || num_heavy == 0) break;
       lambda *= (static_cast<double>(given) + 0.5 * num_heavy) / (extra + 0.5 * num_heavy);
     }
   }
   if (best_lambda > 0.0) {
-    const double inverse = 1.0 / best_lambda;
-    for (int e = 0; e < num_experts; ++e) counts[e] += static_cast<int>(above(e, best_lambda, inverse));
+    for (int e = 0; e < num_experts; ++e) counts[e] += kept[e];
   }
   int left = extra - static_cast<int>(best_given);
   if (left <= 16) {
