@@ -266,9 +266,10 @@ void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign
     // Heaviest GPU (lowest index on ties) and the lightest load in one pass: with h the heaviest, the
     // lightest of the others is the lightest of all (h is only the lightest if all loads are equal).
     int h = g0;
-    double lightest = load[g0];
-    for (int g = g0 + 1; g < g1; ++g) {
-      if (load[g] > load[h]) h = g;
+    double heaviest = load[g0], lightest = load[g0];
+    for (int g = g0 + 1; g < g1; ++g) {  // selects, not branches: the heaviest's position is unpredictable
+      h = load[g] > heaviest ? g : h;
+      heaviest = std::max(heaviest, load[g]);
       lightest = std::min(lightest, load[g]);
     }
     if (load[h] <= stop_max) return;
