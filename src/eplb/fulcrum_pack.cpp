@@ -274,9 +274,12 @@ void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign
     }
     if (load[h] <= stop_max) return;
     if (g1 - g0 < 2) lightest = std::numeric_limits<double>::infinity();
-    // Cheapest first: swaps, then pair swaps, then reassigns.
-    Move move = finder.best_swap_indexed(h, lightest);
-    if (!move.valid()) move = finder.best_pair_swap(h);
+    // Cheapest first: swaps, then pair swaps, then reassigns. A move that brings h (and its partner) to
+    // stop_max or below is taken as soon as it is found: the best one would only go further below the
+    // target at the cost of scanning every candidate.
+    const double enough = load[h] - stop_max;
+    Move move = finder.best_swap_indexed(h, lightest, enough);
+    if (!move.valid()) move = finder.best_pair_swap(h, enough);
     if (!move.valid() && reassign) move = finder.best_reassign(h);
     if (!move.valid()) return;
     finder.apply(move);

@@ -121,7 +121,7 @@ void MoveFinder::swap(int s1, int s2) {
 // Same moves and gains as the partner scan below, found through the weight index: for a replica a of
 // h (weight wa, rest of h R = L_h - wa) and b on GPU o, gain = min(wa - wb, R - (L_o - wb)), so only
 // wb in (L_min - R + best, wa - best) can beat `best`, where L_min is the lightest other GPU's load.
-Move MoveFinder::best_swap_indexed(int h, double min_other) const {
+Move MoveFinder::best_swap_indexed(int h, double min_other, double enough) const {
   const Layout& L = layout_;
   const WeightIndex& ix = index_buf;
   const int per_gpu = L.slots_per_gpu;
@@ -154,8 +154,10 @@ Move MoveFinder::best_swap_indexed(int h, double min_other) const {
       if (ea == eb || (!L.allow_dup && (L.on(ea, o) != 0 || L.on(eb, h) != 0))) continue;
       found = i;
       found_gain = gain;
+      if (gain >= enough) break;
     }
     if (found >= 0) best = {Move::kSwap, sa, ix.slot[found], found_gain};
+    if (best.score >= enough) return best;
   }
   return best;
 }
@@ -197,7 +199,7 @@ Move MoveFinder::best_swap(int h, Move best) const {
   return best;
 }
 
-Move MoveFinder::best_pair_swap(int h) const {
+Move MoveFinder::best_pair_swap(int h, double enough) const {
   const Layout& L = layout_;
   const int per_gpu = L.slots_per_gpu;
   Move best;
@@ -242,6 +244,7 @@ Move MoveFinder::best_pair_swap(int h) const {
           const int ea = L.expert[sa], ec = L.expert[sc], eb = L.expert[si], ed = L.expert[sj];
           if (!L.allow_dup && (L.on(ea, o) != 0 || L.on(ec, o) != 0 || L.on(eb, h) != 0 || L.on(ed, h) != 0)) continue;
           best = {Move::kSwapPairs, sa, si, gain, sc, sj};
+          if (gain >= enough) return best;
           floor = gain;
         }
       }
