@@ -80,9 +80,9 @@ double count_bound(const Layout& layout, std::span<const int> counts) {
 }
 
 // Sorts (weight >= 0, expert) pairs, given in expert order, heaviest first with ties by expert: an LSD
-// radix sort on the weights rounded to a 16-bit float prefix (stable, so ties keep expert order), then an
-// insertion pass on the exact weights, which only moves pairs whose weights round alike. A comparison sort of these
-// keys mispredicts about every other comparison and took several times longer.
+// radix sort on a 16-bit float prefix of the weights (stable, so ties keep expert order), then the runs
+// of equal prefixes in exact order. A comparison sort of all the keys mispredicts about every other
+// comparison and took several times longer.
 void sort_heaviest_first(std::vector<std::pair<double, int>>& pairs) {
   const int n = static_cast<int>(pairs.size());
   thread_local std::vector<std::pair<double, int>> moved;
@@ -90,8 +90,8 @@ void sort_heaviest_first(std::vector<std::pair<double, int>>& pairs) {
   moved.resize(n);
   key.resize(n);
   moved_key.resize(n);
-  // Heavier first = ascending complement of the float's top 16 bits (sign, exponent, 7 mantissa bits;
-  // + 0.0f turns -0.0 into 0): two passes, the insertion pass orders weights within 1% of each other.
+  // Heavier first = ascending complement of the float's top 16 bits (sign, exponent, 7 mantissa bits:
+  // weights within 1% may share one; + 0.0f turns -0.0 into 0), in two passes of 8 bits.
   for (int i = 0; i < n; ++i) key[i] = ~std::bit_cast<uint32_t>(static_cast<float>(pairs[i].first) + 0.0f) >> 16;
   for (int shift = 0; shift < 16; shift += 8) {
     std::array<int, 257> start{};  // start[d + 1] counts digit d, then start[d] is where digit d goes
@@ -106,13 +106,23 @@ void sort_heaviest_first(std::vector<std::pair<double, int>>& pairs) {
     std::swap(key, moved_key);
     std::swap(pairs, moved);
   }
-  for (int i = 1; i < n; ++i) {
-    const std::pair<double, int> x = pairs[i];
-    int j = i;
-    for (; j > 0 && (x.first > pairs[j - 1].first || (x.first == pairs[j - 1].first && x.second < pairs[j - 1].second)); --j) {
-      pairs[j] = pairs[j - 1];
+  // Each run of equal keys in exact order: by insertion when short (the usual case), else by std::sort
+  // (near-equal weights in bulk would make insertion quadratic).
+  auto heavier = [](const std::pair<double, int>& x, const std::pair<double, int>& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  };
+  for (int begin = 0, end = 0; begin < n; begin = end) {
+    while (end < n && key[end] == key[begin]) ++end;
+    if (end - begin > 16) {
+      std::sort(pairs.begin() + begin, pairs.begin() + end, heavier);
+      continue;
     }
-    pairs[j] = x;
+    for (int i = begin + 1; i < end; ++i) {
+      const std::pair<double, int> x = pairs[i];
+      int j = i;
+      for (; j > begin && heavier(x, pairs[j - 1]); --j) pairs[j] = pairs[j - 1];
+      pairs[j] = x;
+    }
   }
 }
 

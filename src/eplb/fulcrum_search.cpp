@@ -118,9 +118,10 @@ void MoveFinder::swap(int s1, int s2) {
   ix.slot[ix.pos[s2]] = s2;
 }
 
-// Same moves and gains as the partner scan below, found through the weight index: for a replica a of
-// h (weight wa, rest of h R = L_h - wa) and b on GPU o, gain = min(wa - wb, R - (L_o - wb)), so only
-// wb in (L_min - R + best, wa - best) can beat `best`, where L_min is the lightest other GPU's load.
+// Same moves and gains as the partner scan below (unless `enough` cuts it short), found through the weight
+// index: for a replica a of h (weight wa, rest of h R = L_h - wa) and b on GPU o,
+// gain = min(wa - wb, R - (L_o - wb)), so only wb in (L_min - R + best, wa - best) can beat `best`, where
+// L_min is the lightest other GPU's load.
 Move MoveFinder::best_swap_indexed(int h, double min_other, double enough) const {
   const Layout& L = layout_;
   const WeightIndex& ix = index_buf;
