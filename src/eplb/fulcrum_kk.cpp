@@ -29,6 +29,7 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
   thread_local std::vector<std::pair<double, int>> own;
   thread_local std::vector<Bin> bins, merged;
   thread_local std::vector<char> taken;
+  thread_local std::vector<std::pair<double, int>> rank;
   std::span<const std::pair<double, int>> sorted = weighted;
   if (seed != 0 || sorted.size() != items.size()) {
     own.clear();
@@ -74,6 +75,7 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
   for (int r = 0; r < per_gpu; ++r) heap.push_back(r);
   std::make_heap(heap.begin(), heap.end(), heap_less);
   merged.resize(gpus);
+  rank.resize(gpus);
   taken.resize(gpus);
   while (heap.size() > 1) {
     std::pop_heap(heap.begin(), heap.end(), heap_less);
@@ -105,8 +107,15 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
       merged[i] = {a[i].sum + b[pick].sum, a[i].head, b[pick].tail,
                    {a[i].mask[0] | b[pick].mask[0], a[i].mask[1] | b[pick].mask[1]}};
     }
-    std::sort(merged.begin(), merged.end(), [](const Bin& x, const Bin& y) { return x.sum > y.sum; });
-    std::copy(merged.begin(), merged.end(), a);
+    // Heaviest first: a stable insertion sort of (sum, position) pairs (fewer mispredicts than std::sort,
+    // half the bytes of a bin to move), then the bins gathered into a.
+    for (int i = 0; i < gpus; ++i) {
+      const std::pair<double, int> x(merged[i].sum, i);
+      int j = i;
+      for (; j > 0 && rank[j - 1].first < x.first; --j) rank[j] = rank[j - 1];
+      rank[j] = x;
+    }
+    for (int i = 0; i < gpus; ++i) a[i] = merged[rank[i].second];
     heap.push_back(ra);
     std::push_heap(heap.begin(), heap.end(), heap_less);
   }

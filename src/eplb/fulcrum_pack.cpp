@@ -19,7 +19,13 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   const int64_t most = static_cast<int64_t>(cap) - 1;
   auto above = [&](int e, double lambda, double inverse) -> int64_t {  // #{j in [1, most] : load[e] / j > lambda}
     if (!(load[e] > lambda)) return 0;
-    int64_t j = static_cast<int64_t>(std::min(static_cast<double>(most), std::floor(load[e] * inverse)));
+    const double t = load[e] * inverse;  // load / lambda within a few ulps
+    const double whole = std::floor(t);
+    int64_t j = static_cast<int64_t>(std::min(static_cast<double>(most), whole));
+    // Away from an integer, floor(t) is the count and the exact (division) checks below would not move
+    // it: skip their divisions.
+    const double margin = 1e-9 * (1.0 + t);
+    if (t - whole > margin && (whole + 1.0 - t > margin || j == most)) return j;
     while (j > 0 && !(load[e] / static_cast<double>(j) > lambda)) --j;
     while (j < most && load[e] / static_cast<double>(j + 1) > lambda) ++j;
     return j;
@@ -28,49 +34,52 @@ void capped_counts(std::span<const double> load, int slots, int cap, std::vector
   for (double x : load) total += x;
   double best_lambda = -1.0;
   int64_t best_given = 0;
+  thread_local std::vector<int> trial, kept;
+  trial.resize(num_experts);
+  kept.resize(num_experts);
   if (total > 0.0) {
     // Experts above lambda get about load / lambda - 1/2 keys above it: solve for lambda over them.
     double lambda = total / (extra + 0.5 * num_experts);
     for (int iter = 0; iter < 6; ++iter) {
       const double inverse = 1.0 / lambda;
       int64_t given = 0;
-      double heavy = 0.0;
       int num_heavy = 0;
       for (int e = 0; e < num_experts; ++e) {
         const int64_t a = above(e, lambda, inverse);
+        trial[e] = static_cast<int>(a);
         given += a;
-        if (a > 0) {
-          heavy += load[e];
-          ++num_heavy;
-        }
+        num_heavy += a > 0;
       }
       if (given <= extra && given > best_given) {
         best_given = given;
         best_lambda = lambda;
+        std::swap(trial, kept);  // the best lambda's keys per expert, not recomputed afterwards
       }
       if ((given <= extra && extra - given <= 8) || num_heavy == 0) break;
       lambda *= (static_cast<double>(given) + 0.5 * num_heavy) / (extra + 0.5 * num_heavy);
     }
   }
   if (best_lambda > 0.0) {
-    const double inverse = 1.0 / best_lambda;
-    for (int e = 0; e < num_experts; ++e) counts[e] += static_cast<int>(above(e, best_lambda, inverse));
+    for (int e = 0; e < num_experts; ++e) counts[e] += kept[e];
   }
   int left = extra - static_cast<int>(best_given);
   if (left <= 16) {
+    // Few left: each to the highest key by a scan of the keys (computed once; -1 marks an expert at cap).
+    thread_local std::vector<double> key;
+    key.resize(num_experts);
+    for (int e = 0; e < num_experts; ++e) key[e] = counts[e] >= cap ? -1.0 : load[e] / counts[e];
     for (; left > 0; --left) {
       int pick = -1;
-      double key = 0.0;
+      double best = -1.0;
       for (int e = 0; e < num_experts; ++e) {
-        if (counts[e] >= cap) continue;
-        const double k = load[e] / counts[e];
-        if (pick < 0 || k > key) {
+        if (key[e] > best) {
           pick = e;
-          key = k;
+          best = key[e];
         }
       }
       if (pick < 0) return;
       ++counts[pick];
+      key[pick] = counts[pick] >= cap ? -1.0 : load[pick] / counts[pick];
     }
     return;
   }
@@ -257,16 +266,20 @@ void local_search(Layout& layout, int g0, int g1, double stop_max, bool reassign
     // Heaviest GPU (lowest index on ties) and the lightest load in one pass: with h the heaviest, the
     // lightest of the others is the lightest of all (h is only the lightest if all loads are equal).
     int h = g0;
-    double lightest = load[g0];
-    for (int g = g0 + 1; g < g1; ++g) {
-      if (load[g] > load[h]) h = g;
+    double heaviest = load[g0], lightest = load[g0];
+    for (int g = g0 + 1; g < g1; ++g) {  // selects, not branches: the heaviest's position is unpredictable
+      h = load[g] > heaviest ? g : h;
+      heaviest = std::max(heaviest, load[g]);
       lightest = std::min(lightest, load[g]);
     }
     if (load[h] <= stop_max) return;
     if (g1 - g0 < 2) lightest = std::numeric_limits<double>::infinity();
-    // Cheapest first: swaps, then pair swaps, then reassigns.
-    Move move = finder.best_swap_indexed(h, lightest);
-    if (!move.valid()) move = finder.best_pair_swap(h);
+    // Cheapest first: swaps, then pair swaps, then reassigns. A move that brings h (and its partner) to
+    // stop_max or below is taken as soon as it is found: the best one would only go further below the
+    // target at the cost of scanning every candidate.
+    const double enough = load[h] - stop_max;
+    Move move = finder.best_swap_indexed(h, lightest, enough);
+    if (!move.valid()) move = finder.best_pair_swap(h, enough);
     if (!move.valid() && reassign) move = finder.best_reassign(h);
     if (!move.valid()) return;
     finder.apply(move);

@@ -46,7 +46,8 @@ void differencing_pack(Layout& layout, std::span<const int> items, std::span<con
 void repair_duplicates(Layout& layout, int g0, int g1);
 
 // Local search on GPUs [g0, g1): repeatedly takes the heaviest GPU h and applies the swap of one of its
-// replicas with one of another GPU in the range that most lowers the pair's larger load; if none helps,
+// replicas with one of another GPU in the range that most lowers the pair's larger load (or the first
+// swap found that brings both to `stop_max` or below: the best would only cost a full scan); if none helps,
 // the best exchange of two of h's replicas for two of another GPU's; if none helps and `reassign` is
 // set, one slot moved from an expert with spare replicas to another expert (changing counts) when that
 // lowers h without raising any GPU to h's load. The no-duplicate rule holds throughout. Stops when h

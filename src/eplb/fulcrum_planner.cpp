@@ -3,6 +3,8 @@
 #include "eplb/fulcrum_planner.hpp"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <memory>
 #include <numeric>
 
@@ -77,6 +79,53 @@ double count_bound(const Layout& layout, std::span<const int> counts) {
   return std::max(total / layout.num_gpus, per_replica);
 }
 
+// Sorts (weight >= 0, expert) pairs, given in expert order, heaviest first with ties by expert: an LSD
+// radix sort on a 16-bit float prefix of the weights (stable, so ties keep expert order), then the runs
+// of equal prefixes in exact order. A comparison sort of all the keys mispredicts about every other
+// comparison and took several times longer.
+void sort_heaviest_first(std::vector<std::pair<double, int>>& pairs) {
+  const int n = static_cast<int>(pairs.size());
+  thread_local std::vector<std::pair<double, int>> moved;
+  thread_local std::vector<uint32_t> key, moved_key;
+  moved.resize(n);
+  key.resize(n);
+  moved_key.resize(n);
+  // Heavier first = ascending complement of the float's top 16 bits (sign, exponent, 7 mantissa bits:
+  // weights within 1% may share one; + 0.0f turns -0.0 into 0), in two passes of 8 bits.
+  for (int i = 0; i < n; ++i) key[i] = ~std::bit_cast<uint32_t>(static_cast<float>(pairs[i].first) + 0.0f) >> 16;
+  for (int shift = 0; shift < 16; shift += 8) {
+    std::array<int, 257> start{};  // start[d + 1] counts digit d, then start[d] is where digit d goes
+    for (int i = 0; i < n; ++i) ++start[((key[i] >> shift) & 255) + 1];
+    if (n == 0 || start[((key[0] >> shift) & 255) + 1] == n) continue;  // one digit value: no move
+    for (int d = 1; d <= 256; ++d) start[d] += start[d - 1];
+    for (int i = 0; i < n; ++i) {
+      const int at = start[(key[i] >> shift) & 255]++;
+      moved_key[at] = key[i];
+      moved[at] = pairs[i];
+    }
+    std::swap(key, moved_key);
+    std::swap(pairs, moved);
+  }
+  // Each run of equal keys in exact order: by insertion when short (the usual case), else by std::sort
+  // (near-equal weights in bulk would make insertion quadratic).
+  auto heavier = [](const std::pair<double, int>& x, const std::pair<double, int>& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  };
+  for (int begin = 0, end = 0; begin < n; begin = end) {
+    while (end < n && key[end] == key[begin]) ++end;
+    if (end - begin > 16) {
+      std::sort(pairs.begin() + begin, pairs.begin() + end, heavier);
+      continue;
+    }
+    for (int i = begin + 1; i < end; ++i) {
+      const std::pair<double, int> x = pairs[i];
+      int j = i;
+      for (; j > begin && heavier(x, pairs[j - 1]); --j) pairs[j] = pairs[j - 1];
+      pairs[j] = x;
+    }
+  }
+}
+
 // Differencing start improved by the local search; then LPT (DeepSeek's packing, without duplicates):
 // if LPT alone is already better, it gets the local search too and replaces the first result. So
 // the plan is never less balanced than LPT with the same counts.
@@ -87,11 +136,8 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
   thread_local std::vector<int> items, order;
   thread_local std::vector<std::pair<double, int>> weighted;  // (replica weight, expert) per item
   experts.clear();
-  for (int e = 0; e < layout.num_experts; ++e) experts.emplace_back(-layout.load[e] / counts[e], e);
-  // Plain comparisons (the same order as pair's operator<, which goes through a slower <=>).
-  std::sort(experts.begin(), experts.end(), [](const auto& x, const auto& y) {
-    return x.first < y.first || (x.first == y.first && x.second < y.second);
-  });
+  for (int e = 0; e < layout.num_experts; ++e) experts.emplace_back(layout.load[e] / counts[e], e);
+  sort_heaviest_first(experts);
   items.resize(layout.num_slots);
   weighted.resize(layout.num_slots);
   order.clear();
@@ -100,13 +146,13 @@ void pack_and_search(Layout& layout, Layout& spare, std::span<const int> counts,
     order.push_back(e);
     for (int r = 0; r < counts[e]; ++r, ++next_item) {
       items[next_item] = e;
-      weighted[next_item] = {-w, e};
+      weighted[next_item] = {w, e};
     }
   }
   // count_bound without its divisions: the largest load per replica heads `experts`.
   double total = 0.0;
   for (int e = 0; e < layout.num_experts; ++e) total += layout.load[e];
-  const double lower = std::max(total / layout.num_gpus, experts.empty() ? 0.0 : std::max(0.0, -experts.front().first));
+  const double lower = std::max(total / layout.num_gpus, experts.empty() ? 0.0 : experts.front().first);
   const double exact = lower * (1.0 + 1e-12);
   const double bound = lower * (1.0 + tolerance);
   fulcrum_detail::differencing_pack(layout, items, counts, 0, layout.num_gpus, seed, weighted);

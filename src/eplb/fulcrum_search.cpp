@@ -24,25 +24,43 @@ int count_at_most(const double* a, int n, double x) {
   const double* base = a;
   while (n > 1) {
     const int half = n / 2;
-    base += (base[half - 1] <= x) ? half : 0;
+    base += half * static_cast<int>(base[half - 1] <= x);  // a multiply: compilers turn `? :` into a branch
     n -= half;
   }
   return static_cast<int>(base - a) + (*base <= x ? 1 : 0);
 }
 
-// The GPUs of [g0, g1) other than h, lightest first (lower index on ties): a pair's gain is at most half
-// their gap, so scans over partners in this order can stop early.
-const std::vector<int>& lightest_first(const Layout& L, int g0, int g1, int h) {
-  thread_local std::vector<int> partners;
-  partners.clear();
-  for (int o = g0; o < g1; ++o) {
-    if (o != h) partners.push_back(o);
+// The GPUs of [g0, g1) other than h, lightest first (lower index on ties), handed out one at a time: a
+// pair's gain is at most half their gap, so scans over partners in this order stop early, usually after
+// a few partners, and selecting them lazily costs less than sorting them all.
+class LightestFirst {
+ public:
+  LightestFirst(const Layout& L, int g0, int g1, int h) : load_(L.gpu_load.data()) {
+    left_.clear();
+    for (int o = g0; o < g1; ++o) {
+      if (o != h) left_.push_back(o);
+    }
   }
-  std::sort(partners.begin(), partners.end(), [&](int x, int y) {
-    return L.gpu_load[x] < L.gpu_load[y] || (L.gpu_load[x] == L.gpu_load[y] && x < y);
-  });
-  return partners;
-}
+  // The next partner, or -1 when none is left.
+  int next() {
+    const int n = static_cast<int>(left_.size());
+    if (n == 0) return -1;
+    int k = 0;
+    for (int i = 1; i < n; ++i) {
+      const int x = left_[i], y = left_[k];
+      if (load_[x] < load_[y] || (load_[x] == load_[y] && x < y)) k = i;
+    }
+    const int o = left_[k];
+    left_[k] = left_[n - 1];
+    left_.pop_back();
+    return o;
+  }
+
+ private:
+  const double* load_;
+  static thread_local std::vector<int> left_;
+};
+thread_local std::vector<int> LightestFirst::left_;
 
 }  // namespace
 
@@ -100,10 +118,11 @@ void MoveFinder::swap(int s1, int s2) {
   ix.slot[ix.pos[s2]] = s2;
 }
 
-// Same moves and gains as the partner scan below, found through the weight index: for a replica a of
-// h (weight wa, rest of h R = L_h - wa) and b on GPU o, gain = min(wa - wb, R - (L_o - wb)), so only
-// wb in (L_min - R + best, wa - best) can beat `best`, where L_min is the lightest other GPU's load.
-Move MoveFinder::best_swap_indexed(int h, double min_other) const {
+// Same moves and gains as the partner scan below (unless `enough` cuts it short), found through the weight
+// index: for a replica a of h (weight wa, rest of h R = L_h - wa) and b on GPU o,
+// gain = min(wa - wb, R - (L_o - wb)), so only wb in (L_min - R + best, wa - best) can beat `best`, where
+// L_min is the lightest other GPU's load.
+Move MoveFinder::best_swap_indexed(int h, double min_other, double enough) const {
   const Layout& L = layout_;
   const WeightIndex& ix = index_buf;
   const int per_gpu = L.slots_per_gpu;
@@ -111,27 +130,35 @@ Move MoveFinder::best_swap_indexed(int h, double min_other) const {
   const double eps = 1e-12 * load_h;
   Move best;
   const double* w = ix.weight.data();
-  const int n = static_cast<int>(ix.weight.size());
   for (int sa = h * per_gpu; sa < (h + 1) * per_gpu; ++sa) {
     const double wa = L.slot_w[sa];
     if (wa <= eps) continue;
     const int ea = L.expert[sa];
     const double rest = load_h - wa;
-    double floor = std::max(best.score, eps);
+    const double floor = std::max(best.score, eps);
     const double lo_w = min_other - rest + floor;
-    int i = count_at_most(w, n, lo_w);
-    for (; i < n && w[i] < wa - floor; ++i) {
+    const double hi_w = wa - floor;
+    // The candidates are lighter than wa: walk down the index from sa's own entry (no search needed).
+    // Of equal gains the lowest index wins (an upward scan's first), hence >= below.
+    int i = ix.pos[sa];
+    while (i >= 0 && !(w[i] < hi_w)) --i;
+    int found = -1;
+    double found_gain = floor;
+    for (; i >= 0 && w[i] > lo_w; --i) {
       const int sb = ix.slot[i];
       const int o = ix.gpu[sb];
       if (o == h) continue;
       const double d = wa - w[i];
       const double gain = std::min(d, rest - L.gpu_load[o] + w[i]);
-      if (gain <= floor) continue;
+      if (gain < found_gain || (gain == found_gain && found < 0)) continue;
       const int eb = L.expert[sb];
       if (ea == eb || (!L.allow_dup && (L.on(ea, o) != 0 || L.on(eb, h) != 0))) continue;
-      best = {Move::kSwap, sa, sb, gain};
-      floor = gain;
+      found = i;
+      found_gain = gain;
+      if (gain >= enough) break;
     }
+    if (found >= 0) best = {Move::kSwap, sa, ix.slot[found], found_gain};
+    if (best.score >= enough) return best;
   }
   return best;
 }
@@ -149,8 +176,8 @@ Move MoveFinder::best_swap(int h, Move best) const {
   const double load_h = L.gpu_load[h];
   const double eps = 1e-12 * load_h;
   const double min_div = origin_ == nullptr ? 1.0 : 0.5;
-  const std::vector<int>& partners = lightest_first(L, g0_, g1_, h);
-  for (int o : partners) {
+  LightestFirst partners(L, g0_, g1_, h);
+  for (int o = partners.next(); o >= 0; o = partners.next()) {
     const double gap = load_h - L.gpu_load[o];
     if (gap * 0.5 / min_div <= best.score || gap <= eps) break;
     const double* wb = L.slot_w.data() + o * per_gpu;
@@ -173,7 +200,7 @@ Move MoveFinder::best_swap(int h, Move best) const {
   return best;
 }
 
-Move MoveFinder::best_pair_swap(int h) const {
+Move MoveFinder::best_pair_swap(int h, double enough) const {
   const Layout& L = layout_;
   const int per_gpu = L.slots_per_gpu;
   Move best;
@@ -197,8 +224,8 @@ Move MoveFinder::best_pair_swap(int h) const {
   for (size_t k = 0; k < pairs_h.size(); ++k) sums_h[k] = pairs_h[k].first;
   const double* sums = sums_h.data();
   const int num_pairs = static_cast<int>(sums_h.size());
-  const std::vector<int>& partners = lightest_first(L, g0_, g1_, h);
-  for (int o : partners) {
+  LightestFirst partners(L, g0_, g1_, h);
+  for (int o = partners.next(); o >= 0; o = partners.next()) {
     const double gap = load_h - L.gpu_load[o];
     if (gap * 0.5 <= best.score || gap <= eps) break;
     for (int i = 0; i < per_gpu; ++i) {
@@ -218,6 +245,7 @@ Move MoveFinder::best_pair_swap(int h) const {
           const int ea = L.expert[sa], ec = L.expert[sc], eb = L.expert[si], ed = L.expert[sj];
           if (!L.allow_dup && (L.on(ea, o) != 0 || L.on(ec, o) != 0 || L.on(eb, h) != 0 || L.on(ed, h) != 0)) continue;
           best = {Move::kSwapPairs, sa, si, gain, sc, sj};
+          if (gain >= enough) return best;
           floor = gain;
         }
       }

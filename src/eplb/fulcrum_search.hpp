@@ -8,6 +8,7 @@
 // With an `origin` map (migration-aware replanning) a move's score is gain per slot changed against
 // origin (a move that restores an original expert counts as half a move); without one, score = gain.
 #include <cstdint>
+#include <limits>
 #include <span>
 
 #include "eplb/fulcrum_layout.hpp"
@@ -38,9 +39,10 @@ class MoveFinder {
   Move best_swap(int h, Move best = {}) const;
   // best_swap(h) of an indexed finder, given the lightest load among GPUs of the range other than h
   // (equal to the range's lightest load, h being the heaviest).
-  Move best_swap_indexed(int h, double min_other) const;
+  // A swap whose gain reaches `enough` is taken at once (the first found, not the best).
+  Move best_swap_indexed(int h, double min_other, double enough = std::numeric_limits<double>::infinity()) const;
   // Best exchange of two replicas of h with two of another GPU (origin must be null).
-  Move best_pair_swap(int h) const;
+  Move best_pair_swap(int h, double enough = std::numeric_limits<double>::infinity()) const;
   // Best reassign that lowers h: a slot of h to another expert, or a slot elsewhere to an expert of h.
   Move best_reassign(int h, Move best = {}) const;
   void apply(const Move& move) {
