@@ -25,13 +25,13 @@ constexpr double kHierarchySlack = 0.002;
 // The local search stops once the max GPU load is within a fraction of the bound max(W/G, tau): further
 // steps cost time for no measurable gain. The fraction follows what the mean balancedness must reach
 // (the acceptance levels: 0.9995 at 16 GPUs, 0.998 at 32, i.e. a slack of 5e-4 * (G / 16)^2) and takes
-// a quarter of that slack, never less than kMinSearchTolerance (balancedness >= 0.9998 where W/G is the
+// 0.3 of that slack, never less than kMinSearchTolerance (balancedness >= 0.9998 where W/G is the
 // bound) nor more than kMaxSearchTolerance.
 constexpr double kMinSearchTolerance = 2e-4;
 constexpr double kMaxSearchTolerance = 1e-3;
 double search_tolerance(int num_gpus) {
   const double scale = num_gpus / 16.0;
-  return std::clamp(0.25 * 5e-4 * scale * scale, kMinSearchTolerance, kMaxSearchTolerance);
+  return std::clamp(0.3 * 5e-4 * scale * scale, kMinSearchTolerance, kMaxSearchTolerance);
 }
 // A layer whose plan is this far above the lower bound gets the count bisection of plan_flat.
 constexpr double kHardLayer = 2e-3;
