@@ -41,20 +41,48 @@ SlotLayer make_layer(backend::CudaBackend& cuda, int rank, int num_slots, int64_
   return layer;
 }
 
-// One layer's plan on each of 2 ranks: local copy of slot 0 into staging 0, slots 1 and 3 to the peer,
-// the peer's slots 1 and 3 into staging 1 and 2; commits: staging 0 -> slot 2, 1 -> slot 0, 2 -> slot 1.
-void run_plan(eplb_runtime::SlotCopyExecutor& executor, const model::ExpertSlotView& view, int peer) {
-  executor.begin_layer(view, 3);
-  executor.copy_local(view, 0, 0);
-  executor.send(view, 1, peer);
-  executor.send(view, 3, peer);
-  executor.recv(view, 1, peer);
-  executor.recv(view, 2, peer);
+// One layer's plan, the same on both of 2 ranks (each sends to and receives from the other).
+struct Plan {
+  int num_staging = 0;
+  std::vector<std::pair<int, int>> local;    // (slot, staging entry)
+  std::vector<int> sends;                    // slots, in order
+  std::vector<int> recvs;                    // staging entries, in order (the peer's sends)
+  std::vector<std::pair<int, int>> commits;  // (staging entry, slot)
+};
+
+void run_plan(eplb_runtime::SlotCopyExecutor& executor, const model::ExpertSlotView& view, int peer, const Plan& plan) {
+  executor.begin_layer(view, plan.num_staging);
+  for (const auto& [slot, entry] : plan.local) executor.copy_local(view, slot, entry);
+  for (const int slot : plan.sends) executor.send(view, slot, peer);
+  for (const int entry : plan.recvs) executor.recv(view, entry, peer);
   executor.wait();
-  executor.commit_slot(view, 0, 2);
-  executor.commit_slot(view, 1, 0);
-  executor.commit_slot(view, 2, 1);
+  for (const auto& [entry, slot] : plan.commits) executor.commit_slot(view, entry, slot);
   executor.end_layer();
+}
+
+// The plan on host copies of both ranks' slots (each slot: gate_up values then down values).
+using HostSlots = std::vector<std::vector<float>>;
+void simulate(HostSlots& mine, const HostSlots& theirs, const Plan& plan) {
+  HostSlots staging(plan.num_staging);
+  for (const auto& [slot, entry] : plan.local) staging[entry] = mine[slot];
+  for (size_t i = 0; i < plan.recvs.size(); ++i) staging[plan.recvs[i]] = theirs[plan.sends[i]];
+  for (const auto& [entry, slot] : plan.commits) mine[slot] = staging[entry];
+}
+
+HostSlots host_slots(const SlotLayer& layer) {
+  HostSlots slots;
+  for (size_t s = 0; s < layer.gate_up.size(); ++s) {
+    slots.push_back(layer.gate_up[s]);
+    slots.back().insert(slots.back().end(), layer.down[s].begin(), layer.down[s].end());
+  }
+  return slots;
+}
+
+std::vector<float> device_slot(backend::CudaBackend& cuda, const model::ExpertSlotView& view, int s) {
+  std::vector<float> values = cuda.download(view.gate_up.index(s));
+  const std::vector<float> down = cuda.download(view.down.index(s));
+  values.insert(values.end(), down.begin(), down.end());
+  return values;
 }
 
 TEST(NcclRank, SlotMigrationMovesExactBytes) {
@@ -65,37 +93,40 @@ TEST(NcclRank, SlotMigrationMovesExactBytes) {
   const int64_t h = 96;
   const int64_t w = 40;
   SlotLayer mine = make_layer(cuda, env->rank, 4, h, w);
-  const SlotLayer theirs = make_layer(cuda, peer, 4, h, w);  // the peer's values, to know what arrives
   SlotLayer reference = make_layer(cuda, env->rank, 4, h, w);
+  HostSlots expected_mine = host_slots(mine);
+  HostSlots expected_theirs = host_slots(make_layer(cuda, peer, 4, h, w));  // the peer's values
 
+  // A: the sent slots are not consecutive, the staging entries are; B: the other way round, received out of
+  // order; C: consecutive on both sides (one op per tensor).
+  const std::vector<Plan> plans{{3, {{0, 0}}, {1, 3}, {1, 2}, {{0, 2}, {1, 0}, {2, 1}}},
+                                {3, {{1, 1}}, {2, 3}, {2, 0}, {{0, 3}, {1, 0}, {2, 2}}},
+                                {3, {}, {0, 1, 2}, {0, 1, 2}, {{0, 1}, {1, 2}, {2, 3}}}};
   comm::NcclSlotCopyExecutor executor(cuda, *world);
-  run_plan(executor, mine.view, peer);
   eplb_runtime::BackendSlotCopyExecutor host_path(cuda, *world);
-  run_plan(host_path, reference.view, peer);
-
-  // slot -> (values of gate_up, values of down) expected after the plan.
-  const std::vector<std::pair<const std::vector<float>*, const std::vector<float>*>> expected{
-      {&theirs.gate_up[1], &theirs.down[1]}, {&theirs.gate_up[3], &theirs.down[3]},
-      {&mine.gate_up[0], &mine.down[0]}, {&mine.gate_up[3], &mine.down[3]}};
-  for (int s = 0; s < 4; ++s) {
-    const std::vector<float> gate_up = cuda.download(mine.view.gate_up.index(s));
-    const std::vector<float> down = cuda.download(mine.view.down.index(s));
-    EXPECT_EQ(gate_up, *expected[s].first) << "slot " << s << " gate_up";
-    EXPECT_EQ(down, *expected[s].second) << "slot " << s << " down";
-    EXPECT_EQ(gate_up, cuda.download(reference.view.gate_up.index(s))) << "slot " << s << " vs host path";
-    EXPECT_EQ(down, cuda.download(reference.view.down.index(s))) << "slot " << s << " vs host path";
+  for (size_t p = 0; p < plans.size(); ++p) {
+    run_plan(executor, mine.view, peer, plans[p]);
+    run_plan(host_path, reference.view, peer, plans[p]);
+    const HostSlots theirs_before = expected_theirs;
+    simulate(expected_theirs, expected_mine, plans[p]);
+    simulate(expected_mine, theirs_before, plans[p]);
+    for (int s = 0; s < 4; ++s) {
+      const std::vector<float> got = device_slot(cuda, mine.view, s);
+      EXPECT_EQ(got, expected_mine[s]) << "plan " << p << " slot " << s;
+      EXPECT_EQ(got, device_slot(cuda, reference.view, s)) << "plan " << p << " slot " << s << " vs host path";
+    }
   }
   EXPECT_EQ(executor.peak_staging_bytes(), 3 * eplb_runtime::slot_bytes(mine.view));
 
   // A send to this rank itself is a one-line error, before anything reaches NCCL (the world stays usable).
   executor.begin_layer(mine.view, 0);
-  executor.send(mine.view, 0, env->rank);
   try {
-    executor.wait();
+    executor.send(mine.view, 0, env->rank);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("exchange_device: peer"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("slot migration: send to rank"), std::string::npos) << e.what();
   }
+  executor.wait();
   executor.end_layer();
   world->barrier();
 }
