@@ -254,6 +254,28 @@ void NcclCommunicator::all_to_all_v_device(const std::byte* send, std::span<cons
   s.wait_stream();
 }
 
+void NcclCommunicator::exchange_device(std::span<const DeviceSend> sends, std::span<const DeviceRecv> recvs) {
+  const auto check_peer = [this](int peer, int64_t bytes) {
+    FULCRUM_CHECK(peer >= 0 && peer < size() && peer != rank(), "exchange_device: peer {} is not another rank of {}",
+                  peer, size());
+    FULCRUM_CHECK(bytes >= 0, "exchange_device: negative byte count {}", bytes);
+  };
+  for (const DeviceSend& s : sends) check_peer(s.peer, s.bytes);
+  for (const DeviceRecv& r : recvs) check_peer(r.peer, r.bytes);
+  if (sends.empty() && recvs.empty()) return;
+  State& s = *state_;
+  FULCRUM_NCCL_CALL(s, ncclGroupStart());
+  for (const DeviceSend& d : sends) {
+    if (d.bytes > 0) FULCRUM_NCCL_CALL(s, ncclSend(d.data, static_cast<size_t>(d.bytes), ncclUint8, d.peer, s.comm, s.stream));
+  }
+  for (const DeviceRecv& d : recvs) {
+    if (d.bytes > 0) FULCRUM_NCCL_CALL(s, ncclRecv(d.data, static_cast<size_t>(d.bytes), ncclUint8, d.peer, s.comm, s.stream));
+  }
+  FULCRUM_NCCL_CALL(s, ncclGroupEnd());
+  s.wait_queued(s.comm);
+  s.wait_stream();
+}
+
 void NcclCommunicator::all_to_all_v(std::span<const std::byte> send, std::span<const int64_t> send_counts,
                                     std::span<std::byte> recv, std::span<const int64_t> recv_counts) {
   FULCRUM_CHECK(static_cast<int>(send_counts.size()) == size() && static_cast<int>(recv_counts.size()) == size(),

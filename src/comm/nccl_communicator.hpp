@@ -48,6 +48,21 @@ class NcclCommunicator final : public Communicator {
   void all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
                            std::span<const int64_t> recv_counts);
 
+  // Point-to-point between device buffers (current device): every send and recv of the call in one NCCL
+  // group on the communicator's stream, matched in order per peer pair; returns when all are complete.
+  // Unlike send/recv, both sides must call it (a group with the matching sends/recvs).
+  struct DeviceSend {
+    const std::byte* data = nullptr;
+    int64_t bytes = 0;
+    int peer = 0;
+  };
+  struct DeviceRecv {
+    std::byte* data = nullptr;
+    int64_t bytes = 0;
+    int peer = 0;
+  };
+  void exchange_device(std::span<const DeviceSend> sends, std::span<const DeviceRecv> recvs);
+
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 

@@ -7,6 +7,9 @@
 
 #include "eplb/error.hpp"
 #include "eplb_runtime/slot_copy_executor.hpp"
+#ifdef FULCRUM_WITH_NCCL
+#include "comm/nccl_slot_copy_executor.hpp"
+#endif
 
 namespace fulcrum::engine {
 
@@ -23,6 +26,20 @@ std::string why_eplb_cannot_run(const ParallelLayout& layout, const model::Qwen3
   if (config.moe_layer_indices().empty()) return "the model has no MoE layer";
   if (layout.ep() == 1) return "a single EP rank (--ep 1) has nothing to balance across";
   return "";
+}
+
+// GPU ranks with an NCCL EP group move slots GPU to GPU; any other rank through the backend and host memory.
+std::unique_ptr<eplb_runtime::SlotCopyExecutor> RankEplb::make_executor(model::Backend& backend,
+                                                                        comm::Communicator& ep_comm) {
+#ifdef FULCRUM_WITH_NCCL
+  auto* cuda = dynamic_cast<backend::CudaBackend*>(&backend);
+  auto* nccl = dynamic_cast<comm::NcclCommunicator*>(&ep_comm);
+  if (cuda != nullptr && nccl != nullptr) {
+    if (log_) log_("slot migration: device to device, NCCL P2P on a side stream");
+    return std::make_unique<comm::NcclSlotCopyExecutor>(*cuda, *nccl);
+  }
+#endif
+  return std::make_unique<eplb_runtime::BackendSlotCopyExecutor>(backend, ep_comm);
 }
 
 RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend& backend,
@@ -61,7 +78,7 @@ RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend
   // The manager's lines wait for the end of the pass, so the rebalance line can carry the step's time.
   manager_options.log = [this](const std::string& line) { manager_lines_.push_back(line); };
   manager_ = std::make_unique<eplb_runtime::EplbManager>(initial_, std::move(manager_options));
-  executor_ = std::make_unique<eplb_runtime::BackendSlotCopyExecutor>(backend, *ep_comm_);
+  executor_ = make_executor(backend, *ep_comm_);
   runtime_ = std::make_unique<eplb_runtime::EplbRuntime>(
       *recorder_, *manager_, views, *executor_, world, *ep_comm_, eplb_runtime::MigrationOptions{1, 0},
       [&engine](int moe_layer_idx, std::span<const int32_t> layer_map) {

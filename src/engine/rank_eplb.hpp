@@ -65,6 +65,8 @@ class RankEplb {
   eplb_runtime::MigrationStats migration_totals() const;
 
  private:
+  std::unique_ptr<eplb_runtime::SlotCopyExecutor> make_executor(model::Backend& backend, comm::Communicator& ep_comm);
+
   RankEngine& engine_;
   comm::Communicator& world_;
   eplb::Placement initial_;

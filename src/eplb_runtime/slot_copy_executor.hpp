@@ -38,6 +38,25 @@ class SlotCopyExecutor {
 // Bytes of one slot's weights (gate_up and down rows, fp32).
 int64_t slot_bytes(const model::ExpertSlotView& view);
 
+// Staging of one layer's incoming slots: two backend tensors sized for the layer (reused while large
+// enough, else freed and reallocated), shared by the executors.
+class SlotStaging {
+ public:
+  void prepare(model::Backend& backend, const model::ExpertSlotView& view, int num_staging_slots);
+  void check_idx(int staging_idx) const;
+  void clear() { num_slots_ = 0; }
+  int num_slots() const { return num_slots_; }
+  const model::Tensor& gate_up() const { return gate_up_; }
+  const model::Tensor& down() const { return down_; }
+  int64_t peak_bytes() const { return peak_bytes_; }
+
+ private:
+  model::Tensor gate_up_;  // [capacity, 2I, H]
+  model::Tensor down_;     // [capacity, H, I]
+  int num_slots_ = 0;
+  int64_t peak_bytes_ = 0;
+};
+
 // Any model::Backend plus a Communicator whose ranks are the EP ranks. Staging is two backend tensors
 // sized for the current layer's incoming slots (reused while large enough), so at most one layer's
 // slots of this rank are staged at a time. Sends go through host memory (download, then send).
@@ -51,18 +70,13 @@ class BackendSlotCopyExecutor final : public SlotCopyExecutor {
   void recv(const model::ExpertSlotView& view, int staging_idx, int src_rank) override;
   void wait() override {}
   void commit_slot(const model::ExpertSlotView& view, int staging_idx, int dst_local_slot) override;
-  void end_layer() override { num_staging_slots_ = 0; }
-  int64_t peak_staging_bytes() const override { return peak_staging_bytes_; }
+  void end_layer() override { staging_.clear(); }
+  int64_t peak_staging_bytes() const override { return staging_.peak_bytes(); }
 
  private:
-  void check_staging_idx(int staging_idx) const;
-
   model::Backend& backend_;
   comm::Communicator& ep_comm_;
-  model::Tensor staging_gate_up_;  // [capacity, 2I, H]
-  model::Tensor staging_down_;     // [capacity, H, I]
-  int num_staging_slots_ = 0;
-  int64_t peak_staging_bytes_ = 0;
+  SlotStaging staging_;
 };
 
 }  // namespace fulcrum::eplb_runtime
