@@ -72,7 +72,7 @@ ExchangeResult exchange(engine::TokenDispatcher& dispatcher, backend::CudaBacken
 
 void compare_paths(const RankEnv& env, const Shape& shape, int repetitions, bool report) {
   auto world = join_world(env);
-  backend::CudaBackend backend;
+  backend::CudaBackend backend(env.rank % backend::CudaBackend::device_count());  // the device join_world chose
   // Inputs: this rank's tokens, each with top_k distinct experts ascending (the engine's entry order).
   std::vector<float> host_x(static_cast<size_t>(shape.tokens * shape.hidden));
   for (size_t i = 0; i < host_x.size(); ++i) host_x[i] = static_cast<float>((i * 2654435761u + env.rank * 97u) % 1000003u) * 1e-3f - 500.0f;
