@@ -6,6 +6,7 @@
 // redundant experts, prints the CPU one-rank tokens and says the rows took the device path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>

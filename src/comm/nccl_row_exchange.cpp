@@ -10,12 +10,6 @@ namespace {
 
 std::byte* bytes_at(const model::Tensor& t) { return reinterpret_cast<std::byte*>(t.data()); }
 
-std::vector<int64_t> byte_counts(std::span<const int64_t> rows, int64_t row_floats) {
-  std::vector<int64_t> bytes(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) bytes[i] = rows[i] * row_floats * static_cast<int64_t>(sizeof(float));
-  return bytes;
-}
-
 void check_rows(const model::Tensor& t, std::span<const int64_t> rows, const char* what) {
   const int64_t total = std::accumulate(rows.begin(), rows.end(), int64_t{0});
   FULCRUM_CHECK(t.rank() >= 1 && total <= t.dim(0), "row exchange: {} has {} rows, its counts add up to {}", what,
@@ -56,8 +50,8 @@ void NcclRowExchange::all_to_all_v(const model::Tensor& send, std::span<const in
   check_rows(recv, recv_rows, "all_to_all_v recv");
   ++calls_;
   backend_.synchronize();
-  group_.all_to_all_v_device(bytes_at(send), byte_counts(send_rows, send.row_numel()), bytes_at(recv),
-                             byte_counts(recv_rows, recv.row_numel()));
+  group_.all_to_all_v_device(bytes_at(send), engine::row_byte_counts(send_rows, send.row_numel()), bytes_at(recv),
+                             engine::row_byte_counts(recv_rows, recv.row_numel()));
 }
 
 void NcclRowExchange::reduce_scatter_sum(const model::Tensor& send, const model::Tensor& recv) {

@@ -9,12 +9,6 @@
 namespace fulcrum::engine {
 namespace {
 
-std::vector<int64_t> byte_counts(std::span<const int64_t> rows, int64_t row_floats) {
-  std::vector<int64_t> bytes(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) bytes[i] = rows[i] * row_floats * static_cast<int64_t>(sizeof(float));
-  return bytes;
-}
-
 class HostRowExchange final : public RowExchange {
  public:
   HostRowExchange(comm::Communicator& group, model::Backend& backend) : group_(group), backend_(backend) {}
@@ -25,7 +19,7 @@ class HostRowExchange final : public RowExchange {
     const std::vector<float> host = backend_.download(send);
     std::vector<float> all(static_cast<size_t>(recv.numel()));
     group_.all_gather_v(comm::bytes_of(std::span<const float>(host)), comm::writable_bytes_of(std::span<float>(all)),
-                        byte_counts(row_counts, recv.row_numel()));
+                        row_byte_counts(row_counts, recv.row_numel()));
     backend_.upload(recv, all);
   }
 
@@ -34,8 +28,8 @@ class HostRowExchange final : public RowExchange {
     ++calls_;
     const std::vector<float> host = backend_.download(send);
     std::vector<float> all(static_cast<size_t>(recv.numel()));
-    group_.all_to_all_v(comm::bytes_of(std::span<const float>(host)), byte_counts(send_rows, send.row_numel()),
-                        comm::writable_bytes_of(std::span<float>(all)), byte_counts(recv_rows, recv.row_numel()));
+    group_.all_to_all_v(comm::bytes_of(std::span<const float>(host)), row_byte_counts(send_rows, send.row_numel()),
+                        comm::writable_bytes_of(std::span<float>(all)), row_byte_counts(recv_rows, recv.row_numel()));
     backend_.upload(recv, all);
   }
 

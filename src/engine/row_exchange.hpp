@@ -10,6 +10,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "comm/communicator.hpp"
 #include "model/backend.hpp"
@@ -35,6 +36,13 @@ class RowExchange {
  protected:
   int64_t calls_ = 0;
 };
+
+// Bytes of rows[r] rows of row_floats floats each, per rank: the byte counts of the communicators' calls.
+inline std::vector<int64_t> row_byte_counts(std::span<const int64_t> rows, int64_t row_floats) {
+  std::vector<int64_t> bytes(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) bytes[i] = rows[i] * row_floats * static_cast<int64_t>(sizeof(float));
+  return bytes;
+}
 
 // Host path over `group` for any backend.
 std::unique_ptr<RowExchange> make_host_row_exchange(comm::Communicator& group, model::Backend& backend);
