@@ -86,6 +86,10 @@ void run_generate(GenerateFlags& flags) {
   fmt::print("# {} sequences, {} tokens in {:.3f} s on {} x {} {} ranks, prompt logits checksum {:.6f}\n",
              prompts.size(), num_tokens, seconds, run.device, layout.world_size(),
              as_processes ? "process" : "in-process", checksum);
+  if (!result.moe_row_path.empty()) {
+    fmt::print("# moe exchange: {} ({} path for the token rows, {} row collectives on rank 0)\n",
+               run.engine.moe_a2a_backend, result.moe_row_path, result.moe_row_collectives);
+  }
   if (run.eplb.enabled) {
     const auto before = eplb::evaluate_placement(result.initial_placement, result.window_loads);
     const auto after = eplb::evaluate_placement(result.final_placement, result.window_loads);

@@ -227,6 +227,15 @@ void NcclCommunicator::reduce_scatter_sum(std::span<const float> send, std::span
   s.download(std::as_writable_bytes(recv), s.d_recv);
 }
 
+void NcclCommunicator::reduce_scatter_sum_device(const float* send, float* recv, int64_t count) {
+  FULCRUM_CHECK(count >= 0, "reduce_scatter: negative count {}", count);
+  if (count == 0) return;
+  State& s = *state_;
+  FULCRUM_NCCL_CALL(s, ncclReduceScatter(send, recv, static_cast<size_t>(count), ncclFloat, ncclSum, s.comm, s.stream));
+  s.wait_queued(s.comm);
+  s.wait_stream();
+}
+
 void NcclCommunicator::all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
                                            std::span<const int64_t> recv_counts) {
   FULCRUM_CHECK(static_cast<int>(send_counts.size()) == size() && static_cast<int>(recv_counts.size()) == size(),

@@ -48,6 +48,10 @@ class NcclCommunicator final : public Communicator {
   void all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
                            std::span<const int64_t> recv_counts);
 
+  // Device pointers (current device): send = size() blocks of `count` floats; recv [count] = sum over ranks of
+  // block rank() (ncclReduceScatter, as reduce_scatter_sum); returns when complete.
+  void reduce_scatter_sum_device(const float* send, float* recv, int64_t count);
+
   // Point-to-point between device buffers (current device): every send and recv of the call in one NCCL
   // group on the communicator's stream, matched in order per peer pair; returns when all are complete.
   // Unlike send/recv, both sides must call it (a group with the matching sends/recvs).

@@ -98,6 +98,10 @@ void generate_on_rank(int rank, comm::Communicator& world, const std::string& mo
   result.generated = std::move(mine);
   result.window_loads = std::move(window);
   result.final_placement = me.eplb != nullptr ? me.eplb->live_placement() : result.initial_placement;
+  if (const TokenDispatcher* dispatcher = me.engine->dispatcher()) {
+    result.moe_row_path = std::string(dispatcher->row_exchange().path());
+    result.moe_row_collectives = dispatcher->row_exchange().calls();
+  }
   if (me.eplb != nullptr) {
     result.rebalances = me.eplb->rebalances();
     result.migration = me.eplb->migration_totals();

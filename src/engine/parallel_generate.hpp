@@ -51,6 +51,8 @@ struct InProcessResult {
   std::vector<eplb_runtime::RebalanceReport> rebalances;
   eplb_runtime::MigrationStats migration;  // world rank 0's
   eplb::LoadMatrix window_loads;           // the recorder's window at the end, summed over ranks (when recording)
+  std::string moe_row_path;                // world rank 0's MoE row exchange ("host" | "device"; empty: none)
+  int64_t moe_row_collectives = 0;         // and the row collectives it made
 };
 
 // Checks `run` against the model and layout (EPLB settings; with run.eplb.enabled, a layout EPLB can run

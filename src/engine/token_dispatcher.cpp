@@ -26,10 +26,12 @@ std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts) {
 
 class AllGatherDispatcher final : public TokenDispatcher {
  public:
-  AllGatherDispatcher(comm::Communicator& stage, model::Backend& backend, int hidden_size)
-      : stage_(stage), backend_(backend), hidden_(hidden_size) {}
+  AllGatherDispatcher(comm::Communicator& stage, model::Backend& backend, int hidden_size,
+                      std::unique_ptr<RowExchange> rows)
+      : stage_(stage), backend_(backend), hidden_(hidden_size), rows_(std::move(rows)) {}
   std::string_view name() const override { return "allgather"; }
   bool needs_all_tokens() const override { return true; }
+  const RowExchange& row_exchange() const override { return *rows_; }
 
   DispatchedTokens dispatch(const model::Tensor& x, std::span<const int32_t> entry_token,
                             std::span<const int32_t> entry_expert, std::span<const int32_t>) override {
@@ -46,10 +48,9 @@ class AllGatherDispatcher final : public TokenDispatcher {
     const std::vector<int64_t> row_offsets = offsets_of(row_counts);
     entry_offsets_ = offsets_of(entry_counts_);
 
-    const std::vector<float> host = backend_.download(x);                               // [rows, hidden]
-    std::vector<float> all_rows(static_cast<size_t>(row_offsets[n] * hidden_));          // [all rows, hidden]
-    stage_.all_gather_v(bytes_of(std::span<const float>(host)), writable_bytes_of(std::span<float>(all_rows)),
-                        byte_counts<float>(row_counts, hidden_));
+    DispatchedTokens out;
+    out.rows = backend_.zeros({row_offsets[n], hidden_});  // [all rows, hidden]
+    rows_->all_gather_v(x, out.rows, row_counts);
     std::vector<int32_t> pairs;  // [entries][token, expert]
     for (size_t i = 0; i < entry_token.size(); ++i) {
       pairs.push_back(entry_token[i]);
@@ -59,9 +60,6 @@ class AllGatherDispatcher final : public TokenDispatcher {
     stage_.all_gather_v(bytes_of(std::span<const int32_t>(pairs)), writable_bytes_of(std::span<int32_t>(all_pairs)),
                         byte_counts<int32_t>(entry_counts_, 2));
 
-    DispatchedTokens out;
-    out.rows = backend_.zeros({row_offsets[n], hidden_});
-    backend_.upload(out.rows, all_rows);
     for (int r = 0; r < n; ++r) {
       for (int64_t k = entry_offsets_[r]; k < entry_offsets_[r + 1]; ++k) {
         out.entry_row.push_back(static_cast<int32_t>(row_offsets[r] + all_pairs[2 * k]));
@@ -76,17 +74,16 @@ class AllGatherDispatcher final : public TokenDispatcher {
   model::Tensor combine(const model::Tensor& outputs) override {
     const int n = stage_.size(), me = stage_.rank();
     const int64_t max_entries = *std::max_element(entry_counts_.begin(), entry_counts_.end());
-    const std::vector<float> host = backend_.download(outputs);  // [all entries, hidden]
     // Block r (padded to max_entries rows) holds the entries of source r; rank r receives the block's sum.
-    std::vector<float> send(static_cast<size_t>(n * max_entries * hidden_), 0.0f);  // [n][max_entries, hidden]
+    const model::Tensor send = backend_.zeros({n * max_entries, hidden_});  // [n][max_entries, hidden]
     for (int r = 0; r < n; ++r) {
-      std::copy(host.begin() + entry_offsets_[r] * hidden_, host.begin() + entry_offsets_[r + 1] * hidden_,
-                send.begin() + r * max_entries * hidden_);
+      if (entry_counts_[r] == 0) continue;
+      backend_.copy(send.rows(r * max_entries, entry_counts_[r]), outputs.rows(entry_offsets_[r], entry_counts_[r]));
     }
-    std::vector<float> recv(static_cast<size_t>(max_entries * hidden_));  // [max_entries, hidden]
-    stage_.reduce_scatter_sum(send, recv);
-    model::Tensor mine = backend_.zeros({entry_counts_[me], hidden_});  // [my entries, hidden]
-    backend_.upload(mine, std::span<const float>(recv).first(static_cast<size_t>(entry_counts_[me] * hidden_)));
+    const model::Tensor sum = backend_.zeros({max_entries, hidden_});  // [max_entries, hidden]
+    rows_->reduce_scatter_sum(send, sum);
+    const model::Tensor mine = backend_.zeros({entry_counts_[me], hidden_});  // [my entries, hidden]
+    if (entry_counts_[me] > 0) backend_.copy(mine, sum.rows(0, entry_counts_[me]));
     return mine;
   }
 
@@ -95,16 +92,18 @@ class AllGatherDispatcher final : public TokenDispatcher {
   model::Backend& backend_;
   int64_t hidden_;
   std::vector<int64_t> entry_counts_, entry_offsets_;  // of the last dispatch, per source
+  std::unique_ptr<RowExchange> rows_;
 };
 
 class AllToAllDispatcher final : public TokenDispatcher {
  public:
   AllToAllDispatcher(comm::Communicator& stage, model::Backend& backend, int hidden_size, int slots_per_ep_rank,
-                     int ranks_per_ep_rank)
+                     int ranks_per_ep_rank, std::unique_ptr<RowExchange> rows)
       : stage_(stage), backend_(backend), hidden_(hidden_size), slots_per_ep_rank_(slots_per_ep_rank),
-        ranks_per_ep_rank_(ranks_per_ep_rank) {}
+        ranks_per_ep_rank_(ranks_per_ep_rank), rows_(std::move(rows)) {}
   std::string_view name() const override { return "alltoall"; }
   bool needs_all_tokens() const override { return false; }
+  const RowExchange& row_exchange() const override { return *rows_; }
 
   DispatchedTokens dispatch(const model::Tensor& x, std::span<const int32_t> entry_token,
                             std::span<const int32_t> entry_expert, std::span<const int32_t> entry_slot) override {
@@ -125,27 +124,21 @@ class AllToAllDispatcher final : public TokenDispatcher {
     recv_counts_ = recv_counts;
     const std::vector<int64_t> recv_offsets = offsets_of(recv_counts);
 
-    const std::vector<float> host = backend_.download(x);  // [num_tokens, hidden]
-    std::vector<int32_t> meta;                              // [sent entries][expert, slot]
-    std::vector<float> rows;                                // [sent entries, hidden]
+    std::vector<int32_t> meta;      // [sent entries][expert, slot]
+    std::vector<int32_t> send_row;  // [sent entries]: the row of x each sent entry carries
     for (int d = 0; d < n; ++d) {
       for (const int32_t i : sent_[d]) {
         meta.push_back(entry_expert[i]);
         meta.push_back(entry_slot[i]);
-        const auto begin = host.begin() + static_cast<int64_t>(entry_token[i]) * hidden_;
-        rows.insert(rows.end(), begin, begin + hidden_);
+        send_row.push_back(entry_token[i]);
       }
     }
     std::vector<int32_t> recv_meta(static_cast<size_t>(2 * recv_offsets[n]));
     stage_.all_to_all_v(bytes_of(std::span<const int32_t>(meta)), byte_counts<int32_t>(send_counts, 2),
                         writable_bytes_of(std::span<int32_t>(recv_meta)), byte_counts<int32_t>(recv_counts, 2));
-    std::vector<float> recv_rows(static_cast<size_t>(recv_offsets[n] * hidden_));
-    stage_.all_to_all_v(bytes_of(std::span<const float>(rows)), byte_counts<float>(send_counts, hidden_),
-                        writable_bytes_of(std::span<float>(recv_rows)), byte_counts<float>(recv_counts, hidden_));
-
     DispatchedTokens out;
     out.rows = backend_.zeros({recv_offsets[n], hidden_});  // one row per received entry
-    backend_.upload(out.rows, recv_rows);
+    rows_->all_to_all_v(backend_.gather_rows(x, send_row), send_counts, out.rows, recv_counts);
     for (int s = 0; s < n; ++s) {
       for (int64_t k = recv_offsets[s]; k < recv_offsets[s + 1]; ++k) {
         out.entry_row.push_back(static_cast<int32_t>(k));
@@ -159,23 +152,21 @@ class AllToAllDispatcher final : public TokenDispatcher {
 
   model::Tensor combine(const model::Tensor& outputs) override {
     const int n = stage_.size();
-    const std::vector<float> host = backend_.download(outputs);  // [received entries, hidden], source order
     std::vector<int64_t> back_counts(n);
     for (int d = 0; d < n; ++d) back_counts[d] = static_cast<int64_t>(sent_[d].size());
-    std::vector<float> back(static_cast<size_t>(std::accumulate(back_counts.begin(), back_counts.end(), int64_t{0}) * hidden_));
-    stage_.all_to_all_v(bytes_of(std::span<const float>(host)), byte_counts<float>(recv_counts_, hidden_),
-                        writable_bytes_of(std::span<float>(back)), byte_counts<float>(back_counts, hidden_));
-    std::vector<float> sum(static_cast<size_t>(num_entries_ * hidden_), 0.0f);  // [my entries, hidden]
-    size_t offset = 0;
-    for (int d = 0; d < n; ++d) {  // ascending rank: the same order as the allgather reduction
-      for (const int32_t i : sent_[d]) {
-        float* dst = sum.data() + static_cast<int64_t>(i) * hidden_;
-        for (int64_t h = 0; h < hidden_; ++h) dst[h] += back[offset + h];
-        offset += hidden_;
-      }
+    const model::Tensor back =  // [sent entries, hidden]: each rank's partial results, in the order sent
+        backend_.zeros({std::accumulate(back_counts.begin(), back_counts.end(), int64_t{0}), hidden_});
+    rows_->all_to_all_v(outputs, recv_counts_, back, back_counts);
+    const model::Tensor mine = backend_.zeros({num_entries_, hidden_});  // [my entries, hidden]
+    int64_t offset = 0;
+    for (int d = 0; d < n; ++d) {  // ascending rank from zero: the same order as the allgather reduction
+      if (sent_[d].empty()) continue;
+      const auto count = static_cast<int64_t>(sent_[d].size());
+      const model::Tensor partial = backend_.gather_rows(mine, sent_[d]);  // an entry goes at most once to d
+      backend_.add_inplace(partial, back.rows(offset, count));
+      backend_.scatter_rows(mine, partial, sent_[d]);
+      offset += count;
     }
-    model::Tensor mine = backend_.zeros({num_entries_, hidden_});
-    backend_.upload(mine, sum);
     return mine;
   }
 
@@ -187,16 +178,20 @@ class AllToAllDispatcher final : public TokenDispatcher {
   int64_t num_entries_ = 0;
   std::vector<std::vector<int32_t>> sent_;  // of the last dispatch
   std::vector<int64_t> recv_counts_;
+  std::unique_ptr<RowExchange> rows_;
 };
 
 }  // namespace
 
 std::unique_ptr<TokenDispatcher> make_token_dispatcher(std::string_view name, comm::Communicator& stage,
                                                        model::Backend& backend, int hidden_size,
-                                                       int slots_per_ep_rank, int ranks_per_ep_rank) {
-  if (name == "allgather") return std::make_unique<AllGatherDispatcher>(stage, backend, hidden_size);
+                                                       int slots_per_ep_rank, int ranks_per_ep_rank,
+                                                       std::unique_ptr<RowExchange> rows) {
+  if (rows == nullptr) rows = make_row_exchange(stage, backend);
+  if (name == "allgather") return std::make_unique<AllGatherDispatcher>(stage, backend, hidden_size, std::move(rows));
   if (name == "alltoall") {
-    return std::make_unique<AllToAllDispatcher>(stage, backend, hidden_size, slots_per_ep_rank, ranks_per_ep_rank);
+    return std::make_unique<AllToAllDispatcher>(stage, backend, hidden_size, slots_per_ep_rank, ranks_per_ep_rank,
+                                                std::move(rows));
   }
   throw Error(fmt::format("unknown --moe-a2a-backend '{}' (known: allgather|alltoall)", name));
 }

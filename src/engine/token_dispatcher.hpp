@@ -9,6 +9,8 @@
 // after dispatch, on every rank alike, from every entry; with alltoall, each source chooses before it.
 // Both return, per source entry, the sum of the M partial outputs in ascending tp rank, starting from zero:
 // bitwise the same value whichever backend, replica or EP rank computed it.
+// The [tokens, hidden] row payloads move through a RowExchange (row_exchange.hpp): GPU to GPU through NCCL
+// with the CUDA backend on an NCCL stage, through the host otherwise; counts and ids always via the host.
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "engine/row_exchange.hpp"
 #include "model/backend.hpp"
 
 namespace fulcrum::engine {
@@ -34,6 +37,8 @@ class TokenDispatcher {
   virtual ~TokenDispatcher() = default;
   virtual std::string_view name() const = 0;
   virtual bool needs_all_tokens() const = 0;
+  // The path the rows take (row_exchange().path()), and how many row collectives it made.
+  virtual const RowExchange& row_exchange() const = 0;
   // This rank's entries: x [num_tokens, hidden_size], entry_token [n] (row of x), entry_expert [n],
   // entry_slot [n] (chosen slots; ignored when needs_all_tokens()). Collective over the stage.
   virtual DispatchedTokens dispatch(const model::Tensor& x, std::span<const int32_t> entry_token,
@@ -46,8 +51,10 @@ class TokenDispatcher {
 
 // name: "allgather" | "alltoall" (anything else: fulcrum::Error listing them). `stage` is the tp group of
 // one pipeline stage; slot s lives on tp ranks [s / slots_per_ep_rank * M, +M), M = ranks_per_ep_rank.
+// `rows`: the path of the row payloads; null picks make_row_exchange(stage, backend).
 std::unique_ptr<TokenDispatcher> make_token_dispatcher(std::string_view name, comm::Communicator& stage,
                                                        model::Backend& backend, int hidden_size,
-                                                       int slots_per_ep_rank, int ranks_per_ep_rank);
+                                                       int slots_per_ep_rank, int ranks_per_ep_rank,
+                                                       std::unique_ptr<RowExchange> rows = nullptr);
 
 }  // namespace fulcrum::engine
