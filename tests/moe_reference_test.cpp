@@ -1,5 +1,5 @@
 // The GPU MoE layer's CPU reference (src/model/moe_reference.hpp) against the code whose semantics it
-// stands for: the engine's replica choice (engine::ReplicaChooser, static and dynamic), the model's MoE
+// stands for: the engine's replica choice (engine::ReplicaChooser, static, dynamic and balanced), the model's MoE
 // block operations (CpuBackend route / expert_mlp / weighted_sum), and plain invariants (slot offsets,
 // an expert with no token). These run everywhere; tests_cuda/moe_layer_test.cpp compares the GPU with it.
 #include <algorithm>
@@ -44,7 +44,8 @@ TEST(MoeReference, ReplicaChoiceMatchesEngine) {
   const model::RouterChoice choice = moe::route_reference(logits, num_tokens, num_experts, top_k, true);
   const uint64_t seed = 42, pass_idx = 5;
   const int moe_layer_idx = 2;
-  for (const auto algorithm : {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic}) {
+  for (const auto algorithm :
+       {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic, eplb::DispatchAlgorithm::kBalanced}) {
     SCOPED_TRACE(std::string(eplb::to_string(algorithm)));
     std::vector<uint64_t> streams;
     for (int s = 0; s < 4; ++s) streams.push_back(engine_stream(seed, pass_idx, moe_layer_idx, s));
@@ -55,7 +56,11 @@ TEST(MoeReference, ReplicaChoiceMatchesEngine) {
     // The engine: each source's entries, a token's experts ascending, through ReplicaChooser.
     engine::ReplicaChooser chooser(algorithm, seed, 4, 1);
     chooser.set_layer(moe_layer_idx, map, num_experts, topo);
-    chooser.begin_pass(pass_idx, {});
+    std::vector<int64_t> counts(4 * num_experts, 0);  // [source][expert], what balanced splits
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int j = 0; j < top_k; ++j) ++counts[(t / per_source) * num_experts + choice.expert_ids[t * top_k + j]];
+    }
+    chooser.begin_pass(pass_idx, counts);
     for (int source = 0; source < 4; ++source) {
       std::vector<int32_t> experts, entries;
       for (int64_t t = source * per_source; t < std::min(num_tokens, (source + 1) * per_source); ++t) {
@@ -91,9 +96,11 @@ TEST(MoeReference, DynamicChoiceSpreadsOverReplicas) {
   for (const int s : {0, 3, 19}) EXPECT_NEAR(per_slot[s], num_tokens / 3.0, 150) << "slot " << s;  // ~5 sigma
 }
 
-TEST(MoeReference, BalancedDispatchAndBadTablesAreRejected) {
+TEST(MoeReference, BadTablesAreRejected) {
   const std::vector<int32_t> map = replicated_map();
-  EXPECT_THROW(moe::make_replica_choice(eplb::DispatchAlgorithm::kBalanced, map, 16, eplb::Topology{20, 4, 1}, 8),
+  std::vector<int32_t> bad_map = map;
+  bad_map[5] = 16;  // no such expert
+  EXPECT_THROW(moe::make_replica_choice(eplb::DispatchAlgorithm::kBalanced, bad_map, 16, eplb::Topology{20, 4, 1}, 8),
                Error);
   EXPECT_THROW(moe::make_replica_choice(eplb::DispatchAlgorithm::kDynamic, map, 16, eplb::Topology{20, 4, 1}, 8, {1}),
                Error);
@@ -127,6 +134,8 @@ TEST(MoeReference, LayerMatchesModelOpsAndIgnoresReplicaChoice) {
   const std::vector<float> out = moe::moe_layer_reference(x, logits, num_tokens, gate_up, down, hidden, inter, top_k,
                                                           true, spec_static);
   EXPECT_EQ(out, moe::moe_layer_reference(x, logits, num_tokens, gate_up, down, hidden, inter, top_k, true, spec_dynamic));
+  const auto spec_balanced = moe::make_replica_choice(eplb::DispatchAlgorithm::kBalanced, map, experts, topo, 5);
+  EXPECT_EQ(out, moe::moe_layer_reference(x, logits, num_tokens, gate_up, down, hidden, inter, top_k, true, spec_balanced));
 
   backend::CpuBackend cpu;
   const model::RouterChoice choice = moe::route_reference(logits, num_tokens, experts, top_k, true);

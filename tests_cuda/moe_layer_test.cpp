@@ -8,7 +8,8 @@
 // weights of their logical expert, as after an EPLB migration.
 //
 // Tolerances and why:
-//   exact      expert ids, physical slots (static table lookup; dynamic SplitMix64 draws), recorder
+//   exact      expert ids, physical slots (static table lookup; dynamic SplitMix64 draws; balanced split
+//              and per-(source, expert) entry ranks, across 256-token chunks and idle sources), recorder
 //              histogram, slot counts / offsets, permuted rows (copies), inverse index (checked as a
 //              bijection onto each slot's rows)
 //   1e-6 abs   routing weights (double softmax on both sides, only the double summation order differs)
@@ -177,6 +178,46 @@ TEST_P(MoeLayerTest, RouterMatchesReference) {
   }
 }
 
+// Replica choice when sources hold uneven token counts: 8 sources of 700 tokens, batches of 4099 (source 5
+// partial, 6 and 7 idle), 1000 and 1 tokens on one layer (buffers of the larger batch reused), slots and
+// slot counts exactly the reference's. Balanced must not load a GPU more than static does.
+TEST_P(MoeLayerTest, ChoiceWithIdleSourcesAndShrinkingBatches) {
+  const Case c{64, 48, 128, 8, 16, 4099, 8};
+  const std::vector<int32_t> map = layer_map_for(c.experts, c.extra_slots, 15);
+  auto layer = make_layer(c, map, 16);
+  const int p = c.experts + c.extra_slots;
+  const eplb::Topology topo{p, c.sources, 2};
+  const int64_t per_source = 700;
+  const std::vector<uint64_t> streams = {11, 12, 13, 14, 15, 16, 17, 18};
+  const moe::ReplicaChoiceSpec spec = moe::make_replica_choice(
+      GetParam(), map, c.experts, topo, per_source,
+      GetParam() == eplb::DispatchAlgorithm::kDynamic ? streams : std::vector<uint64_t>{});
+  layer->set_replica_choice(spec);
+  for (const int64_t tokens : {int64_t{4099}, int64_t{1000}, int64_t{1}}) {
+    SCOPED_TRACE(fmt::format("{} tokens", tokens));
+    const std::vector<float> logits = random_logits(tokens, c.experts, static_cast<uint32_t>(30 + tokens));
+    const std::vector<float> x = random_bf16_values(tokens * c.hidden, 31, 1.0f);
+    const DeviceBuffer d_logits = to_device(logits), d_x = to_device(to_bits(x));
+    layer->route(d_logits.as<float>(), tokens);
+    layer->permute(d_x.as<uint16_t>(), tokens);
+    layer->synchronize();
+    const model::RouterChoice ref = moe::route_reference(logits, tokens, c.experts, c.top_k, true);
+    const std::vector<int32_t> expected = moe::choose_slots_reference(ref, spec);
+    const std::vector<int32_t> slots = to_host(layer->entry_slots(), tokens * c.top_k);
+    EXPECT_EQ(slots, expected);
+    EXPECT_EQ(std::vector<int32_t>(layer->slot_counts().begin(), layer->slot_counts().end()),
+              moe::slot_layout_reference(expected, p).counts);
+    if (GetParam() != eplb::DispatchAlgorithm::kBalanced) continue;
+    const auto max_gpu_load = [&](const std::vector<int32_t>& entry_slots) {
+      std::vector<int64_t> load(static_cast<size_t>(c.sources), 0);
+      for (const int32_t s : entry_slots) ++load[topo.gpu_of_slot(s)];
+      return *std::max_element(load.begin(), load.end());
+    };
+    const auto static_spec = moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, c.experts, topo, per_source);
+    EXPECT_LE(max_gpu_load(slots), max_gpu_load(moe::choose_slots_reference(ref, static_spec)));
+  }
+}
+
 // Permutation: counts, offsets, every entry's row inside its slot's range, rows a bijection, row copies exact.
 TEST_P(MoeLayerTest, PermutationMatchesReference) {
   for (const Case c : {Case{64, 48, 128, 8, 8, 1, 1}, Case{50, 22, 128, 8, 8, 333, 4}, Case{2048, 768, 16, 4, 4, 4099, 4}}) {
@@ -332,7 +373,8 @@ TEST_P(MoeLayerTest, LayerMatchesModelMoeBlock) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dispatch, MoeLayerTest,
-                         ::testing::Values(eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic),
+                         ::testing::Values(eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic,
+                                           eplb::DispatchAlgorithm::kBalanced),
                          [](const auto& info) { return std::string(eplb::to_string(info.param)); });
 
 }  // namespace

@@ -13,7 +13,7 @@
 // Routing scenarios: uniform (every token's top-k uniform without replacement), loads without EPLB
 // (top-k drawn as eplb::TokenSampler does from one layer of a real load matrix, trivial placement of P = E
 // slots), loads with EPLB (the fulcrum planner's placement of E + --redundant slots over --ep ranks,
-// static dispatch from each token's virtual source rank; also dynamic). Tokens get logits that make the
+// static dispatch from each token's virtual source rank; also dynamic and balanced). Tokens get logits that make the
 // drawn experts the top-k.
 #include <algorithm>
 #include <chrono>
@@ -274,7 +274,8 @@ int run(const Options& opt) {
         {"uniform", &plain, trivial, &uniform, eplb::DispatchAlgorithm::kStatic},
         {"loads_no_eplb", &plain, trivial, &real, eplb::DispatchAlgorithm::kStatic},
         {"loads_eplb_static", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kStatic},
-        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic}};
+        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic},
+        {"loads_eplb_balanced", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kBalanced}};
     for (const int64_t tokens : opt.tokens) {
       const double router_gemm_ms = median_ms(plain.stream(), opt.warmup, opt.reps, [&] { plain.router_logits(x.as<uint16_t>(), tokens); });
       for (const Scenario& sc : scenarios) {

@@ -48,6 +48,7 @@ void ReplicaChooser::begin_pass(uint64_t pass_idx, std::span<const int64_t> coun
     }
   }
   splitter_->split(tokens, split_);
+  eplb::build_balanced_route_table(split_, topo_.num_gpus, route_table_);
 }
 
 void ReplicaChooser::choose(int source, std::span<const int32_t> experts, std::span<int32_t> slots) {
@@ -73,21 +74,7 @@ void ReplicaChooser::choose(int source, std::span<const int32_t> experts, std::s
       for (int lower = gpu * sources_per_ep_rank_; lower < source; ++lower) {
         for (int e = 0; e < num_experts_; ++e) taken[e] += counts_[static_cast<size_t>(lower) * num_experts_ + e];
       }
-      for (size_t i = 0; i < experts.size(); ++i) {
-        const int e = experts[i];
-        int64_t index = taken[e]++;  // position among this EP rank's tokens of e
-        slots[i] = -1;
-        for (int r = split_.expert_route_offsets[e]; r < split_.expert_route_offsets[e + 1]; ++r) {
-          const eplb::DispatchRoute& route = split_.routes[static_cast<size_t>(r)];
-          if (route.src_gpu_idx != gpu) continue;
-          if (index < route.num_tokens) {
-            slots[i] = route.slot_idx;
-            break;
-          }
-          index -= route.num_tokens;
-        }
-        FULCRUM_CHECK(slots[i] >= 0, "balanced dispatch: no route for a token of expert {} from EP rank {}", e, gpu);
-      }
+      for (size_t i = 0; i < experts.size(); ++i) slots[i] = route_table_.slot(gpu, experts[i], taken[experts[i]]++);
       return;
     }
   }

@@ -41,6 +41,7 @@ class ReplicaChooser {
   eplb::StaticDispatchTable static_table_;
   std::unique_ptr<eplb::BalancedSplitter> splitter_;
   eplb::BalancedDispatch split_;
+  eplb::BalancedRouteTable route_table_;  // split_'s routes per (EP rank, expert)
   std::vector<int64_t> counts_;  // [num_sources][E] of this pass (balanced)
 };
 

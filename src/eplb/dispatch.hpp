@@ -96,6 +96,19 @@ struct BalancedDispatch {
   int64_t max_gpu_load = 0;
 };
 
+// The routes of each (source GPU, expert) pair, in route order: a source's tokens of an expert fill that
+// pair's routes one after another (the engine's and the GPU layer's choice of slot from a split).
+struct BalancedRouteTable {
+  int num_experts = 0;
+  std::vector<int32_t> offsets;  // [G * E + 1]: routes of (g, e) are [offsets[g * E + e], offsets[g * E + e + 1])
+  std::vector<int32_t> slots;    // [routes]
+  std::vector<int64_t> ends;     // [routes]: the pair's tokens up to and including this route
+
+  // Slot of the pair's index-th token (0-based); throws when the pair's routes hold fewer tokens.
+  int32_t slot(int src_gpu_idx, int expert_idx, int64_t index) const;
+};
+void build_balanced_route_table(const BalancedDispatch& split, int num_gpus, BalancedRouteTable& out);
+
 // Splits a batch's tokens over replicas with the smallest possible max GPU load (exact, integer tokens):
 // from the lower bound L = max(max fixed load, ceil(W/G)), a max-flow (experts -> GPUs holding them ->
 // capacity L - fixed load) either routes all tokens or its min cut raises L to a proven bound, and the

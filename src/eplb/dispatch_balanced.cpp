@@ -235,4 +235,39 @@ void BalancedSplitter::split(std::span<const int64_t> tokens, BalancedDispatch& 
   }
 }
 
+void build_balanced_route_table(const BalancedDispatch& split, int num_gpus, BalancedRouteTable& out) {
+  const int num_experts = static_cast<int>(split.expert_route_offsets.size()) - 1;
+  out.num_experts = num_experts;
+  out.offsets.assign(static_cast<size_t>(num_gpus) * num_experts + 1, 0);
+  for (int e = 0; e < num_experts; ++e) {
+    for (int r = split.expert_route_offsets[e]; r < split.expert_route_offsets[e + 1]; ++r) {
+      const int src = split.routes[static_cast<size_t>(r)].src_gpu_idx;
+      FULCRUM_CHECK(src >= 0 && src < num_gpus, "balanced route from GPU {} of {}", src, num_gpus);
+      ++out.offsets[static_cast<size_t>(src) * num_experts + e + 1];
+    }
+  }
+  std::partial_sum(out.offsets.begin(), out.offsets.end(), out.offsets.begin());
+  out.slots.resize(split.routes.size());
+  out.ends.resize(split.routes.size());
+  std::vector<int32_t> fill(out.offsets.begin(), out.offsets.end() - 1);
+  for (int e = 0; e < num_experts; ++e) {  // routes of one pair keep their order
+    for (int r = split.expert_route_offsets[e]; r < split.expert_route_offsets[e + 1]; ++r) {
+      const DispatchRoute& route = split.routes[static_cast<size_t>(r)];
+      const size_t pair = static_cast<size_t>(route.src_gpu_idx) * num_experts + e;
+      const int32_t at = fill[pair]++;
+      out.slots[at] = route.slot_idx;
+      out.ends[at] = (at > out.offsets[pair] ? out.ends[at - 1] : 0) + route.num_tokens;
+    }
+  }
+}
+
+int32_t BalancedRouteTable::slot(int src_gpu_idx, int expert_idx, int64_t index) const {
+  const size_t pair = static_cast<size_t>(src_gpu_idx) * num_experts + expert_idx;
+  for (int32_t r = offsets[pair]; r < offsets[pair + 1]; ++r) {
+    if (index < ends[r]) return slots[r];
+  }
+  throw Error(fmt::format("balanced dispatch: no route for token {} of expert {} from EP rank {}", index, expert_idx,
+                          src_gpu_idx));
+}
+
 }  // namespace fulcrum::eplb

@@ -14,8 +14,6 @@ namespace fulcrum::model::moe {
 ReplicaChoiceSpec make_replica_choice(eplb::DispatchAlgorithm algorithm, std::span<const int32_t> layer_map,
                                       int num_logical_experts, const eplb::Topology& topo, int64_t tokens_per_source,
                                       std::vector<uint64_t> source_streams) {
-  FULCRUM_CHECK(algorithm != eplb::DispatchAlgorithm::kBalanced,
-                "GPU replica choice supports static and dynamic dispatch, not balanced");
   FULCRUM_CHECK(tokens_per_source > 0, "tokens_per_source must be positive, got {}", tokens_per_source);
   ReplicaChoiceSpec spec;
   spec.algorithm = algorithm;
@@ -25,6 +23,12 @@ ReplicaChoiceSpec make_replica_choice(eplb::DispatchAlgorithm algorithm, std::sp
   spec.tokens_per_source = tokens_per_source;
   if (algorithm == eplb::DispatchAlgorithm::kStatic) {
     spec.static_slot_of = eplb::build_static_dispatch(layer_map, num_logical_experts, topo).slot_of;
+  } else if (algorithm == eplb::DispatchAlgorithm::kBalanced) {
+    const eplb::ReplicaIndex check(layer_map, num_logical_experts, topo);  // validates the map
+    spec.replica_offsets = check.offsets;
+    spec.replica_slots = check.slots;
+    spec.layer_map.assign(layer_map.begin(), layer_map.end());
+    spec.topo = topo;
   } else {
     FULCRUM_CHECK(static_cast<int>(source_streams.size()) == topo.num_gpus,
                   "dynamic dispatch needs one stream per source: {} for {} sources", source_streams.size(),
@@ -59,6 +63,28 @@ std::vector<int32_t> choose_slots_reference(const RouterChoice& choice, const Re
       for (int j = 0; j < top_k; ++j) {
         const size_t entry = static_cast<size_t>(t * top_k + j);
         slots[entry] = spec.static_slot_of[static_cast<size_t>(source) * num_experts + choice.expert_ids[entry]];
+      }
+    }
+    return slots;
+  }
+  if (spec.algorithm == eplb::DispatchAlgorithm::kBalanced) {
+    std::vector<int64_t> counts(static_cast<size_t>(spec.num_sources) * num_experts, 0);  // [source][E]
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t source = t / spec.tokens_per_source;
+      FULCRUM_CHECK(source < spec.num_sources, "token {} has source {} of {}", t, source, spec.num_sources);
+      for (int j = 0; j < top_k; ++j) ++counts[static_cast<size_t>(source) * num_experts + choice.expert_ids[t * top_k + j]];
+    }
+    eplb::BalancedSplitter splitter(spec.layer_map, num_experts, spec.topo);
+    eplb::BalancedDispatch split;
+    splitter.split(counts, split);
+    eplb::BalancedRouteTable table;
+    eplb::build_balanced_route_table(split, spec.num_sources, table);
+    std::vector<int64_t> taken(counts.size(), 0);  // entries of (source, expert) already given a slot
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const auto source = static_cast<int>(t / spec.tokens_per_source);
+      for (int j = 0; j < top_k; ++j) {
+        const int32_t e = choice.expert_ids[t * top_k + j];
+        slots[static_cast<size_t>(t * top_k + j)] = table.slot(source, e, taken[static_cast<size_t>(source) * num_experts + e]++);
       }
     }
     return slots;

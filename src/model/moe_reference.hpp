@@ -3,7 +3,8 @@
 // The GPU layer keeps its tensors in bf16 and accumulates in fp32; this reference rounds to bf16 at the
 // same points (expert GEMM outputs, the SwiGLU activation), so the two differ only by fp32 summation
 // order. Routing is the model's (CpuBackend::route semantics); replica choice is the EPLB core's
-// (eplb::build_static_dispatch table lookup, eplb::DynamicDispatcher draws in the engine's entry order).
+// (eplb::build_static_dispatch table lookup, eplb::DynamicDispatcher draws in the engine's entry order,
+// eplb::BalancedSplitter on the pass's counts with engine::ReplicaChooser's route order).
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -16,7 +17,7 @@ namespace fulcrum::model::moe {
 // How the router turns a logical expert into a physical slot, for one layer. Token t comes from source
 // (EP rank) t / tokens_per_source; the GPU router gets the same fields as device arrays.
 struct ReplicaChoiceSpec {
-  eplb::DispatchAlgorithm algorithm = eplb::DispatchAlgorithm::kStatic;  // static or dynamic (not balanced)
+  eplb::DispatchAlgorithm algorithm = eplb::DispatchAlgorithm::kStatic;
   int num_logical_experts = 0;
   int num_slots = 0;                     // P
   int num_sources = 1;                   // EP ranks the tokens come from
@@ -25,6 +26,8 @@ struct ReplicaChoiceSpec {
   std::vector<int32_t> replica_offsets;  // dynamic: [E + 1], eplb::ReplicaIndex::offsets
   std::vector<int32_t> replica_slots;    // dynamic: [P], eplb::ReplicaIndex::slots (ascending per expert)
   std::vector<uint64_t> source_streams;  // dynamic: [num_sources] DynamicDispatcher seed of each source
+  std::vector<int32_t> layer_map;        // balanced: [P], for eplb::BalancedSplitter
+  eplb::Topology topo;                   // balanced: the splitter's topology (num_gpus == num_sources)
 };
 
 // Builds the spec for a layer map [P] over topo (a GPU is a source), from the EPLB core's tables.
@@ -36,6 +39,8 @@ ReplicaChoiceSpec make_replica_choice(eplb::DispatchAlgorithm algorithm, std::sp
 // Physical slot of every routing entry [T * top_k] (entries in the router's order: descending probability).
 // Dynamic: as the engine, each source's entries are visited token by token, a token's experts ascending,
 // and DynamicDispatcher (seeded with the source's stream) draws only for experts with several replicas.
+// Balanced: BalancedSplitter on the counts [source][expert] of this choice; a source's entries of expert e
+// take the source's routes of e in entry order (a token's experts are distinct, so token order decides).
 std::vector<int32_t> choose_slots_reference(const RouterChoice& choice, const ReplicaChoiceSpec& spec);
 
 // Router: softmax / top-k / renormalization exactly as CpuBackend::route on logits [T, E].

@@ -282,6 +282,77 @@ __global__ void fill_random_bf16_kernel(uint16_t* out, int64_t n, uint64_t seed,
   }
 }
 
+// One block per (source, chunk), one thread per token: bit i of mask[e] marks the chunk's i-th token as
+// routed to e (a token's experts are distinct), so an entry's rank among the chunk's entries of e is the
+// popcount of the bits below its token; the chunk's count of e is the popcount of the whole mask.
+constexpr int kChunkWords = kBalancedChunkTokens / 32;
+__global__ void balanced_rank_kernel(const int32_t* expert_ids, int64_t num_tokens, int top_k, int num_experts,
+                                     int64_t tokens_per_source, int64_t chunks_per_source, int32_t* entry_rank,
+                                     int32_t* chunk_counts) {
+  __shared__ uint32_t mask[kMaxRouterExperts * kChunkWords];
+  const int64_t source = blockIdx.x / chunks_per_source, chunk = blockIdx.x % chunks_per_source;
+  const int64_t source_end = min((source + 1) * tokens_per_source, num_tokens);
+  const int64_t t = source * tokens_per_source + chunk * kBalancedChunkTokens + threadIdx.x;
+  const bool active = t < source_end;
+  const int word = threadIdx.x / 32;
+  const uint32_t bit = 1u << (threadIdx.x % 32);
+  for (int i = threadIdx.x; i < num_experts * kChunkWords; i += blockDim.x) mask[i] = 0;
+  __syncthreads();
+  if (active) {
+    for (int j = 0; j < top_k; ++j) atomicOr(&mask[expert_ids[t * top_k + j] * kChunkWords + word], bit);
+  }
+  __syncthreads();
+  if (active) {
+    for (int j = 0; j < top_k; ++j) {
+      const uint32_t* m = mask + expert_ids[t * top_k + j] * kChunkWords;
+      int rank = __popc(m[word] & (bit - 1));
+      for (int w = 0; w < word; ++w) rank += __popc(m[w]);
+      entry_rank[t * top_k + j] = rank;
+    }
+  }
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int count = 0;
+    for (int w = 0; w < kChunkWords; ++w) count += __popc(mask[e * kChunkWords + w]);
+    chunk_counts[static_cast<int64_t>(blockIdx.x) * num_experts + e] = count;
+  }
+}
+
+// One thread per (source, expert): chunk counts -> exclusive bases in place, and the pair's total.
+__global__ void balanced_scan_kernel(int32_t* chunk_base, int num_experts, int64_t chunks_per_source, int num_sources,
+                                     int64_t sources_with_tokens, int32_t* counts) {
+  const int64_t pair = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (pair >= static_cast<int64_t>(num_sources) * num_experts) return;
+  const int64_t source = pair / num_experts, e = pair % num_experts;
+  int32_t running = 0;
+  if (source < sources_with_tokens) {
+    for (int64_t c = 0; c < chunks_per_source; ++c) {
+      int32_t& value = chunk_base[(source * chunks_per_source + c) * num_experts + e];
+      const int32_t count = value;
+      value = running;
+      running += count;
+    }
+  }
+  counts[pair] = running;
+}
+
+__global__ void balanced_pick_kernel(const int32_t* expert_ids, const int32_t* entry_rank, const int32_t* chunk_base,
+                                     int64_t num_entries, int top_k, int num_experts, int64_t tokens_per_source,
+                                     int64_t chunks_per_source, const int32_t* route_offsets,
+                                     const int32_t* route_slots, const int32_t* route_ends, int32_t* slots) {
+  for (int64_t entry = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; entry < num_entries;
+       entry += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = entry / top_k, source = t / tokens_per_source;
+    const int64_t chunk = (t - source * tokens_per_source) / kBalancedChunkTokens;
+    const int e = expert_ids[entry];
+    const int32_t index = chunk_base[(source * chunks_per_source + chunk) * num_experts + e] + entry_rank[entry];
+    const int64_t pair = source * num_experts + e;
+    int r = route_offsets[pair];
+    const int last = route_offsets[pair + 1] - 1;
+    while (r < last && route_ends[r] <= index) ++r;
+    slots[entry] = route_slots[r];
+  }
+}
+
 unsigned int blocks_for(int64_t n, int per_block) {
   const int64_t b = (n + per_block - 1) / per_block;
   return static_cast<unsigned int>(b < 1 ? 1 : (b > 65535 * 16 ? 65535 * 16 : b));
@@ -304,6 +375,34 @@ cudaError_t launch_dynamic_pick(const int32_t* expert_ids, const int32_t* draw_b
   if (num_tokens == 0) return cudaSuccess;
   dynamic_pick_kernel<<<blocks_for(num_tokens, 128), 128, 0, stream>>>(
       expert_ids, draw_base, num_tokens, top_k, tokens_per_source, source_streams, replica_offsets, replica_slots, slots);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_balanced_counts(const int32_t* expert_ids, int64_t num_tokens, int top_k, int num_experts,
+                                   int64_t tokens_per_source, int num_sources, int32_t* entry_rank,
+                                   int32_t* chunk_base, int32_t* counts, cudaStream_t stream) {
+  if (num_experts > kMaxRouterExperts) return cudaErrorInvalidValue;
+  const int64_t chunks = balanced_chunks_per_source(tokens_per_source, num_tokens);
+  const int64_t sources_with_tokens = (num_tokens + tokens_per_source - 1) / tokens_per_source;
+  if (num_tokens > 0) {
+    balanced_rank_kernel<<<static_cast<unsigned int>(sources_with_tokens * chunks), kBalancedChunkTokens, 0, stream>>>(
+        expert_ids, num_tokens, top_k, num_experts, tokens_per_source, chunks, entry_rank, chunk_base);
+  }
+  const int64_t pairs = static_cast<int64_t>(num_sources) * num_experts;
+  balanced_scan_kernel<<<static_cast<unsigned int>((pairs + 255) / 256), 256, 0, stream>>>(
+      chunk_base, num_experts, chunks, num_sources, sources_with_tokens, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_balanced_pick(const int32_t* expert_ids, const int32_t* entry_rank, const int32_t* chunk_base,
+                                 int64_t num_tokens, int top_k, int num_experts, int64_t tokens_per_source,
+                                 const int32_t* route_offsets, const int32_t* route_slots, const int32_t* route_ends,
+                                 int32_t* slots, cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  const int64_t num_entries = num_tokens * top_k;
+  balanced_pick_kernel<<<blocks_for(num_entries, 256), 256, 0, stream>>>(
+      expert_ids, entry_rank, chunk_base, num_entries, top_k, num_experts, tokens_per_source,
+      balanced_chunks_per_source(tokens_per_source, num_tokens), route_offsets, route_slots, route_ends, slots);
   return cudaGetLastError();
 }
 

@@ -20,11 +20,11 @@ struct RouterArgs {
   int top_k = 0;                           // <= kMaxTopK
   bool norm_topk_prob = true;
   int64_t tokens_per_source = 1;
-  const int32_t* static_slot_of = nullptr;  // static dispatch: [num_sources][E]; null for dynamic
+  const int32_t* static_slot_of = nullptr;  // static dispatch: [num_sources][E]; null otherwise
   const int32_t* replica_offsets = nullptr; // dynamic: [E + 1]
   int32_t* expert_ids = nullptr;           // out [T * k]
   float* weights = nullptr;                // out [T * k]
-  int32_t* slots = nullptr;                // out [T * k] (static: here; dynamic: by launch_dynamic_pick)
+  int32_t* slots = nullptr;                // out [T * k] (static: here; else launch_dynamic_pick / _balanced_pick)
   int32_t* multi_draws = nullptr;          // dynamic out [T]: entries of the token with >= 2 replicas
   unsigned long long* histogram = nullptr; // recorder row [E] (+= counts); null: no recording
 };
@@ -41,6 +41,28 @@ cudaError_t launch_dynamic_pick(const int32_t* expert_ids, const int32_t* draw_b
                                 int64_t tokens_per_source, const uint64_t* source_streams,
                                 const int32_t* replica_offsets, const int32_t* replica_slots, int32_t* slots,
                                 cudaStream_t stream);
+
+// Balanced replica choice after launch_moe_router, in two launches around the host's BalancedSplitter.
+// Each source's tokens are cut into chunks of kBalancedChunkTokens; an entry's index among its (source,
+// expert) entries in token order is chunk_base[source][chunk][expert] + entry_rank[entry], both computed
+// without atomics whose order could vary (a per-chunk bitmask per expert, popcounts, a scan over chunks).
+constexpr int kBalancedChunkTokens = 256;
+inline int64_t balanced_chunks_per_source(int64_t tokens_per_source, int64_t num_tokens) {
+  const int64_t n = tokens_per_source < num_tokens ? tokens_per_source : num_tokens;
+  return (n + kBalancedChunkTokens - 1) / kBalancedChunkTokens;
+}
+// -> entry_rank [T * k], chunk_base [num_sources][chunks per source][E], counts [num_sources][E] (entries of
+// each (source, expert); 0 for sources without tokens).
+cudaError_t launch_balanced_counts(const int32_t* expert_ids, int64_t num_tokens, int top_k, int num_experts,
+                                   int64_t tokens_per_source, int num_sources, int32_t* entry_rank,
+                                   int32_t* chunk_base, int32_t* counts, cudaStream_t stream);
+// slots [T * k]: the entry's index among its (source, expert) entries picks the pair's route, routes of
+// pair source * E + expert being [route_offsets[pair], route_offsets[pair + 1]) with cumulative token
+// ends route_ends (eplb::BalancedRouteTable); every pair with entries must have routes holding them all.
+cudaError_t launch_balanced_pick(const int32_t* expert_ids, const int32_t* entry_rank, const int32_t* chunk_base,
+                                 int64_t num_tokens, int top_k, int num_experts, int64_t tokens_per_source,
+                                 const int32_t* route_offsets, const int32_t* route_slots, const int32_t* route_ends,
+                                 int32_t* slots, cudaStream_t stream);
 
 // Exclusive prefix sum of values [n] into out [n] (single block loop; n is T or P, small).
 cudaError_t launch_exclusive_scan(const int32_t* values, int64_t n, int32_t* out, int32_t* total, cudaStream_t stream);

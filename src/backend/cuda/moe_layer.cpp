@@ -1,6 +1,7 @@
 // GPU MoE layer: buffers, cuBLAS calls and the launch sequence (kernels in moe_kernels.cu).
 #include "backend/cuda/moe_layer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -126,17 +127,31 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   FULCRUM_CHECK(spec.num_sources > 0 && spec.tokens_per_source > 0, "replica choice: {} sources of {} tokens",
                 spec.num_sources, spec.tokens_per_source);
   const bool is_static = spec.algorithm == eplb::DispatchAlgorithm::kStatic;
-  FULCRUM_CHECK(is_static || spec.algorithm == eplb::DispatchAlgorithm::kDynamic,
-                "GPU replica choice supports static and dynamic dispatch, not balanced");
+  const bool is_balanced = spec.algorithm == eplb::DispatchAlgorithm::kBalanced;
   const size_t table = static_cast<size_t>(spec.num_sources) * spec.num_logical_experts;
   FULCRUM_CHECK(!is_static || spec.static_slot_of.size() == table, "static table has {} entries, expected {}",
                 spec.static_slot_of.size(), table);
   FULCRUM_CHECK(is_static || (spec.replica_offsets.size() == static_cast<size_t>(spec.num_logical_experts) + 1 &&
-                              spec.replica_slots.size() == static_cast<size_t>(spec.num_slots) &&
-                              spec.source_streams.size() == static_cast<size_t>(spec.num_sources)),
-                "dynamic replica tables have the wrong sizes");
+                              spec.replica_slots.size() == static_cast<size_t>(spec.num_slots)),
+                "replica index has the wrong sizes");
+  FULCRUM_CHECK(spec.algorithm != eplb::DispatchAlgorithm::kDynamic ||
+                    spec.source_streams.size() == static_cast<size_t>(spec.num_sources),
+                "dynamic dispatch has {} streams for {} sources", spec.source_streams.size(), spec.num_sources);
   for (const int32_t s : is_static ? spec.static_slot_of : spec.replica_slots) {
     FULCRUM_CHECK(s >= 0 && s < spec.num_slots, "replica table names slot {} outside [0, {})", s, spec.num_slots);
+  }
+  splitter_.reset();
+  if (is_balanced) {
+    FULCRUM_CHECK(spec.topo.num_gpus == spec.num_sources && spec.topo.num_physical_experts == spec.num_slots,
+                  "balanced dispatch: topology of {} GPUs / {} slots for {} sources / {} slots", spec.topo.num_gpus,
+                  spec.topo.num_physical_experts, spec.num_sources, spec.num_slots);
+    splitter_ = std::make_unique<eplb::BalancedSplitter>(spec.layer_map, spec.num_logical_experts, spec.topo);
+    const int64_t chunks = cuda::moe::balanced_chunks_per_source(spec.tokens_per_source, shape_.max_tokens);
+    entry_rank_ = device_array<int32_t>(shape_.max_tokens * shape_.num_experts_per_tok);
+    chunk_base_ = device_array<int32_t>(static_cast<int64_t>(table) * chunks);
+    pair_counts_ = device_array<int32_t>(static_cast<int64_t>(table));
+    // A (source, slot) pair is in at most one route, so at most S * P routes.
+    routes_ = device_array<int32_t>(static_cast<int64_t>(table) + 1 + 2 * int64_t{spec.num_sources} * spec.num_slots);
   }
   spec_ = spec;
   has_spec_ = true;
@@ -175,7 +190,7 @@ void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
   args.top_k = shape_.num_experts_per_tok;
   args.norm_topk_prob = shape_.norm_topk_prob;
   args.tokens_per_source = spec_.tokens_per_source;
-  args.static_slot_of = is_static ? static_slot_of_.as<int32_t>() : nullptr;
+  args.static_slot_of = is_static ? static_slot_of_.as<int32_t>() : nullptr;  // else multi_draws (unused by balanced)
   args.replica_offsets = replica_offsets_.as<int32_t>();
   args.expert_ids = expert_ids_.as<int32_t>();
   args.weights = weights_.as<float>();
@@ -183,6 +198,11 @@ void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
   args.multi_draws = multi_draws_.as<int32_t>();
   args.histogram = histogram_row_;
   FULCRUM_CUDA_CHECK(cuda::moe::launch_moe_router(args, stream_));
+  host_counts_from_route_ = false;
+  if (spec_.algorithm == eplb::DispatchAlgorithm::kBalanced) {
+    choose_balanced(num_tokens);
+    return;
+  }
   if (is_static || num_tokens == 0) return;
   FULCRUM_CUDA_CHECK(cuda::moe::launch_exclusive_scan(multi_draws_.as<int32_t>(), num_tokens, draw_base_.as<int32_t>(),
                                                       draw_base_.as<int32_t>() + num_tokens, stream_));
@@ -190,6 +210,47 @@ void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
                                                     shape_.num_experts_per_tok, spec_.tokens_per_source,
                                                     source_streams_.as<uint64_t>(), replica_offsets_.as<int32_t>(),
                                                     replica_slots_.as<int32_t>(), slots_.as<int32_t>(), stream_));
+}
+
+void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
+  const int num_sources = spec_.num_sources, num_experts = shape_.num_experts, p = shape_.num_slots;
+  const size_t pairs = static_cast<size_t>(num_sources) * num_experts;
+  const int k = shape_.num_experts_per_tok;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_balanced_counts(expert_ids_.as<int32_t>(), num_tokens, k, num_experts,
+                                                       spec_.tokens_per_source, num_sources, entry_rank_.as<int32_t>(),
+                                                       chunk_base_.as<int32_t>(), pair_counts_.as<int32_t>(), stream_));
+  host_pair_counts_.resize(pairs);
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_pair_counts_.data(), pair_counts_.as<int32_t>(), sizeof(int32_t) * pairs,
+                                     cudaMemcpyDeviceToHost, stream_));
+  synchronize();  // the split needs this pass's counts
+  pair_tokens_.assign(host_pair_counts_.begin(), host_pair_counts_.end());
+  splitter_->split(pair_tokens_, split_);
+  eplb::build_balanced_route_table(split_, num_sources, route_table_);
+  const size_t num_routes = route_table_.slots.size();
+  FULCRUM_CHECK(num_routes <= static_cast<size_t>(num_sources) * p, "balanced split: {} routes, at most {}", num_routes,
+                static_cast<size_t>(num_sources) * p);
+  // Table for the pick kernel: offsets [S * E + 1] | slots [R] | cumulative ends [R]; slot counts on the host.
+  host_routes_.assign(route_table_.offsets.begin(), route_table_.offsets.end());
+  host_routes_.insert(host_routes_.end(), route_table_.slots.begin(), route_table_.slots.end());
+  std::fill_n(host_counts_, p, 0);
+  for (size_t pair = 0; pair < pairs; ++pair) {
+    int64_t routed = 0;  // the pair's routes must hold exactly its entries (the pick kernel relies on it)
+    for (int32_t r = route_table_.offsets[pair]; r < route_table_.offsets[pair + 1]; ++r) {
+      host_counts_[route_table_.slots[r]] += static_cast<int32_t>(route_table_.ends[r] - routed);
+      routed = route_table_.ends[r];
+    }
+    FULCRUM_CHECK(routed == pair_tokens_[pair], "balanced split routes {} of {} tokens of (source {}, expert {})",
+                  routed, pair_tokens_[pair], pair / num_experts, pair % num_experts);
+  }
+  for (const int64_t end : route_table_.ends) host_routes_.push_back(static_cast<int32_t>(end));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(routes_.as<int32_t>(), host_routes_.data(), sizeof(int32_t) * host_routes_.size(),
+                                     cudaMemcpyHostToDevice, stream_));
+  const int32_t* offsets = routes_.as<int32_t>();
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_balanced_pick(expert_ids_.as<int32_t>(), entry_rank_.as<int32_t>(),
+                                                     chunk_base_.as<int32_t>(), num_tokens, k, num_experts,
+                                                     spec_.tokens_per_source, offsets, offsets + pairs + 1,
+                                                     offsets + pairs + 1 + num_routes, slots_.as<int32_t>(), stream_));
+  host_counts_from_route_ = true;
 }
 
 void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
@@ -203,9 +264,12 @@ void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
   FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows(x, num_tokens, k, shape_.hidden_size, slots_.as<int32_t>(),
                                                     cursor_.as<int32_t>(), entry_row_.as<int32_t>(),
                                                     permuted_.as<uint16_t>(), stream_));
-  // The one host synchronization: cuBLAS takes the GEMM sizes as host arrays.
-  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, counts_.as<int32_t>(), sizeof(int32_t) * p, cudaMemcpyDeviceToHost, stream_));
-  synchronize();
+  // The one host synchronization: cuBLAS takes the GEMM sizes as host arrays (balanced routing has them
+  // already, and its synchronization also ordered the last upload from host_ptrs_ before the writes below).
+  if (!std::exchange(host_counts_from_route_, false)) {
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, counts_.as<int32_t>(), sizeof(int32_t) * p, cudaMemcpyDeviceToHost, stream_));
+    synchronize();
+  }
   // One problem per non-empty slot; pointers of both GEMMs for all of them, uploaded once.
   const int64_t h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   compact_begin_.assign(static_cast<size_t>(p) + 1, 0);

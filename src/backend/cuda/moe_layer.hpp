@@ -5,7 +5,9 @@
 // moe_block with this layer's physical slots; CPU reference: model::moe::moe_layer_reference.
 //
 // Host synchronization: one per forward, after the permutation, to read the per-slot token counts that
-// cuBLAS's grouped GEMM takes as host arrays. The recorder never synchronizes: it adds into a device row.
+// cuBLAS's grouped GEMM takes as host arrays. Balanced replica choice moves it into routing: it reads the
+// per-(source, expert) counts there for eplb::BalancedSplitter, whose routes also give the per-slot
+// counts, so permute does not wait again. The recorder never synchronizes: it adds into a device row.
 //
 // This header includes no CUDA header; device pointers are plain pointers (bf16 as uint16_t bits).
 #include <cstdint>
@@ -74,7 +76,7 @@ class GpuMoeLayer {
                       std::span<const uint16_t> down);
   // Pseudo-random bf16 weights filled on the device (benchmarks), uniform in +-1/sqrt(fan_in).
   void randomize_weights(uint64_t seed);
-  // Replica choice tables for this layer (static or dynamic; model::moe::make_replica_choice builds them).
+  // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
   // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
   void set_recorder(unsigned long long* histogram_row) { histogram_row_ = histogram_row; }
@@ -88,6 +90,7 @@ class GpuMoeLayer {
   // Stages, in order (forward runs them all); tests and the benchmark call them one by one.
   void router_logits(const uint16_t* x, int64_t num_tokens);  // -> logits()
   void route(const float* logits, int64_t num_tokens);         // -> expert_ids, weights, slots; histogram
+                                                               //    (balanced: also host slot counts)
   void permute(const uint16_t* x, int64_t num_tokens);         // -> slot offsets, entry_row, permuted rows; host counts
   void run_experts(int slot_begin, int slot_end);              // permuted rows of those slots -> expert_out rows
   void combine(int64_t num_tokens, float* out);                // expert_out rows -> out [T, H]
@@ -108,6 +111,8 @@ class GpuMoeLayer {
   double expert_min_bytes(int slot_begin, int slot_end) const;
 
  private:
+  // Balanced choice after the router: counts -> host split -> route table -> slots; fills host_counts_.
+  void choose_balanced(int64_t num_tokens);
   // One expert GEMM (0: gate_up, 1: down) over the non-empty slots of [slot_begin, slot_end).
   void expert_gemm(int gemm_idx, int slot_begin, int slot_end);
 
@@ -125,6 +130,14 @@ class GpuMoeLayer {
   DeviceBuffer static_slot_of_, replica_offsets_, replica_slots_, source_streams_;
   DeviceBuffer logits_, expert_ids_, weights_, slots_, multi_draws_, draw_base_;
   DeviceBuffer counts_, offsets_, cursor_, entry_row_, permuted_, h_, act_, expert_out_;
+  // Balanced: entry ranks [T * k], chunk bases, pair counts [S][E], route table (offsets | slots | ends).
+  DeviceBuffer entry_rank_, chunk_base_, pair_counts_, routes_;
+  std::unique_ptr<eplb::BalancedSplitter> splitter_;
+  eplb::BalancedDispatch split_;
+  eplb::BalancedRouteTable route_table_;
+  std::vector<int32_t> host_pair_counts_, host_routes_;
+  std::vector<int64_t> pair_tokens_;
+  bool host_counts_from_route_ = false;  // host_counts_ already hold the last route's slot counts
   // Grouped GEMM problems, one per non-empty slot in slot order, built by permute: compact_begin_[s] is
   // the first problem of slot >= s; pointer arrays [2 GEMMs][A, B, C][P] on the device (cuBLAS reads
   // them there) and their pinned host staging, written once per permute.
