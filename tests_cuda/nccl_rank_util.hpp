@@ -23,8 +23,16 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "comm/nccl_communicator.hpp"
 #include "comm/tcp_socket.hpp"
+#include "model_test_util.hpp"
 
 namespace fulcrum::test {
+
+// The `fulcrum generate` command the 2-GPU CLI tests extend with their layouts: three prompts on the golden
+// tiny model, whose CPU one-rank tokens every GPU layout must print.
+inline std::string tiny_generate_command() {
+  return "generate --model " + golden_model_dir("qwen3moe-tiny-128e") +
+         " --max-new-tokens 6 --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' --prompt-tokens '0 8 99'";
+}
 
 struct RankEnv {
   int rank = 0;

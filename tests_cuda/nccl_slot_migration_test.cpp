@@ -217,9 +217,7 @@ TEST(NcclSlotMigration, Bandwidth) {
 TEST(CudaGenerate, EplbMigratesSlotsGpuToGpuAndKeepsTheCpuTokens) {
   FULCRUM_NEEDS_GPUS(2);
   TempDir dir("cuda_eplb_migration");
-  const std::string base = "generate --model " + golden_model_dir("qwen3moe-tiny-128e") +
-                           " --max-new-tokens 6 --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' "
-                           "--prompt-tokens '0 8 99'";
+  const std::string base = tiny_generate_command();
   const CliRun cpu = run_cli(dir, base);
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   const CliRun gpus = run_cli(dir, base + " --device cuda --tp 2 --ep 2 --enable-eplb --ep-num-redundant-experts 2 "
