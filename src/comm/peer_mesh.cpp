@@ -82,8 +82,13 @@ std::vector<HostPort> serve_rendezvous(const DistInit& init, int my_mesh_port, C
       break;
     }
     j.address = peer_address(j.socket);
-    if (!read_all(j.socket, pod_writable(j.hello), what, deadline) || j.hello.magic != kMagic) {
-      continue;  // not a fulcrum rank (a port scanner, a stale client): ignore it
+    try {
+      const Clock::time_point hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+      if (!read_all(j.socket, pod_writable(j.hello), what, hello_deadline) || j.hello.magic != kMagic) {
+        continue;  // not a fulcrum rank (a port scanner, a stale client): ignore it
+      }
+    } catch (const Error&) {
+      continue;  // silent or cut short within 5 s: not a fulcrum rank either
     }
     const Hello& h = j.hello;
     if (h.world_size != init.world_size) {
@@ -199,14 +204,15 @@ void PeerMesh::read_loop(int src) {
         end = PeerState::kLeft;
         break;
       }
+      FULCRUM_CHECK(header.num_bytes <= (uint64_t{1} << 40), "{}: frame of {} bytes", what, header.num_bytes);
       std::vector<std::byte> message(header.num_bytes);
       if (!read_all(peer.socket, message, what) && !message.empty()) break;
       std::lock_guard lock(mutex_);
       mailboxes_[{header.channel, src}].push_back(std::move(message));
       cv_.notify_all();
     }
-  } catch (const Error&) {
-    // a reset or a cut connection: the peer failed
+  } catch (const std::exception&) {
+    // a reset, a cut connection or a garbage frame: the peer failed
   }
   std::lock_guard lock(mutex_);
   peer.state = end;

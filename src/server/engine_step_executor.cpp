@@ -56,14 +56,21 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
       }
     });
   } catch (const std::exception& e) {
+    run.on_layer_loaded = nullptr;
     throw Error(fmt::format("loading {} on {} rank(s) failed: {}", options_.model_dir, world_size, e.what()));
   }
+  run.on_layer_loaded = nullptr;  // it refers to this constructor's locals
 }
 
 EngineStepExecutor::~EngineStepExecutor() {
   // Each rank's state is destroyed on its own thread (a device backend belongs to the thread that made it).
   try {
-    threads_->run_local([this](int rank, comm::Communicator&) { ranks_[static_cast<size_t>(rank)] = {}; });
+    threads_->run_local([this](int rank, comm::Communicator&) {
+      engine::InProcessRank& r = ranks_[static_cast<size_t>(rank)];
+      r.eplb.reset();  // users of the backend first, the backend last
+      r.engine.reset();
+      r.backend.reset();
+    });
   } catch (const std::exception&) {
     // the ranks already stopped after a failure; their state goes with this object
   }

@@ -22,6 +22,7 @@ ProgressBar::ProgressBar(std::string label, int total, std::string unit, std::FI
 ProgressBar::~ProgressBar() {
   {
     std::lock_guard lock(mutex_);
+    if (tty_ && printed_ && done_ < total_) std::fputc('\n', out_);  // e.g. a failed load: the error goes below
     done_ = total_;
   }
   finished_cv_.notify_all();

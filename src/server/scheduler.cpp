@@ -242,7 +242,13 @@ void Scheduler::fail_all() {
 
 void Scheduler::run() {
   for (;;) {
-    const bool did = step();
+    bool did = false;
+    try {
+      did = step();
+    } catch (...) {
+      fail_all();  // no handler may wait for a request this loop will never finish
+      throw;
+    }
     std::unique_lock lock(mutex_);
     if (stop_ && waiting_.empty() && running_.empty()) break;
     if (!did) {

@@ -1,7 +1,9 @@
 #include "server/serve.hpp"
 
 #include <chrono>
+#include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <exception>
 #include <memory>
@@ -37,6 +39,34 @@ bool wait_idle(const Scheduler& scheduler, double seconds) {
   return true;
 }
 
+// While the model loads nothing is served yet, so SIGINT / SIGTERM end the process at once (one line,
+// exit status 128 + signal) instead of being noticed only once loading is over. Files written while
+// loading (the weight cache) are written atomically, so none is left half-written.
+class SignalsDuringLoad {
+ public:
+  explicit SignalsDuringLoad(const sigset_t& signals) : signals_(signals), thread_([this] { watch(); }) {}
+  ~SignalsDuringLoad() {
+    loading_ = false;
+    thread_.join();
+  }
+
+ private:
+  void watch() {
+    const timespec tick{0, 100'000'000};
+    while (loading_) {
+      const int s = sigtimedwait(&signals_, nullptr, &tick);
+      if (s == SIGINT || s == SIGTERM) {
+        log(fmt::format("{} while loading: stopped", s == SIGINT ? "SIGINT" : "SIGTERM"));
+        std::_Exit(128 + s);
+      }
+    }
+  }
+
+  sigset_t signals_;
+  std::atomic<bool> loading_{true};
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 }  // namespace
 
 void serve(const ServeOptions& options) {
@@ -47,6 +77,7 @@ void serve(const ServeOptions& options) {
   FULCRUM_CHECK(pthread_sigmask(SIG_BLOCK, &signals, nullptr) == 0, "cannot block SIGINT/SIGTERM");
   std::signal(SIGPIPE, SIG_IGN);  // a vanished client must not kill the server
 
+  auto load_signals = std::make_unique<SignalsDuringLoad>(signals);
   const auto load_start = Clock::now();
   log(fmt::format("loading {}", options.model_dir));
   ServerMetrics metrics;
@@ -114,6 +145,7 @@ void serve(const ServeOptions& options) {
       }
     };
   };
+  load_signals.reset();  // from here on the main thread's sigwait below takes them
   std::thread loop(guarded([&] { scheduler.run(); }));
   std::thread listener(guarded([&] { http.listen(); }));
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
