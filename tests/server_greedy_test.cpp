@@ -73,8 +73,15 @@ void expect_batched_equals_standalone(EngineStepExecutor& executor) {
   EXPECT_EQ(scheduler.gauges().kv_pages_used, 0);
 }
 
+// The executor on the tiny served model (assigned field by field: designated initializers warn under -Wextra).
+EngineExecutorOptions tiny_options() {
+  EngineExecutorOptions o;
+  o.model_dir = test::tiny_served_model();
+  return o;
+}
+
 TEST(ServerGreedy, BatchedEqualsStandalone) {
-  EngineStepExecutor executor({.model_dir = test::tiny_served_model()});
+  EngineStepExecutor executor(tiny_options());
   expect_batched_equals_standalone(executor);
 }
 
@@ -82,7 +89,8 @@ TEST(ServerGreedy, BatchedEqualsStandalone) {
 // two passes and migrates slots: the tokens are still the single-rank ones.
 TEST(ServerGreedy, ParallelLayoutWithLiveEplbEqualsStandalone) {
   ServerMetrics metrics;
-  EngineExecutorOptions options{.model_dir = test::tiny_served_model(), .metrics = &metrics};
+  EngineExecutorOptions options = tiny_options();
+  options.metrics = &metrics;
   options.parallel = {.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true, .num_redundant_experts = 4};
   options.run.engine.moe_a2a_backend = "alltoall";
   options.run.eplb.enabled = true;
@@ -102,7 +110,7 @@ TEST(ServerGreedy, ParallelLayoutWithLiveEplbEqualsStandalone) {
 }
 
 TEST(ServerGreedy, RecorderCountsRoutingWhileRecording) {
-  EngineStepExecutor executor({.model_dir = test::tiny_served_model()});
+  EngineStepExecutor executor(tiny_options());
   Scheduler scheduler(executor, {});
   RequestParams p;
   p.prompt = {3, 4, 5};

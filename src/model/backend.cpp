@@ -25,6 +25,18 @@ void check_kv_pages(const Tensor& pool, KvPages pages, int64_t end_pos, const ch
   }
 }
 
+void check_paged_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, KvPages pages,
+                           int64_t start_pos) {
+  const int64_t num_tokens = q.dim(0), num_heads = q.dim(1), head_dim = q.dim(2);
+  const int64_t num_kv_heads = k_pool.dim(1);
+  FULCRUM_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_pool.dim(2) == head_dim,
+                "attention: {} query heads of {} do not fit {} kv heads of {}", num_heads, head_dim, num_kv_heads,
+                k_pool.dim(2));
+  FULCRUM_CHECK(v_pool.shape() == k_pool.shape(), "attention: key and value pools differ in shape");
+  FULCRUM_CHECK(start_pos >= 0, "attention: start position {}", start_pos);
+  check_kv_pages(k_pool, pages, start_pos + num_tokens, "attention");
+}
+
 void Backend::write_kv(const Tensor& pool, const Tensor& src, KvPages pages, int64_t start_pos) {
   FULCRUM_CHECK(start_pos >= 0 && src.rank() >= 1, "write_kv: start position {}", start_pos);
   check_kv_pages(pool, pages, start_pos + src.dim(0), "write_kv");

@@ -36,6 +36,10 @@ struct KvPages {
 // The rules every backend applies to a paged KV access: positions [0, end_pos) fit the page table and every
 // page lies inside `pool`. Throws fulcrum::Error naming `what`.
 void check_kv_pages(const Tensor& pool, KvPages pages, int64_t end_pos, const char* what);
+// The rules of Backend::paged_attention's arguments (head counts and sizes, pool shapes, pages), shared by
+// every backend.
+void check_paged_attention(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, KvPages pages,
+                           int64_t start_pos);
 
 // RoPE inverse frequencies [head_dim / 2] in fp32 exactly as HF computes them: 1 / theta^(2i / head_dim).
 // Every backend derives its angles from these, so rotations agree bit for bit.

@@ -120,12 +120,7 @@ Tensor CpuBackend::paged_attention(const Tensor& q, const Tensor& k_pool, const 
                                   int64_t start_pos) {
   const int64_t num_tokens = q.dim(0), num_heads = q.dim(1), head_dim = q.dim(2);
   const int64_t num_kv_heads = k_pool.dim(1);
-  FULCRUM_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_pool.dim(2) == head_dim,
-                "attention: {} query heads of {} do not fit {} kv heads of {}", num_heads, head_dim, num_kv_heads,
-                k_pool.dim(2));
-  FULCRUM_CHECK(v_pool.shape() == k_pool.shape(), "attention: key and value pools differ in shape");
-  FULCRUM_CHECK(start_pos >= 0, "attention: start position {}", start_pos);
-  model::check_kv_pages(k_pool, pages, start_pos + num_tokens, "attention");
+  model::check_paged_attention(q, k_pool, v_pool, pages, start_pos);
   std::vector<int64_t> key_rows(static_cast<size_t>(start_pos + num_tokens));  // pool row of each position
   for (size_t j = 0; j < key_rows.size(); ++j) key_rows[j] = pages.row(static_cast<int64_t>(j));
   const int64_t group = num_heads / num_kv_heads;

@@ -223,12 +223,7 @@ Tensor CudaBackend::paged_attention(const Tensor& q, const Tensor& k_pool, const
   check_cuda_tensor(v_pool, "attention value pool");
   const int64_t num_tokens = q.dim(0), num_heads = q.dim(1), head_dim = q.dim(2);
   const int64_t num_kv_heads = k_pool.dim(1);
-  FULCRUM_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_pool.dim(2) == head_dim,
-                "attention: {} query heads of {} do not fit {} kv heads of {}", num_heads, head_dim, num_kv_heads,
-                k_pool.dim(2));
-  FULCRUM_CHECK(v_pool.shape() == k_pool.shape(), "attention: key and value pools differ in shape");
-  FULCRUM_CHECK(start_pos >= 0, "attention: start position {}", start_pos);
-  model::check_kv_pages(k_pool, pages, start_pos + num_tokens, "attention");
+  model::check_paged_attention(q, k_pool, v_pool, pages, start_pos);
   const size_t shared_bytes = cuda::attention_shared_bytes(head_dim, start_pos + num_tokens);
   FULCRUM_CHECK(shared_bytes <= max_shared_bytes_per_block_,
                 "attention: {} keys of head_dim {} need {} bytes of shared memory, the device allows {}",
