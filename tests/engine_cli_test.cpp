@@ -11,6 +11,20 @@ namespace {
 
 const std::string kPrompts = " --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' --prompt-tokens '0 8 99'";
 
+// Each (flags, needle): `base + flags` exits 1 with one line "fulcrum: error: ..." naming the needle, and
+// prints nothing on stdout.
+void expect_one_line_errors(const TempDir& dir, const std::string& base,
+                            const std::vector<std::pair<std::string, std::string>>& cases) {
+  for (const auto& [flags, needle] : cases) {
+    const CliRun run = run_cli(dir, base + flags);
+    EXPECT_EQ(run.exit_code, 1) << flags;
+    EXPECT_EQ(run.err.rfind("fulcrum: error: ", 0), 0u) << run.err;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+    EXPECT_NE(run.err.find(needle), std::string::npos) << flags << " -> " << run.err;
+    EXPECT_EQ(run.out, "") << flags;
+  }
+}
+
 TEST(EngineCli, SeedsConfigurationAndPlannedPlacementPrintThePlainTokens) {
   TempDir dir("engine_cli");
   const std::string base = "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 6" + kPrompts;
@@ -45,14 +59,7 @@ TEST(EngineCli, ImpossibleLayoutsAreOneLineErrors) {
        "130 slots on 2 GPUs; the model and EP group need 3 x 128, 128 slots on 2 GPUs"},
       {" --init-expert-location " + dir.file("missing.json"), "missing.json"},
   };
-  for (const auto& [flags, needle] : cases) {
-    const CliRun run = run_cli(dir, base + flags);
-    EXPECT_EQ(run.exit_code, 1) << flags;
-    EXPECT_EQ(run.err.rfind("fulcrum: error: ", 0), 0u) << run.err;
-    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
-    EXPECT_NE(run.err.find(needle), std::string::npos) << flags << " -> " << run.err;
-    EXPECT_EQ(run.out, "") << flags;
-  }
+  expect_one_line_errors(dir, base, cases);
   const CliRun bad_backend = run_cli(dir, base + " --moe-a2a-backend deepep");
   EXPECT_NE(bad_backend.exit_code, 0);
   EXPECT_NE(bad_backend.err.find("--moe-a2a-backend"), std::string::npos) << bad_backend.err;
@@ -136,14 +143,7 @@ TEST(EngineCli, BadEplbAndSamplingValuesAreOneLineErrors) {
       {" --top-p 0", "top_p"},
       {" --greedy --temperature 0.5", "--greedy conflicts with --temperature"},
   };
-  for (const auto& [flags, needle] : cases) {
-    const CliRun run = run_cli(dir, base + flags);
-    EXPECT_EQ(run.exit_code, 1) << flags;
-    EXPECT_EQ(run.err.rfind("fulcrum: error: ", 0), 0u) << run.err;
-    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
-    EXPECT_NE(run.err.find(needle), std::string::npos) << flags << " -> " << run.err;
-    EXPECT_EQ(run.out, "") << flags;
-  }
+  expect_one_line_errors(dir, base, cases);
 }
 
 }  // namespace
