@@ -29,12 +29,6 @@ std::vector<int32_t> replicated_map() {
   return map;
 }
 
-// The engine's dynamic stream of one source (src/engine/replica_choice.cpp), for the reference's streams.
-uint64_t engine_stream(uint64_t seed, uint64_t pass_idx, int moe_layer_idx, int source) {
-  eplb::SplitMix64 mix(seed ^ (pass_idx * 0x9e3779b97f4a7c15ULL));
-  return mix.next() ^ (uint64_t(moe_layer_idx) << 32) ^ uint64_t(source);
-}
-
 TEST(MoeReference, ReplicaChoiceMatchesEngine) {
   const std::vector<int32_t> map = replicated_map();
   const eplb::Topology topo{20, 4, 1};
@@ -48,7 +42,7 @@ TEST(MoeReference, ReplicaChoiceMatchesEngine) {
        {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic, eplb::DispatchAlgorithm::kBalanced}) {
     SCOPED_TRACE(std::string(eplb::to_string(algorithm)));
     std::vector<uint64_t> streams;
-    for (int s = 0; s < 4; ++s) streams.push_back(engine_stream(seed, pass_idx, moe_layer_idx, s));
+    for (int s = 0; s < 4; ++s) streams.push_back(engine::dynamic_dispatch_stream(seed, pass_idx, moe_layer_idx, s));
     const moe::ReplicaChoiceSpec spec = moe::make_replica_choice(
         algorithm, map, num_experts, topo, per_source,
         algorithm == eplb::DispatchAlgorithm::kDynamic ? streams : std::vector<uint64_t>{});

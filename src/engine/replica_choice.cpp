@@ -6,6 +6,11 @@
 
 namespace fulcrum::engine {
 
+uint64_t dynamic_dispatch_stream(uint64_t seed, uint64_t pass_idx, int moe_layer_idx, int source) {
+  eplb::SplitMix64 mix(seed ^ (pass_idx * 0x9e3779b97f4a7c15ULL));
+  return mix.next() ^ (uint64_t(moe_layer_idx) << 32) ^ uint64_t(source);
+}
+
 ReplicaChooser::ReplicaChooser(eplb::DispatchAlgorithm algorithm, uint64_t seed, int num_sources,
                                int sources_per_ep_rank)
     : algorithm_(algorithm), seed_(seed), num_sources_(num_sources), sources_per_ep_rank_(sources_per_ep_rank) {
@@ -61,10 +66,8 @@ void ReplicaChooser::choose(int source, std::span<const int32_t> experts, std::s
       for (size_t i = 0; i < experts.size(); ++i) slots[i] = static_table_.slot(gpu, experts[i]);
       return;
     case eplb::DispatchAlgorithm::kDynamic: {
-      // One stream per (seed, pass, layer, source): the same draws wherever this source's choice is made.
-      eplb::SplitMix64 mix(seed_ ^ (pass_idx_ * 0x9e3779b97f4a7c15ULL));
-      const uint64_t stream = mix.next() ^ (uint64_t(moe_layer_idx_) << 32) ^ uint64_t(source);
-      eplb::DynamicDispatcher dynamic(layer_map_, num_experts_, topo_, stream);
+      eplb::DynamicDispatcher dynamic(layer_map_, num_experts_, topo_,
+                                      dynamic_dispatch_stream(seed_, pass_idx_, moe_layer_idx_, source));
       for (size_t i = 0; i < experts.size(); ++i) slots[i] = dynamic.pick(experts[i]);
       return;
     }

@@ -16,6 +16,10 @@
 
 namespace fulcrum::engine {
 
+// The seed of dynamic dispatch's draws for one (seed, pass, MoE layer, source): the same draws wherever this
+// source's choice is made (every rank, the GPU MoE layer's reference).
+uint64_t dynamic_dispatch_stream(uint64_t seed, uint64_t pass_idx, int moe_layer_idx, int source);
+
 class ReplicaChooser {
  public:
   ReplicaChooser(eplb::DispatchAlgorithm algorithm, uint64_t seed, int num_sources, int sources_per_ep_rank);
