@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Fulcrum: Qwen3-MoE serving with an expert-parallel load balancer"};
   app.require_subcommand(1);
   fulcrum::cli::register_commands(app);
+  for (int i = 0; i < argc; ++i) fulcrum::cli::command_line() += (i == 0 ? "fulcrum" : std::string(" ") + argv[i]);
   try {
     // CLI11 reports an unknown subcommand as a missing one; name it instead.
     std::string known;

@@ -1,5 +1,5 @@
 // `fulcrum serve` and `fulcrum bench serve`: the OpenAI-compatible server and its load generator (both
-// registered here so the pair stays together).
+// here, built with FULCRUM_BUILD_SERVER, so the pair stays together).
 #include <memory>
 
 #include <fmt/format.h>
@@ -54,12 +54,12 @@ void register_serve_command(CLI::App& app) {
     o->run = engine_flags->make_run(engine::ParallelLayout(o->parallel, config), config);
     server::serve(*o);
   });
+}
 
-  CLI::App* bench = app.add_subcommand("bench", "Benchmarks against a running fulcrum");
-  bench->require_subcommand(1);
+void register_bench_serve_command(CLI::App& bench) {
   auto l = std::make_shared<server::LoadOptions>();
   auto prompt_len = std::make_shared<std::string>("16:64");
-  CLI::App* load = bench->add_subcommand("serve", "Load a running server with concurrent streaming clients");
+  CLI::App* load = bench.add_subcommand("serve", "Load a running server with concurrent streaming clients");
   load->add_option("--url", l->url, "Server base URL")->capture_default_str();
   load->add_option("--clients", l->clients, "Concurrent clients")->capture_default_str();
   load->add_option("--requests", l->requests, "Requests in total")->capture_default_str();

@@ -1,0 +1,73 @@
+#pragma once
+// Pieces both `bench moe` runs share: event timing, the machine's measured ceilings, routing logits drawn
+// from a load row, EP balancedness of a map, the Qwen3 MoE shapes, and the JSON document's common fields.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <nlohmann/json.hpp>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "bench_moe/moe_bench.hpp"
+
+namespace fulcrum::bench_moe {
+
+struct ModelShape {
+  std::string name;
+  int hidden = 0;
+  int intermediate = 0;
+};
+constexpr int kExperts = 128;
+constexpr int kTopK = 8;
+ModelShape model_shape(const std::string& name);  // qwen3-30b-a3b or qwen3-235b-a22b
+
+double median(std::vector<double> v);
+
+// Median of `reps` event-timed runs of fn on `stream` (ms), after `warmup` untimed runs.
+template <typename Fn>
+double median_ms(cudaStream_t stream, int warmup, int reps, Fn&& fn) {
+  cudaEvent_t start, stop;
+  FULCRUM_CUDA_CHECK(cudaEventCreate(&start));
+  FULCRUM_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int r = 0; r < warmup; ++r) fn();
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    FULCRUM_CUDA_CHECK(cudaEventRecord(start, stream));
+    fn();
+    FULCRUM_CUDA_CHECK(cudaEventRecord(stop, stream));
+    FULCRUM_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    FULCRUM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return median(std::move(times));
+}
+
+// Ceilings measured on this GPU: {bf16 GEMM FLOP/s (8192^3, fp32 accumulate), copy bytes/s (read + write)}.
+std::pair<double, double> measure_ceilings(cudaStream_t stream);
+
+// Logits [T, E] whose top-k is each token's drawn expert set (inclusion probabilities proportional to
+// `loads`, systematic sampling without replacement as eplb::TokenSampler): drawn 4 + U(0,1), others U(-1,1).
+std::vector<float> logits_for(const std::vector<double>& loads, int64_t tokens, int top_k, uint64_t seed);
+
+// EP balancedness (mean / max rank load) of `loads` under `map` over `ep` ranks, replicas sharing their
+// expert's load equally (what the planners assume).
+double balancedness(const std::vector<double>& loads, const std::vector<int32_t>& map, int ep);
+
+// The load row the benchmark routes by: --loads-layer, or the layer least balanced over `ep` ranks under
+// the trivial placement. Returns {layer index, loads}.
+std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, int ep);
+
+// The fulcrum planner's map of E + redundant slots over `ep` ranks for `loads`.
+std::vector<int32_t> plan_map(const std::vector<double>& loads, int num_slots, int ep);
+
+// Machine and run fields of the result document; write_json writes it atomically (no half-written file).
+nlohmann::json machine_json(int device);
+void write_json(const MoeBenchOptions& opt, nlohmann::json doc);
+
+}  // namespace fulcrum::bench_moe

@@ -1,0 +1,166 @@
+// `fulcrum bench moe --gpus W`, live migration part. The layer's slots live in a backend::GpuSlotPool and
+// move with comm::NcclSlotPoolMigration on a communicator of their own (received into free buffers on the
+// migration's streams, committed by remapping pointers). The placement change: the EPLB placement and the
+// same placement with every GPU's slot range shifted by one GPU (slot s takes the expert of slot s + P/W),
+// which moves nearly every slot across GPUs while leaving the balance, hence the forward time, unchanged.
+// Figures, at one batch (the largest --tokens <= 4096 per rank):
+//   raw P2P     one ncclSend/ncclRecv per peer pair of the bytes the migration moves between them (both
+//               directions busy, as in the migration), on the migration communicator
+//   migration   begin_layer -> commit (the whole migration of the layer, host clock) on every rank
+//   inflation   a pass = --layers-per-pass forwards of the layer; passes with a migration begun at the
+//               pass's start and committed at its end alternate with passes without; median of --passes each
+#include <fmt/format.h>
+
+#include "backend/cuda/gpu_slot_pool.hpp"
+#include "backend/cuda/moe_kernels.hpp"
+#include "bench_moe/ep_bench.hpp"
+#include "comm/nccl_slot_pool_migration.hpp"
+#include "eplb/migration_plan.hpp"
+#include "eplb/placement.hpp"
+
+namespace fulcrum::bench_moe {
+
+using backend::DeviceBuffer;
+using nlohmann::json;
+
+namespace {
+
+// Bytes each ordered (source GPU, destination GPU) pair moves for from -> to, [W][W].
+std::vector<int64_t> pair_bytes(const std::vector<int32_t>& from, const std::vector<int32_t>& to, int world,
+                                int64_t slot_bytes) {
+  const eplb::Topology topo{static_cast<int>(from.size()), world, 1};
+  eplb::Placement a(topo, 1, kExperts), b(topo, 1, kExperts);
+  std::copy(from.begin(), from.end(), a.layer(0).begin());
+  std::copy(to.begin(), to.end(), b.layer(0).begin());
+  std::vector<int64_t> bytes(static_cast<size_t>(world * world), 0);
+  for (const auto& t : eplb::plan_migration(a, b).transfers) {
+    const int src = topo.gpu_of_slot(t.src_slot), dst = topo.gpu_of_slot(t.dst_slot);
+    if (src != dst) bytes[static_cast<size_t>(src * world + dst)] += slot_bytes;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::NcclCommunicator& migration,
+                         const ModelShape& m, const std::vector<double>& loads, int loads_layer) {
+  const int world = ep.size(), rank = ep.rank();
+  int64_t tokens = *std::min_element(opt.tokens.begin(), opt.tokens.end());
+  for (const int64_t t : opt.tokens) {
+    if (t <= 4096) tokens = std::max(tokens, t);
+  }
+  const int p = kExperts + opt.redundant, local = p / world;
+  const std::vector<int32_t> map_a = plan_map(loads, p, world);
+  std::vector<int32_t> map_b(map_a.size());
+  for (int s = 0; s < p; ++s) map_b[static_cast<size_t>(s)] = map_a[static_cast<size_t>((s + local) % p)];
+
+  backend::SlotPoolShape pool_shape;
+  pool_shape.num_layers = 1;
+  pool_shape.slots_per_layer = local;
+  pool_shape.hidden_size = m.hidden;
+  pool_shape.moe_intermediate_size = m.intermediate;
+  backend::GpuSlotPool pool(pool_shape, 0);
+  pool.fill_layer(0, std::span<const int32_t>(map_a).subspan(static_cast<size_t>(rank * local), static_cast<size_t>(local)), 5);
+  backend::MoeLayerShape shape{m.hidden, m.intermediate, kExperts, kTopK, true, p, tokens};
+  comm::NcclEpMoeLayer layer(shape, ep, 0);
+  comm::NcclSlotPoolMigration mover(pool, migration, eplb::Topology{p, world, 1});
+  const std::vector<int32_t>* live = &map_a;
+  const auto use_live = [&] {
+    layer.layer().set_slot_weights(pool.gate_up_ptrs(0), pool.down_ptrs(0));
+    layer.set_replica_choice(ep_replica_choice(eplb::DispatchAlgorithm::kStatic, *live, world));
+  };
+  use_live();
+  const auto begin_next = [&] {
+    const std::vector<int32_t>* next = live == &map_a ? &map_b : &map_a;
+    mover.begin_layer(0, *live, *next);
+    live = next;
+  };
+  const auto commit = [&] {
+    mover.commit(layer.stream());
+    use_live();
+  };
+
+  DeviceBuffer x(size_t(2) * tokens * m.hidden), out(sizeof(float) * tokens * m.hidden);
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), tokens * m.hidden, 9 + rank, 1.0f, layer.stream()));
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(layer.stream()));
+  const EpRoutingInput input(loads, tokens, rank, 4242);
+  const auto forward = [&] { layer.forward_from_logits(x.as<uint16_t>(), input.logits.as<float>(), tokens, out.as<float>()); };
+
+  // Raw P2P of the same bytes per peer pair (the a -> b and b -> a moves mirror each other in count).
+  const int64_t slot_bytes = pool.slot_bytes();
+  const std::vector<int64_t> ab = pair_bytes(map_a, map_b, world, slot_bytes);
+  int64_t max_send = 0, max_recv = 0, my_sent = 0, my_received = 0;
+  for (int peer = 0; peer < world; ++peer) {
+    my_sent += ab[static_cast<size_t>(rank * world + peer)];
+    my_received += ab[static_cast<size_t>(peer * world + rank)];
+  }
+  for (int g = 0; g < world; ++g) {
+    int64_t s = 0, r = 0;
+    for (int peer = 0; peer < world; ++peer) s += ab[static_cast<size_t>(g * world + peer)], r += ab[static_cast<size_t>(peer * world + g)];
+    max_send = std::max(max_send, s), max_recv = std::max(max_recv, r);
+  }
+  DeviceBuffer send_buf(static_cast<size_t>(std::max<int64_t>(my_sent, 1))), recv_buf(static_cast<size_t>(std::max<int64_t>(my_received, 1)));
+  std::vector<comm::NcclCommunicator::DeviceSend> sends;
+  std::vector<comm::NcclCommunicator::DeviceRecv> recvs;
+  int64_t send_off = 0, recv_off = 0;
+  for (int peer = 0; peer < world; ++peer) {
+    const int64_t out_bytes = ab[static_cast<size_t>(rank * world + peer)], in_bytes = ab[static_cast<size_t>(peer * world + rank)];
+    if (out_bytes > 0) sends.push_back({send_buf.as<std::byte>() + send_off, out_bytes, peer}), send_off += out_bytes;
+    if (in_bytes > 0) recvs.push_back({recv_buf.as<std::byte>() + recv_off, in_bytes, peer}), recv_off += in_bytes;
+  }
+  std::vector<double> raw, moved;
+  for (int r = 0; r < opt.warmup + opt.reps; ++r) {
+    migration.barrier();
+    double start = now_ms();
+    migration.exchange_device(sends, recvs);
+    if (r >= opt.warmup) raw.push_back(now_ms() - start);
+    migration.barrier();
+    start = now_ms();
+    begin_next();
+    commit();
+    if (r >= opt.warmup) moved.push_back(now_ms() - start);
+  }
+  const double raw_ms = slowest_rank(ep, median(raw)), moved_ms = slowest_rank(ep, median(moved));
+  const double bytes = static_cast<double>(std::max(max_send, max_recv));  // the busiest GPU's direction
+
+  // Forward passes with and without a migration in flight, alternating.
+  std::vector<double> plain, during;
+  int not_ready_at_end = 0;
+  for (int w = 0; w < opt.warmup; ++w) forward();
+  for (int pass = 0; pass < 2 * opt.passes; ++pass) {
+    const bool migrating = pass % 2 == 1;
+    ep.barrier();
+    migration.barrier();
+    const double start = now_ms();
+    if (migrating) begin_next();
+    for (int l = 0; l < opt.layers_per_pass; ++l) forward();
+    if (migrating) {
+      not_ready_at_end += mover.ready() ? 0 : 1;
+      commit();
+    }
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(layer.stream()));
+    (migrating ? during : plain).push_back(now_ms() - start);
+  }
+  const double plain_ms = slowest_rank(ep, median(plain)), during_ms = slowest_rank(ep, median(during));
+  const json r{{"model", m.name}, {"tokens_per_rank", tokens}, {"num_slots", p}, {"loads_layer", loads_layer},
+               {"slot_bytes", slot_bytes}, {"busiest_gpu_bytes_per_direction", bytes},
+               {"raw_p2p_ms", raw_ms}, {"raw_p2p_gb_per_s", bytes / (raw_ms * 1e-3) / 1e9},
+               {"migration_ms", moved_ms}, {"migration_gb_per_s", bytes / (moved_ms * 1e-3) / 1e9},
+               {"migration_fraction_of_p2p", raw_ms / moved_ms},
+               {"layers_per_pass", opt.layers_per_pass}, {"passes_each", opt.passes},
+               {"pass_ms_without_migration", plain_ms}, {"pass_ms_with_migration", during_ms},
+               {"forward_inflation_fraction", during_ms / plain_ms - 1},
+               {"rank0_passes_where_migration_outlasted_the_pass", not_ready_at_end},
+               {"rank0_nccl_ops_total", mover.stats().num_nccl_ops}};
+  if (rank == 0) {
+    fmt::print("{:16} migration T/rank={} P={}: {:.1f} MiB per direction (busiest GPU): raw P2P {:.3f} ms ({:.1f} GB/s), "
+               "migration {:.3f} ms ({:.1f} GB/s, {:.1f}% of P2P) | pass of {} layers {:.3f} ms, with a migration in flight "
+               "{:.3f} ms ({:+.2f}%), migration outlasted {} of {} passes\n",
+               m.name, tokens, p, bytes / (1 << 20), raw_ms, r["raw_p2p_gb_per_s"].get<double>(), moved_ms,
+               r["migration_gb_per_s"].get<double>(), 100 * raw_ms / moved_ms, opt.layers_per_pass, plain_ms, during_ms,
+               100 * (during_ms / plain_ms - 1), not_ready_at_end, opt.passes);
+  }
+  return r;
+}
+
+}  // namespace fulcrum::bench_moe

@@ -1,0 +1,52 @@
+#pragma once
+// `fulcrum bench moe`: the bf16 GPU MoE layer (src/backend/cuda/moe_layer.hpp) at the Qwen3-30B-A3B and
+// Qwen3-235B-A22B MoE shapes with random weights, routing drawn from one layer of a real load matrix or
+// uniform. One GPU: every slot on the GPU, EP ranks simulated (single_gpu_bench.cpp). Several GPUs: one
+// process per GPU, real expert parallelism over NCCL, plus live migration against raw NCCL P2P and the
+// forward-pass inflation while a migration is in flight (ep_bench.cpp). Results print as lines and go to a
+// JSON file (command, machine, git commit, figures). This header needs no CUDA (the CLI parses the flags of
+// a build without CUDA too, and says why it cannot run).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fulcrum::comm {
+class NcclCommunicator;
+}
+namespace fulcrum::engine {
+struct LaunchedRank;
+}
+
+namespace fulcrum::bench_moe {
+
+struct MoeBenchOptions {
+  std::vector<std::string> models{"qwen3-30b-a3b", "qwen3-235b-a22b"};
+  std::vector<int64_t> tokens{256, 1024, 4096, 16384};  // per forward (several GPUs: per rank)
+  int reps = 20;
+  int warmup = 3;
+  int gpus = 1;
+  int ep = 8;              // one GPU: simulated EP ranks (several GPUs: the GPUs)
+  int redundant = 8;       // EPLB redundant slots
+  int loads_layer = -1;    // -1: the layer least balanced over the EP ranks
+  int passes = 20;         // several GPUs: forward passes per inflation figure
+  int layers_per_pass = 48;  // several GPUs: MoE layer forwards per pass (Qwen3-30B-A3B has 48)
+  std::string loads;
+  std::string json_path;
+  std::string git_commit = "unknown";
+  std::string command;
+};
+
+// Checks the options (one-line errors): known models, positive sizes, a readable load matrix of 128 experts.
+void validate(const MoeBenchOptions& opt);
+
+// One GPU (device 0 of this process).
+void run_single_gpu(const MoeBenchOptions& opt);
+
+// One rank of a several-GPU run: `ep` carries the forward pass's collectives, `migration` (the same ranks)
+// the slot migration. Rank 0 prints and writes the JSON.
+void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::NcclCommunicator& migration);
+// A rank process the launcher started (engine::launch_rank_processes): joins the world, makes both
+// communicators and runs run_ep_rank.
+void run_as_rank(const MoeBenchOptions& opt, const engine::LaunchedRank& me);
+
+}  // namespace fulcrum::bench_moe

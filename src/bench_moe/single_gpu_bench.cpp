@@ -1,0 +1,181 @@
+// `fulcrum bench moe` on one GPU: every physical slot of the layer on this GPU. Per model and batch it times
+// (CUDA events, warm-up, median of --reps):
+//   layer      forward_from_logits (router kernel, permutation with its one host sync, expert GEMMs,
+//              combine) with the recorder on and off, the two interleaved rep by rep; the router GEMM
+//              [T, H] x [H, E] is timed on its own (it does not depend on routing)
+//   router     the router kernel alone, recorder on and off
+//   experts    the expert stage (gate_up GEMM, SwiGLU, down GEMM) over all slots, cuBLAS grouped,
+//              per-slot and auto (the layer's default), with FLOPs and minimum bytes against the ceilings
+//              measured at start
+//   EP ranks   the expert stage over each simulated EP rank's slot subset (--ep ranks, P/ep contiguous
+//              slots each), one at a time on this GPU; max and mean over ranks
+// Routing scenarios: uniform (every token's top-k uniform without replacement), loads without EPLB
+// (trivial placement of P = E slots), loads with EPLB (the fulcrum planner's placement of E + --redundant
+// slots over --ep ranks; static, dynamic and balanced replica choice from each token's simulated source rank).
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "backend/cuda/moe_kernels.hpp"
+#include "backend/cuda/moe_layer.hpp"
+#include "bench_moe/bench_util.hpp"
+#include "eplb/dispatch.hpp"
+#include "model/moe_reference.hpp"
+
+namespace fulcrum::bench_moe {
+namespace {
+
+using backend::DeviceBuffer;
+using backend::GpuMoeLayer;
+using nlohmann::json;
+
+struct Scenario {
+  std::string name;
+  GpuMoeLayer* layer;
+  std::vector<int32_t> map;
+  const std::vector<double>* loads;
+  eplb::DispatchAlgorithm dispatch;
+};
+
+json run_scenario(const Scenario& sc, int64_t tokens, const MoeBenchOptions& opt, const DeviceBuffer& x, DeviceBuffer& out,
+                  unsigned long long* histogram, double peak_flops, double peak_bytes) {
+  GpuMoeLayer& layer = *sc.layer;
+  const auto& shape = layer.shape();
+  const cudaStream_t stream = layer.stream();
+  std::vector<uint64_t> streams;
+  for (int r = 0; r < opt.ep; ++r) streams.push_back(1000 + r);
+  const eplb::Topology topo{shape.num_slots, opt.ep, 1};
+  const int64_t per_source = (tokens + opt.ep - 1) / opt.ep;
+  layer.set_replica_choice(model::moe::make_replica_choice(sc.dispatch, sc.map, shape.num_experts, topo, per_source,
+                                                           sc.dispatch == eplb::DispatchAlgorithm::kDynamic ? streams
+                                                                                                            : std::vector<uint64_t>{}));
+  const std::vector<float> host_logits = logits_for(*sc.loads, tokens, shape.num_experts_per_tok, 77 + tokens);
+  DeviceBuffer logits(sizeof(float) * host_logits.size());
+  FULCRUM_CUDA_CHECK(cudaMemcpy(logits.as<float>(), host_logits.data(), sizeof(float) * host_logits.size(), cudaMemcpyHostToDevice));
+  const uint16_t* xp = x.as<uint16_t>();
+  const float* lp = logits.as<float>();
+
+  // Layer with the recorder on and off, interleaved so clock drift hits both alike.
+  std::vector<double> on, off;
+  for (int r = 0; r < opt.warmup + opt.reps; ++r) {
+    for (const bool record : {true, false}) {
+      layer.set_recorder(record ? histogram : nullptr);
+      const double ms = median_ms(stream, 0, 1, [&] { layer.forward_from_logits(xp, lp, tokens, out.as<float>()); });
+      if (r >= opt.warmup) (record ? on : off).push_back(ms);
+    }
+  }
+  const double layer_on = median(on), layer_off = median(off);
+  layer.set_recorder(histogram);
+  const double route_on = median_ms(stream, opt.warmup, opt.reps, [&] { layer.route(lp, tokens); });
+  layer.set_recorder(nullptr);
+  const double route_off = median_ms(stream, opt.warmup, opt.reps, [&] { layer.route(lp, tokens); });
+  layer.route(lp, tokens);
+  layer.permute(xp, tokens);
+  const int p = shape.num_slots;
+  json gemm;
+  const auto variant_name = [](backend::ExpertGemm v) {
+    return v == backend::ExpertGemm::kGrouped ? "grouped" : v == backend::ExpertGemm::kPerSlot ? "per_slot" : "auto";
+  };
+  for (const auto variant : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot, backend::ExpertGemm::kAuto}) {
+    layer.set_expert_gemm(variant);
+    const double ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, p); });
+    const double flops = layer.expert_flops(0, p), bytes = layer.expert_min_bytes(0, p);
+    const double floor_ms = std::max(flops / peak_flops, bytes / peak_bytes) * 1e3;
+    gemm[variant_name(variant)] = {
+        {"ms", ms}, {"tflops", flops / (ms * 1e-3) / 1e12}, {"gbytes_per_s_min_bytes", bytes / (ms * 1e-3) / 1e9},
+        {"bound", flops / peak_flops > bytes / peak_bytes ? "tensor-core" : "HBM"}, {"roofline_fraction", floor_ms / ms}};
+  }
+  layer.set_expert_gemm(backend::ExpertGemm::kAuto);  // as the layer runs
+  std::vector<double> rank_ms;
+  std::vector<int64_t> rank_tokens;
+  for (int r = 0; r < opt.ep; ++r) {
+    const int b = r * p / opt.ep, e = (r + 1) * p / opt.ep;
+    rank_ms.push_back(median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(b, e); }));
+    int64_t rows = 0;
+    for (int s = b; s < e; ++s) rows += layer.slot_counts()[s];
+    rank_tokens.push_back(rows);
+  }
+  const double rank_max = *std::max_element(rank_ms.begin(), rank_ms.end());
+  const double rank_mean = std::accumulate(rank_ms.begin(), rank_ms.end(), 0.0) / opt.ep;
+  const double tok_max = double(*std::max_element(rank_tokens.begin(), rank_tokens.end()));
+  const double tok_mean = std::accumulate(rank_tokens.begin(), rank_tokens.end(), 0.0) / opt.ep;
+  return {{"scenario", sc.name}, {"num_slots", p}, {"dispatch", std::string(eplb::to_string(sc.dispatch))},
+          {"tokens", tokens}, {"layer_ms_recorder_on", layer_on}, {"layer_ms_recorder_off", layer_off},
+          {"tokens_per_s", tokens / (layer_on * 1e-3)}, {"recorder_overhead_fraction", (layer_on - layer_off) / layer_off},
+          {"router_kernel_ms_recorder_on", route_on}, {"router_kernel_ms_recorder_off", route_off},
+          {"expert_gemm", gemm}, {"ep_rank_expert_ms", rank_ms}, {"ep_rank_rows", rank_tokens},
+          {"ep_max_rank_expert_ms", rank_max}, {"ep_time_balancedness", rank_mean / rank_max},
+          {"ep_token_balancedness", tok_mean / tok_max}};
+}
+
+}  // namespace
+
+void run_single_gpu(const MoeBenchOptions& opt) {
+  validate(opt);
+  const int device = 0;
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device));
+  const auto [layer_idx, real] = pick_load_layer(opt, opt.ep);
+  std::vector<int32_t> trivial(kExperts);
+  std::iota(trivial.begin(), trivial.end(), 0);
+  const std::vector<double> uniform(kExperts, 1.0);
+  const int p_eplb = kExperts + opt.redundant;
+  const std::vector<int32_t> eplb_map = plan_map(real, p_eplb, opt.ep);
+
+  cudaStream_t stream;
+  FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const auto [peak_flops, peak_bytes] = measure_ceilings(stream);
+  const json machine = machine_json(device);
+  fmt::print("{}: measured ceilings {:.0f} TFLOP/s bf16 GEMM, {:.2f} TB/s copy\n", machine["gpu"].get<std::string>(),
+             peak_flops / 1e12, peak_bytes / 1e12);
+  fmt::print("loads {} layer {}: EP{} balancedness trivial {:.3f}, EPLB ({} slots) {:.3f}\n", opt.loads, layer_idx,
+             opt.ep, balancedness(real, trivial, opt.ep), p_eplb, balancedness(real, eplb_map, opt.ep));
+
+  json results = json::array();
+  const int64_t max_tokens = *std::max_element(opt.tokens.begin(), opt.tokens.end());
+  for (const std::string& model_name : opt.models) {
+    const ModelShape m = model_shape(model_name);
+    backend::MoeLayerShape shape{m.hidden, m.intermediate, kExperts, kTopK, true, kExperts, max_tokens};
+    GpuMoeLayer plain(shape);
+    shape.num_slots = p_eplb;
+    GpuMoeLayer balanced(shape);
+    plain.randomize_weights(5);
+    balanced.randomize_weights(5);
+    DeviceBuffer x(size_t(2) * max_tokens * m.hidden), out(sizeof(float) * max_tokens * m.hidden);
+    DeviceBuffer histogram(sizeof(unsigned long long) * kExperts);
+    FULCRUM_CUDA_CHECK(cudaMemset(histogram.as<void>(), 0, histogram.bytes()));
+    FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), max_tokens * m.hidden, 9, 1.0f, stream));
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<Scenario> scenarios{
+        {"uniform", &plain, trivial, &uniform, eplb::DispatchAlgorithm::kStatic},
+        {"loads_no_eplb", &plain, trivial, &real, eplb::DispatchAlgorithm::kStatic},
+        {"loads_eplb_static", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kStatic},
+        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic},
+        {"loads_eplb_balanced", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kBalanced}};
+    for (const int64_t tokens : opt.tokens) {
+      const double router_gemm_ms = median_ms(plain.stream(), opt.warmup, opt.reps, [&] { plain.router_logits(x.as<uint16_t>(), tokens); });
+      for (const Scenario& sc : scenarios) {
+        json r = run_scenario(sc, tokens, opt, x, out, histogram.as<unsigned long long>(), peak_flops, peak_bytes);
+        r["model"] = m.name;
+        r["router_gemm_ms"] = router_gemm_ms;
+        const json& g = r["expert_gemm"];
+        fmt::print("{:16} T={:6} {:19} P={:3} layer {:8.3f} ms ({:9.0f} tok/s) rec-off {:8.3f} ms ({:+.2f}%) | router "
+                   "{:.3f}/{:.3f} ms | experts grouped {:.3f} / per-slot {:.3f} / auto {:.3f} ms, auto {:.2f} of {} roofline | EP{} max "
+                   "rank {:.3f} ms, time bal {:.3f}, token bal {:.3f}\n",
+                   m.name, tokens, sc.name, sc.map.size(), r["layer_ms_recorder_on"].get<double>(),
+                   r["tokens_per_s"].get<double>(), r["layer_ms_recorder_off"].get<double>(),
+                   100 * r["recorder_overhead_fraction"].get<double>(), r["router_kernel_ms_recorder_on"].get<double>(),
+                   r["router_kernel_ms_recorder_off"].get<double>(), g["grouped"]["ms"].get<double>(),
+                   g["per_slot"]["ms"].get<double>(), g["auto"]["ms"].get<double>(),
+                   g["auto"]["roofline_fraction"].get<double>(), g["auto"]["bound"].get<std::string>(), opt.ep, r["ep_max_rank_expert_ms"].get<double>(),
+                   r["ep_time_balancedness"].get<double>(), r["ep_token_balancedness"].get<double>());
+        results.push_back(r);
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+  write_json(opt, {{"mode", "single_gpu"}, {"machine", machine},
+                   {"measured_ceilings", {{"bf16_gemm_tflops", peak_flops / 1e12}, {"copy_tb_per_s", peak_bytes / 1e12}}},
+                   {"loads_layer", layer_idx}, {"ep_ranks", opt.ep}, {"eplb_slots", p_eplb}, {"results", results}});
+}
+
+}  // namespace fulcrum::bench_moe
