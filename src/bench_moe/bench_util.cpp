@@ -17,31 +17,6 @@ namespace fulcrum::bench_moe {
 
 using backend::DeviceBuffer;
 
-ModelShape model_shape(const std::string& name) {
-  if (name == "qwen3-30b-a3b") return {name, 2048, 768};
-  if (name == "qwen3-235b-a22b") return {name, 4096, 1536};
-  throw Error(fmt::format("unknown model '{}' (known: qwen3-30b-a3b, qwen3-235b-a22b)", name));
-}
-
-void validate(const MoeBenchOptions& opt) {
-  FULCRUM_CHECK(!opt.models.empty(), "--models: name at least one model");
-  for (const auto& m : opt.models) model_shape(m);
-  FULCRUM_CHECK(!opt.tokens.empty(), "--tokens: give at least one batch size");
-  for (const int64_t t : opt.tokens) FULCRUM_CHECK(t > 0 && t <= (int64_t{1} << 20), "--tokens {}: must be in [1, 1048576]", t);
-  FULCRUM_CHECK(opt.reps > 0 && opt.warmup >= 0, "--reps must be positive and --warmup >= 0");
-  FULCRUM_CHECK(opt.gpus >= 1, "--gpus must be at least 1, got {}", opt.gpus);
-  FULCRUM_CHECK(opt.ep >= 1 && kExperts % opt.ep == 0 && (kExperts + opt.redundant) % opt.ep == 0,
-                "--ep {} with --redundant {}: the EP ranks must divide both 128 experts and 128 + redundant slots",
-                opt.ep, opt.redundant);
-  FULCRUM_CHECK(opt.passes > 0 && opt.layers_per_pass > 0, "--passes and --layers-per-pass must be positive");
-  FULCRUM_CHECK(!opt.loads.empty(), "--loads: a load matrix CSV is required (../shared/data/loads/*.csv)");
-  const eplb::LoadMatrix loads = eplb::read_loads_file(opt.loads);
-  FULCRUM_CHECK(loads.num_logical_experts == kExperts, "{}: {} experts, the Qwen3 shapes have 128", opt.loads,
-                loads.num_logical_experts);
-  FULCRUM_CHECK(opt.loads_layer < loads.num_layers, "--loads-layer {} but {} has {} layers", opt.loads_layer, opt.loads,
-                loads.num_layers);
-}
-
 double median(std::vector<double> v) {
   FULCRUM_CHECK(!v.empty(), "median of no values");
   std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -120,6 +95,13 @@ std::vector<int32_t> plan_map(const std::vector<double>& loads, int num_slots, i
   std::vector<int32_t> map(static_cast<size_t>(num_slots));
   eplb::make_planner("fulcrum")->plan_layer(loads, plan, {}, map);
   return map;
+}
+
+void check_visible_gpus(int gpus) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  FULCRUM_CHECK(status == cudaSuccess, "bench moe: no usable CUDA device ({})", cudaGetErrorString(status));
+  FULCRUM_CHECK(count >= gpus, "bench moe --gpus {}: this machine shows {} CUDA device(s)", gpus, count);
 }
 
 nlohmann::json machine_json(int device) {

@@ -15,14 +15,8 @@
 
 namespace fulcrum::bench_moe {
 
-struct ModelShape {
-  std::string name;
-  int hidden = 0;
-  int intermediate = 0;
-};
-constexpr int kExperts = 128;
+constexpr int kExperts = kMoeBenchExperts;
 constexpr int kTopK = 8;
-ModelShape model_shape(const std::string& name);  // qwen3-30b-a3b or qwen3-235b-a22b
 
 double median(std::vector<double> v);
 

@@ -116,7 +116,6 @@ json run_ep_scenario(const EpScenario& sc, int64_t tokens, const MoeBenchOptions
 }  // namespace
 
 void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::NcclCommunicator& migration) {
-  validate(opt);
   const int world = ep.size(), rank = ep.rank();
   const bool printer = rank == 0;
   const auto [layer_idx, real] = pick_load_layer(opt, world);

@@ -36,8 +36,21 @@ struct MoeBenchOptions {
   std::string command;
 };
 
-// Checks the options (one-line errors): known models, positive sizes, a readable load matrix of 128 experts.
+constexpr int kMoeBenchExperts = 128;  // both Qwen3 MoE shapes
+
+struct ModelShape {
+  std::string name;
+  int hidden = 0;
+  int intermediate = 0;
+};
+ModelShape model_shape(const std::string& name);  // qwen3-30b-a3b or qwen3-235b-a22b; else a one-line error
+
+// Checks the options (one-line errors): known models, positive sizes, a readable load matrix of 128
+// experts. The run functions below take validated options (the CLI validates first).
 void validate(const MoeBenchOptions& opt);
+
+// One-line error when this machine shows fewer than `gpus` CUDA devices (or none works).
+void check_visible_gpus(int gpus);
 
 // One GPU (device 0 of this process).
 void run_single_gpu(const MoeBenchOptions& opt);

@@ -111,7 +111,6 @@ json run_scenario(const Scenario& sc, int64_t tokens, const MoeBenchOptions& opt
 }  // namespace
 
 void run_single_gpu(const MoeBenchOptions& opt) {
-  validate(opt);
   const int device = 0;
   FULCRUM_CUDA_CHECK(cudaSetDevice(device));
   const auto [layer_idx, real] = pick_load_layer(opt, opt.ep);

@@ -12,11 +12,14 @@ namespace fulcrum::cli {
 namespace {
 
 void run_bench_moe(const bench_moe::MoeBenchOptions& opt) {
-#ifdef FULCRUM_WITH_CUDA
   bench_moe::validate(opt);
-  if (opt.gpus == 1) return bench_moe::run_single_gpu(opt);
+#ifdef FULCRUM_WITH_CUDA
 #ifdef FULCRUM_WITH_NCCL
   if (const auto me = engine::launched_rank()) return bench_moe::run_as_rank(opt, *me);
+#endif
+  bench_moe::check_visible_gpus(opt.gpus);
+  if (opt.gpus == 1) return bench_moe::run_single_gpu(opt);
+#ifdef FULCRUM_WITH_NCCL
   engine::launch_rank_processes(engine::DistFlags{}, opt.gpus, "cuda");  // each rank process runs this command again
 #else
   throw Error("bench moe --gpus > 1 needs a build with NCCL (FULCRUM_ENABLE_CUDA and NCCL found)");
