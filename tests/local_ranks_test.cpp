@@ -14,7 +14,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-#define FULCRUM_LOCAL_RANK_ONLY(me)            \
+#define FULCRUM_LOCAL_RANK_ONLY(me)                 \
   const std::optional<LocalRank> me = local_rank(); \
   if (!me) GTEST_SKIP() << "runs as a rank process of LocalRanks.*"
 
@@ -33,6 +33,7 @@ TEST(LocalRankChild, GathersEveryRank) {
   for (int r = 0; r < me->size; ++r) EXPECT_EQ(all[r], r);
 }
 
+// Rank 1's gtest failure report in the log is this test's expected outcome.
 TEST(LocalRankChild, FailsOnRank1) {
   FULCRUM_LOCAL_RANK_ONLY(me);
   EXPECT_NE(me->rank, 1);
