@@ -1,7 +1,7 @@
 // Rank processes over TCP on loopback: the rendezvous (address table, one-line errors for an unreachable
-// address, mismatched world sizes, missing ranks, a peer that dies) and the TCP communicator against the same
-// checks as the in-process one. Ranks are threads here (each with its own mesh, as a process would have),
-// except where a rank must die: that one is a forked process.
+// address, mismatched world sizes, missing ranks, a peer that dies, dead-peer detection on every socket) and
+// the TCP communicator against the same checks as the in-process one. Ranks are threads here (each with its
+// own mesh, as a process would have), except where a rank must die: that one is a forked process.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -108,6 +108,29 @@ TEST(Rendezvous, BadAddressesAreRejected) {
   EXPECT_THROW(parse_host_port("host:99999", "--dist-init-addr"), Error);
   EXPECT_THROW(parse_host_port(":80", "--dist-init-addr"), Error);
   EXPECT_EQ(parse_host_port("10.0.0.2:5000", "--dist-init-addr").port, 5000);
+}
+
+// The rendezvous and the mesh connect through accept_tcp / connect_tcp, which set the options.
+TEST(TcpSocket, ConnectionsDetectDeadPeers) {
+  const Socket listener = listen_tcp(0, "test listener");
+  const auto deadline = Clock::now() + 5s;
+  const Socket client = connect_tcp({"127.0.0.1", local_port(listener)}, deadline, "test client");
+  const Socket server = accept_tcp(listener, deadline, "test server");
+  EXPECT_EQ(dead_peer_detection(client), kDeadPeerDetection);
+  EXPECT_EQ(dead_peer_detection(server), kDeadPeerDetection);
+  EXPECT_NE(dead_peer_detection(listener), kDeadPeerDetection);  // the kernel's defaults differ
+}
+
+TEST(PeerMesh, EverySocketDetectsDeadPeers) {
+  const int n = 3;
+  const auto errors = run_ranks(n, [n](int rank, const DistInit& init) {
+    auto mesh = PeerMesh::connect(init);
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer == rank) continue;
+      EXPECT_EQ(dead_peer_detection(mesh->peer_socket(peer)), kDeadPeerDetection) << rank << "->" << peer;
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
 TEST(PeerMesh, APeerThatDiesIsReportedNotWaitedFor) {

@@ -1,24 +1,16 @@
-// NCCL communicator on 2 GPUs, its ranks as processes (this binary re-executed with one NcclRank.* test and
-// FULCRUM_NCCL_TEST="rank size port"): every collective against its definition and bitwise against the
-// in-process communicator, a peer that dies aborts the survivor instead of hanging it, and a bandwidth
-// report of the device-pointer path (no threshold: figures only). Then `fulcrum generate --device cuda
-// --tp 2 --ep 2` on 2 GPUs, as one command and as 2 nodes x 1 GPU, prints the CPU one-rank tokens.
+// NCCL communicator on 2 GPUs, its ranks as processes (this binary re-executed with one NcclRank.* test,
+// nccl_rank_util.hpp): every collective against its definition and bitwise against the in-process
+// communicator, and a peer that dies aborts the survivor instead of hanging it (the device-pointer path's
+// bandwidth: fulcrum_nccl_bench). Then `fulcrum generate --device cuda --tp 2 --ep 2` on 2 GPUs, as
+// one command and as 2 nodes x 1 GPU, prints the CPU one-rank tokens.
 #include <gtest/gtest.h>
 
-#include <cuda_runtime.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <optional>
-#include <sstream>
-#include <thread>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/cuda_check.hpp"
 #include "comm/in_process_communicator.hpp"
 #include "comm/nccl_communicator.hpp"
 #include "communicator_checks.hpp"
@@ -33,7 +25,7 @@ using namespace std::chrono_literals;
 
 TEST(NcclRank, Collectives) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   check_collectives(env->rank, env->size, *world);
   // Bitwise the in-process communicator's results on the same inputs (each rank runs that reference itself).
   std::vector<std::vector<std::byte>> expected;
@@ -63,7 +55,7 @@ TEST(NcclRank, Collectives) {
 
 TEST(NcclRank, APeerThatDiesAbortsTheSurvivor) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   world->barrier();
   if (env->rank == 1) ::_exit(3);  // dies without a goodbye, while rank 0 is in an all_reduce
   std::vector<float> x(1 << 20, 1.0f);
@@ -81,49 +73,6 @@ TEST(NcclRank, APeerThatDiesAbortsTheSurvivor) {
   ::_exit(::testing::Test::HasFailure() ? 1 : 0);  // the aborted communicator is not torn down again
 }
 
-// Figures only (no threshold): the device-pointer all_to_all_v between the 2 GPUs, one direction (NCCL
-// P2P send/recv) and both directions at once.
-TEST(NcclRank, Bandwidth) {
-  FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
-  const int peer = 1 - env->rank;
-  for (const int64_t bytes : {int64_t{1} << 20, int64_t{16} << 20, int64_t{256} << 20}) {
-    std::byte* send = nullptr;
-    std::byte* recv = nullptr;
-    FULCRUM_CUDA_CHECK(cudaMalloc(&send, bytes));
-    FULCRUM_CUDA_CHECK(cudaMalloc(&recv, bytes));
-    for (const bool both : {false, true}) {
-      std::vector<int64_t> send_counts(2, 0), recv_counts(2, 0);
-      if (both || env->rank == 0) send_counts[peer] = bytes;
-      if (both || env->rank == 1) recv_counts[peer] = bytes;
-      world->all_to_all_v_device(send, send_counts, recv, recv_counts);  // warm-up (connections)
-      world->barrier();
-      const int iterations = 20;
-      const auto start = std::chrono::steady_clock::now();
-      for (int i = 0; i < iterations; ++i) world->all_to_all_v_device(send, send_counts, recv, recv_counts);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iterations;
-      if (env->rank == 0) {
-        std::printf("nccl all_to_all_v_device %s %8.1f MiB: %.3f ms, %.1f GB/s per direction\n",
-                    both ? "both directions" : "rank 0 -> 1    ", bytes / 1048576.0, seconds * 1e3, bytes / seconds / 1e9);
-      }
-    }
-    // The host-span path the engine uses today (upload, NCCL, download), for comparison.
-    std::vector<std::byte> host_send(static_cast<size_t>(bytes)), host_recv(static_cast<size_t>(bytes));
-    std::vector<int64_t> counts(2, 0);
-    counts[peer] = bytes;
-    world->all_to_all_v(host_send, counts, host_recv, counts);
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < 5; ++i) world->all_to_all_v(host_send, counts, host_recv, counts);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 5;
-    if (env->rank == 0) {
-      std::printf("nccl all_to_all_v (host spans) both directions %8.1f MiB: %.3f ms, %.1f GB/s per direction\n",
-                  bytes / 1048576.0, seconds * 1e3, bytes / seconds / 1e9);
-    }
-    FULCRUM_CUDA_CHECK(cudaFree(send));
-    FULCRUM_CUDA_CHECK(cudaFree(recv));
-  }
-}
-
 TEST(NcclCommunicator, CollectivesOnTwoGpus) {
   FULCRUM_NEEDS_GPUS(2);
   EXPECT_EQ(run_rank_processes(2, "NcclRank.Collectives"), (std::vector<int>{0, 0}));
@@ -132,11 +81,6 @@ TEST(NcclCommunicator, CollectivesOnTwoGpus) {
 TEST(NcclCommunicator, APeerThatDiesAbortsTheSurvivor) {
   FULCRUM_NEEDS_GPUS(2);
   EXPECT_EQ(run_rank_processes(2, "NcclRank.APeerThatDiesAbortsTheSurvivor"), (std::vector<int>{0, 3}));
-}
-
-TEST(NcclCommunicator, Bandwidth) {
-  FULCRUM_NEEDS_GPUS(2);
-  EXPECT_EQ(run_rank_processes(2, "NcclRank.Bandwidth"), (std::vector<int>{0, 0}));
 }
 
 TEST(CudaGenerate, TwoGpuRanksPrintTheCpuOneRankTokens) {

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
 
@@ -333,6 +334,13 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   // The host twin orders its group by (key, parent rank) exactly as ncclCommSplit does.
   auto host = host_->split_tcp(color, key);
   return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(std::move(host), std::move(state)));
+}
+
+std::unique_ptr<NcclCommunicator> join_local_world(const LocalRank& me, std::chrono::milliseconds timeout) {
+  const int num_devices = backend::CudaBackend::device_count();
+  FULCRUM_CHECK(num_devices > 0, "rank {}: no CUDA device", me.rank);
+  FULCRUM_CUDA_CHECK(cudaSetDevice(me.rank % num_devices));
+  return NcclCommunicator::create_world(PeerMesh::connect(me.dist_init(timeout)));
 }
 
 }  // namespace fulcrum::comm

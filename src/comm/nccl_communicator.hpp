@@ -9,12 +9,14 @@
 // NOTES: NVLink multicast (NVLS) is forced off: NCCL_NVLS_ENABLE=0 before the first communicator.
 // NOTES: all_reduce_sum gives every rank bitwise the same result (NCCL reduces each element once and
 // distributes it); its summation order is NCCL's, bitwise the rank-order sum for 2 ranks.
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 
 #include "comm/communicator.hpp"
+#include "comm/local_ranks.hpp"
 #include "comm/peer_mesh.hpp"
 #include "comm/tcp_communicator.hpp"
 
@@ -78,5 +80,10 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<TcpCommunicator> host_;  // the same group over the mesh: ids, send/recv, peer failures
   std::unique_ptr<State> state_;
 };
+
+// A rank process that run_local_rank_processes started (comm/local_ranks.hpp): makes GPU rank % device count
+// its current device and joins the world (waiting up to `timeout` for the other ranks).
+std::unique_ptr<NcclCommunicator> join_local_world(const LocalRank& me,
+                                                   std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 }  // namespace fulcrum::comm

@@ -261,6 +261,11 @@ std::string PeerMesh::failure() const {
   return failure_;
 }
 
+const Socket& PeerMesh::peer_socket(int peer) const {
+  FULCRUM_CHECK(peer >= 0 && peer < size() && peer != rank_, "peer {} outside the world of {} (or self)", peer, size());
+  return peers_[peer]->socket;
+}
+
 PeerMesh::~PeerMesh() {
   // Unwinding after an error: no goodbye, so the peers take this rank for failed instead of waiting for it.
   if (std::uncaught_exceptions() > 0) {

@@ -49,6 +49,8 @@ class PeerMesh {
   std::vector<std::byte> recv(uint64_t channel, int src);
   // Empty while no peer has failed; else one line naming the first peer that did.
   std::string failure() const;
+  // The connection to `peer` (tests read its options).
+  const Socket& peer_socket(int peer) const;
 
   PeerMesh(const PeerMesh&) = delete;
   PeerMesh& operator=(const PeerMesh&) = delete;

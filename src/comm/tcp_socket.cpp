@@ -36,9 +36,27 @@ bool wait_for(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-void set_no_delay(int fd) {
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // small control messages go out at once
+void set_int_option(int fd, int level, int name, int value, const char* option, const std::string& what) {
+  FULCRUM_CHECK(::setsockopt(fd, level, name, &value, sizeof(value)) == 0, "{}: cannot set {}: {}", what, option,
+                errno_text());
+}
+
+int get_int_option(int fd, int level, int name, const char* option) {
+  int value = 0;
+  socklen_t len = sizeof(value);
+  FULCRUM_CHECK(::getsockopt(fd, level, name, &value, &len) == 0, "cannot read {}: {}", option, errno_text());
+  return value;
+}
+
+// Options of every connected socket: small control messages go out at once, dead peers are detected.
+void configure_connection(int fd, const std::string& what) {
+  const DeadPeerDetection& d = kDeadPeerDetection;
+  set_int_option(fd, IPPROTO_TCP, TCP_NODELAY, 1, "TCP_NODELAY", what);
+  set_int_option(fd, SOL_SOCKET, SO_KEEPALIVE, d.keepalive ? 1 : 0, "SO_KEEPALIVE", what);
+  set_int_option(fd, IPPROTO_TCP, TCP_KEEPIDLE, d.idle_s, "TCP_KEEPIDLE", what);
+  set_int_option(fd, IPPROTO_TCP, TCP_KEEPINTVL, d.interval_s, "TCP_KEEPINTVL", what);
+  set_int_option(fd, IPPROTO_TCP, TCP_KEEPCNT, d.probes, "TCP_KEEPCNT", what);
+  set_int_option(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, d.user_timeout_ms, "TCP_USER_TIMEOUT", what);
 }
 
 }  // namespace
@@ -112,6 +130,15 @@ std::string peer_address(const Socket& socket) {
   return text;
 }
 
+DeadPeerDetection dead_peer_detection(const Socket& socket) {
+  const int fd = socket.fd();
+  return {get_int_option(fd, SOL_SOCKET, SO_KEEPALIVE, "SO_KEEPALIVE") != 0,
+          get_int_option(fd, IPPROTO_TCP, TCP_KEEPIDLE, "TCP_KEEPIDLE"),
+          get_int_option(fd, IPPROTO_TCP, TCP_KEEPINTVL, "TCP_KEEPINTVL"),
+          get_int_option(fd, IPPROTO_TCP, TCP_KEEPCNT, "TCP_KEEPCNT"),
+          get_int_option(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, "TCP_USER_TIMEOUT")};
+}
+
 int pick_free_port() { return local_port(listen_tcp(0, "picking a free port")); }
 
 Socket accept_tcp(const Socket& listener, Clock::time_point deadline, const std::string& what) {
@@ -119,7 +146,7 @@ Socket accept_tcp(const Socket& listener, Clock::time_point deadline, const std:
     FULCRUM_CHECK(wait_for(listener.fd(), POLLIN, deadline), "{}: timed out waiting for a connection", what);
     Socket s(::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC));
     if (s.valid()) {
-      set_no_delay(s.fd());
+      configure_connection(s.fd(), what);
       return s;
     }
     if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) throw Error(what + ": accept failed: " + errno_text());
@@ -141,7 +168,7 @@ Socket connect_tcp(const HostPort& address, Clock::time_point deadline, const st
     Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     FULCRUM_CHECK(s.valid(), "{}: socket failed: {}", what, errno_text());
     if (::connect(s.fd(), reinterpret_cast<sockaddr*>(&target), sizeof(target)) == 0) {
-      set_no_delay(s.fd());
+      configure_connection(s.fd(), what);
       return s;
     }
     last_error = errno_text();

@@ -1,7 +1,8 @@
 #pragma once
 // Plain POSIX TCP sockets for the rendezvous and the host mesh between rank processes: an owning fd,
 // listen / accept / connect with deadlines, and whole-buffer reads and writes. Failures throw
-// fulcrum::Error with one line naming the address and the reason.
+// fulcrum::Error with one line naming the address and the reason. Every connected socket detects a peer
+// that vanished without FIN or RST (DeadPeerDetection below).
 #include <chrono>
 #include <cstddef>
 #include <span>
@@ -40,6 +41,29 @@ class Socket {
  private:
   int fd_ = -1;
 };
+
+// What every connected socket (accept_tcp, connect_tcp) sets so that a peer that vanished without FIN or RST
+// (power loss, a pulled cable) fails reads and writes with ETIMEDOUT within about 50 s instead of blocking
+// them forever: keepalive probes after `idle_s` quiet seconds, every `interval_s`, the connection dropped
+// after `probes` unanswered ones; and TCP_USER_TIMEOUT, which drops it when sent data stays unacknowledged.
+// NOTES: on Linux a set TCP_USER_TIMEOUT also replaces TCP_KEEPCNT as the keepalive limit, so it equals
+// idle_s + interval_s * probes: both rules give up at the same time. A live peer's kernel answers probes
+// and acknowledges data however busy its process is; only data it leaves unread for 50 s (a stopped
+// process: its receive window stays closed) counts as unacknowledged. The mesh's reader threads always
+// drain their sockets.
+struct DeadPeerDetection {
+  bool keepalive = false;    // SO_KEEPALIVE
+  int idle_s = 0;            // TCP_KEEPIDLE
+  int interval_s = 0;        // TCP_KEEPINTVL
+  int probes = 0;            // TCP_KEEPCNT
+  int user_timeout_ms = 0;   // TCP_USER_TIMEOUT
+  bool operator==(const DeadPeerDetection&) const = default;
+};
+inline constexpr DeadPeerDetection kDeadPeerDetection{true, 20, 5, 6, 50'000};
+static_assert(kDeadPeerDetection.user_timeout_ms ==
+              1000 * (kDeadPeerDetection.idle_s + kDeadPeerDetection.interval_s * kDeadPeerDetection.probes));
+// The options the kernel holds for `socket` (getsockopt).
+DeadPeerDetection dead_peer_detection(const Socket& socket);
 
 // Listens on every interface at `port` (0: the kernel picks one; local_port() says which).
 Socket listen_tcp(int port, const std::string& what);
