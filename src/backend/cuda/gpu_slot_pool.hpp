@@ -8,7 +8,8 @@
 // N = num_layers * slots_per_layer + spare (SlotBufferMap). So buffers b and b + 1 are adjacent in both
 // tensors and a run of consecutive buffers moves as one NCCL op per tensor.
 // GpuMoeLayer::set_slot_weights takes gate_up_ptrs(layer) / down_ptrs(layer).
-// Uploads and fills are synchronous (setup work; they return when the device holds the values).
+// Uploads and fills are synchronous (setup work; they return when the device holds the values); they write
+// live buffers, so never while a migration of that layer is in flight.
 // This header includes no CUDA header.
 #include <cstdint>
 #include <span>
@@ -17,6 +18,8 @@
 
 #include "backend/cuda/moe_layer.hpp"
 #include "eplb_runtime/slot_buffer_map.hpp"
+
+struct CUstream_st;  // cudaStream_t
 
 namespace fulcrum::backend {
 
@@ -32,6 +35,7 @@ class GpuSlotPool {
  public:
   // Allocates on device `device_idx` (made current for the calls that follow).
   GpuSlotPool(const SlotPoolShape& shape, int device_idx = 0);
+  ~GpuSlotPool();
   GpuSlotPool(const GpuSlotPool&) = delete;
   GpuSlotPool& operator=(const GpuSlotPool&) = delete;
 
@@ -71,6 +75,7 @@ class GpuSlotPool {
   eplb_runtime::SlotBufferMap map_;
   DeviceBuffer gate_up_;  // [N, 2I, H]
   DeviceBuffer down_;     // [N, H, I]
+  CUstream_st* stream_ = nullptr;  // uploads and fills
 };
 
 }  // namespace fulcrum::backend
