@@ -6,7 +6,8 @@
 //  - until commit the old pointers are the layer's pointers and hold the old weights (the forward pass's
 //    collectives on the world communicator run meanwhile);
 //  - a freed buffer that a reader stream still reads is not overwritten by the next layer's transfer;
-//  - begin while in flight, commit / ready without begin and bad rows are one-line errors.
+//  - begin while in flight, commit / ready without begin and bad rows are one-line errors; a dead peer ends an
+//    async exchange with the communicator's one-line abort error.
 // Plus a figure (no threshold): one layer of Qwen3-30B-A3B bf16 slots, begin -> commit against a raw
 // exchange_device of the same bytes.
 #include <gtest/gtest.h>
@@ -15,6 +16,8 @@
 #include <cstdio>
 #include <numeric>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "backend/cuda/gpu_slot_pool.hpp"
 #include "comm/nccl_slot_pool_migration.hpp"
@@ -154,7 +157,13 @@ TEST(NcclRank, SlotPoolMigrationMisuseIsAOneLineError) {
   expect_error([&] { migration.ready(); }, "ready() with no layer in flight");
   expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2}); },
                "layer 0: rows of 4 and 3 slots, the topology has 4");
-  expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, 2}); }, "layer 0: ");  // no expert 3
+  // The rows as a one-layer placement (its layer 0) must be valid: every expert held before and after.
+  expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, 2}); },
+               "layer 0: layer 0: logical expert 3 has no replica");
+  expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, 4}); },
+               "layer 0: layer 0: logical expert 4 has no replica");
+  expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, -3}); },
+               "layer 0: logical expert -3 in a row");
   expect_error([&] { migration.begin_layer(2, from, to); }, "layer 2 outside [0, 2)");
   expect_error([&] { comm::NcclSlotPoolMigration(pool, *migration_comm, {.num_physical_experts = 6, .num_gpus = 2}); },
                "topology of 6 slots on 2 GPUs, the communicator has 2 ranks and the pool 2 slots per layer");
@@ -167,6 +176,30 @@ TEST(NcclRank, SlotPoolMigrationMisuseIsAOneLineError) {
   expect_slots_hold(pool, 0, local_row(to, env->rank, 2), kSeed);
   expect_slots_hold(pool, 1, local_row(from, env->rank, 2), kSeed);
   world->barrier();
+}
+
+// exchange_device_async keeps exchange_device's abort-on-failure handling: rank 1 never posts its send and dies
+// 1 s later; rank 0's polling (ready) or the enqueue itself ends with the one-line abort error.
+TEST(NcclRank, AsyncExchangeAbortsWhenThePeerDies) {
+  FULCRUM_RANK_ONLY(env);
+  auto world = join_world(*env);
+  auto migration_comm = world->duplicate();
+  world->barrier();
+  if (env->rank == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    ::_exit(3);  // no goodbye
+  }
+  std::byte* recv = nullptr;
+  FULCRUM_CUDA_CHECK(cudaMalloc(&recv, 1 << 20));
+  const std::vector<comm::NcclCommunicator::DeviceRecv> recvs{{recv, 1 << 20, 1}};
+  const std::string error = error_of([&] {
+    auto pending = migration_comm->exchange_device_async({}, recvs);
+    while (!pending.ready()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  EXPECT_NE(error.find("NCCL communicator aborted: rank 1"), std::string::npos) << error;
+  EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+  std::fflush(nullptr);
+  ::_exit(::testing::Test::HasFailure() ? 1 : 0);  // the aborted communicators are not torn down again
 }
 
 // Figures only: one layer of Qwen3-30B-A3B bf16 slots (H 2048, I 768: 9 MiB a slot), begin_layer -> commit
@@ -237,15 +270,17 @@ TEST(NcclRank, SlotPoolMigrationBandwidth) {
           << "slot " << s;
     }
     const int64_t ops_per_layer = migration.stats().num_nccl_ops / (iterations + 2);
-    if (env->rank == 0) {
-      std::printf("slot pool migration, %s: 64 slots x %.1f MiB = %.1f MiB per direction, %lld NCCL ops per layer\n",
-                  both ? "both directions" : "rank 0 -> 1    ", pool.slot_bytes() / 1048576.0, bytes / 1048576.0,
-                  static_cast<long long>(ops_per_layer));
-      std::printf("  raw exchange_device       %7.3f ms  %6.1f GB/s\n", raw_s * 1e3, bytes / raw_s / 1e9);
-      std::printf("  begin_layer -> commit     %7.3f ms  %6.1f GB/s  %.1f%% of raw  (begin_layer returns after %.3f ms)\n",
-                  layer_s * 1e3, bytes / layer_s / 1e9, 100 * raw_s / layer_s, begin_avg_s * 1e3);
-      std::fflush(stdout);
-    }
+    // Every rank reports (one write each, so the two processes' lines do not mix).
+    const std::string report = fmt::format(
+        "slot pool migration, {}, rank {}: 64 slots x {:.1f} MiB = {:.1f} MiB per direction, {} NCCL ops per layer\n"
+        "  raw exchange_device       {:7.3f} ms  {:6.1f} GB/s\n"
+        "  begin_layer -> commit     {:7.3f} ms  {:6.1f} GB/s  {:.1f}% of raw  (begin_layer returns after {:.3f} ms)\n",
+        both ? "both directions" : "rank 0 -> 1", env->rank, pool.slot_bytes() / 1048576.0, bytes / 1048576.0,
+        ops_per_layer, raw_s * 1e3, bytes / raw_s / 1e9, layer_s * 1e3, bytes / layer_s / 1e9, 100 * raw_s / layer_s,
+        begin_avg_s * 1e3);
+    std::fputs(report.c_str(), stdout);
+    std::fflush(stdout);
+    migration_comm->barrier();
     FULCRUM_CUDA_CHECK(cudaFree(raw_send));
     FULCRUM_CUDA_CHECK(cudaFree(raw_recv));
   }
@@ -264,6 +299,11 @@ TEST(NcclSlotPoolMigration, WaitsForReadersOfFreedBuffers) {
 TEST(NcclSlotPoolMigration, MisuseIsAOneLineError) {
   FULCRUM_NEEDS_GPUS(2);
   EXPECT_EQ(run_rank_processes(2, "NcclRank.SlotPoolMigrationMisuseIsAOneLineError"), (std::vector<int>{0, 0}));
+}
+
+TEST(NcclSlotPoolMigration, AsyncExchangeAbortsWhenThePeerDies) {
+  FULCRUM_NEEDS_GPUS(2);
+  EXPECT_EQ(run_rank_processes(2, "NcclRank.AsyncExchangeAbortsWhenThePeerDies"), (std::vector<int>{0, 3}));
 }
 
 TEST(NcclSlotPoolMigration, Bandwidth) {

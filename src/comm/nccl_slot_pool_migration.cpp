@@ -35,7 +35,9 @@ std::vector<eplb::SlotTransfer> plan_layer(const eplb::Topology& topo, int layer
   std::copy(old_row.begin(), old_row.end(), from.layer(0).begin());
   std::copy(new_row.begin(), new_row.end(), to.layer(0).begin());
   try {
-    return eplb::plan_migration(from, to).transfers;  // validates both rows
+    from.validate();  // ids in range, every expert held (plan_migration assumes both)
+    to.validate();
+    return eplb::plan_migration(from, to).transfers;
   } catch (const Error& e) {
     throw Error(fmt::format("slot pool migration: layer {}: {}", layer_idx, e.what()));
   }
