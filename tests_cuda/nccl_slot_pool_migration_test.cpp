@@ -161,7 +161,7 @@ TEST(NcclRank, SlotPoolMigrationMisuseIsAOneLineError) {
   expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, 2}); },
                "layer 0: layer 0: logical expert 3 has no replica");
   expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, 4}); },
-               "layer 0: layer 0: logical expert 4 has no replica");
+               "layer 0: new row slot 3 holds logical expert 4, which no slot of the old row holds");
   expect_error([&] { migration.begin_layer(0, from, std::vector<int32_t>{0, 1, 2, -3}); },
                "layer 0: logical expert -3 in a row");
   expect_error([&] { migration.begin_layer(2, from, to); }, "layer 2 outside [0, 2)");

@@ -30,6 +30,15 @@ std::vector<eplb::SlotTransfer> plan_layer(const eplb::Topology& topo, int layer
       max_expert = std::max(max_expert, e);
     }
   }
+  // Every expert of the new row needs a source in the old one.
+  std::vector<uint8_t> held(static_cast<size_t>(max_expert) + 1, 0);
+  for (const int32_t e : old_row) held[static_cast<size_t>(e)] = 1;
+  for (size_t slot = 0; slot < p; ++slot) {
+    FULCRUM_CHECK(held[static_cast<size_t>(new_row[slot])] != 0,
+                  "slot pool migration: layer {}: new row slot {} holds logical expert {}, which no slot of the old row "
+                  "holds",
+                  layer_idx, slot, new_row[slot]);
+  }
   eplb::Placement from(topo, 1, max_expert + 1);
   eplb::Placement to(topo, 1, max_expert + 1);
   std::copy(old_row.begin(), old_row.end(), from.layer(0).begin());
