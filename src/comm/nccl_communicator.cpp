@@ -7,6 +7,7 @@
 #include <exception>
 #include <numeric>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -265,6 +266,12 @@ void NcclCommunicator::all_to_all_v_device(const std::byte* send, std::span<cons
 }
 
 void NcclCommunicator::exchange_device(std::span<const DeviceSend> sends, std::span<const DeviceRecv> recvs) {
+  exchange_device_async(sends, recvs).wait();
+}
+
+NcclCommunicator::PendingExchange NcclCommunicator::exchange_device_async(std::span<const DeviceSend> sends,
+                                                                          std::span<const DeviceRecv> recvs,
+                                                                          CUevent_st* start_after) {
   const auto check_peer = [this](int peer, int64_t bytes) {
     FULCRUM_CHECK(peer >= 0 && peer < size() && peer != rank(), "exchange_device: peer {} is not another rank of {}",
                   peer, size());
@@ -272,8 +279,10 @@ void NcclCommunicator::exchange_device(std::span<const DeviceSend> sends, std::s
   };
   for (const DeviceSend& s : sends) check_peer(s.peer, s.bytes);
   for (const DeviceRecv& r : recvs) check_peer(r.peer, r.bytes);
-  if (sends.empty() && recvs.empty()) return;
+  PendingExchange pending;
+  if (sends.empty() && recvs.empty()) return pending;
   State& s = *state_;
+  if (start_after != nullptr) FULCRUM_CUDA_CHECK(cudaStreamWaitEvent(s.stream, start_after, 0));
   FULCRUM_NCCL_CALL(s, ncclGroupStart());
   for (const DeviceSend& d : sends) {
     if (d.bytes > 0) FULCRUM_NCCL_CALL(s, ncclSend(d.data, static_cast<size_t>(d.bytes), ncclUint8, d.peer, s.comm, s.stream));
@@ -283,7 +292,41 @@ void NcclCommunicator::exchange_device(std::span<const DeviceSend> sends, std::s
   }
   FULCRUM_NCCL_CALL(s, ncclGroupEnd());
   s.wait_queued(s.comm);
-  s.wait_stream();
+  FULCRUM_CUDA_CHECK(cudaEventCreateWithFlags(&pending.done_, cudaEventDisableTiming));
+  pending.comm_ = this;
+  FULCRUM_CUDA_CHECK(cudaEventRecord(pending.done_, s.stream));
+  return pending;
+}
+
+NcclCommunicator::PendingExchange::~PendingExchange() {
+  if (done_ != nullptr) cudaEventDestroy(done_);  // safe while pending: released once the event completes
+}
+
+NcclCommunicator::PendingExchange::PendingExchange(PendingExchange&& other) noexcept
+    : comm_(std::exchange(other.comm_, nullptr)), done_(std::exchange(other.done_, nullptr)) {}
+
+NcclCommunicator::PendingExchange& NcclCommunicator::PendingExchange::operator=(PendingExchange&& other) noexcept {
+  if (this != &other) {
+    if (done_ != nullptr) cudaEventDestroy(done_);
+    comm_ = std::exchange(other.comm_, nullptr);
+    done_ = std::exchange(other.done_, nullptr);
+  }
+  return *this;
+}
+
+bool NcclCommunicator::PendingExchange::ready() {
+  if (done_ == nullptr) return true;
+  const cudaError_t status = cudaEventQuery(done_);
+  if (status == cudaSuccess) return true;
+  if (status != cudaErrorNotReady) FULCRUM_CUDA_CHECK(status);
+  comm_->state_->check_health();
+  return false;
+}
+
+void NcclCommunicator::PendingExchange::wait() {
+  for (int spins = 0; !ready(); ++spins) {
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 void NcclCommunicator::all_to_all_v(std::span<const std::byte> send, std::span<const int64_t> send_counts,
@@ -323,7 +366,9 @@ void NcclCommunicator::send(std::span<const std::byte> data, int peer) { host_->
 
 void NcclCommunicator::recv(std::span<std::byte> data, int peer) { host_->recv(data, peer); }
 
-std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) { return split_nccl(color, key); }
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::split_nccl(int color, int key) {
   State& s = *state_;
   auto state = new_state(host_->mesh());
   ncclConfig_t config = nonblocking_config();

@@ -20,6 +20,8 @@
 #include "comm/peer_mesh.hpp"
 #include "comm/tcp_communicator.hpp"
 
+struct CUevent_st;  // cudaEvent_t
+
 namespace fulcrum::comm {
 
 class NcclCommunicator final : public Communicator {
@@ -68,6 +70,37 @@ class NcclCommunicator final : public Communicator {
     int peer = 0;
   };
   void exchange_device(std::span<const DeviceSend> sends, std::span<const DeviceRecv> recvs);
+
+  // A group enqueued on the communicator's stream and not yet waited for (exchange_device_async).
+  class PendingExchange {
+   public:
+    PendingExchange() = default;  // nothing pending: ready at once
+    ~PendingExchange();
+    PendingExchange(PendingExchange&& other) noexcept;
+    PendingExchange& operator=(PendingExchange&& other) noexcept;
+    // The group is complete (an event query, no host wait). Throws, after aborting the communicator, when a
+    // peer process failed or NCCL reports an asynchronous error.
+    bool ready();
+    // Waits for the group, polling as exchange_device does (a dead peer or an NCCL error ends the wait).
+    void wait();
+
+   private:
+    friend class NcclCommunicator;
+    NcclCommunicator* comm_ = nullptr;
+    CUevent_st* done_ = nullptr;  // recorded on the communicator's stream after the group
+  };
+  // exchange_device that returns once the group is enqueued. `start_after` (optional): the group starts on
+  // the device only after this event (cudaStreamWaitEvent), e.g. once readers of the receive buffers finished.
+  // The buffers must stay valid until the exchange is ready.
+  PendingExchange exchange_device_async(std::span<const DeviceSend> sends, std::span<const DeviceRecv> recvs,
+                                        CUevent_st* start_after = nullptr);
+
+  // split() with the NCCL type. Collective over this communicator.
+  std::unique_ptr<NcclCommunicator> split_nccl(int color, int key);
+  // A second communicator over the same ranks in the same order (its own NCCL communicator, stream and host
+  // channel), so traffic on it never orders against this one's collectives: e.g. slot migration beside the
+  // forward pass's dispatch. Collective over this communicator.
+  std::unique_ptr<NcclCommunicator> duplicate() { return split_nccl(0, rank()); }
 
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;

@@ -12,14 +12,6 @@ namespace {
 std::byte* bytes_at(const model::Tensor& t) { return reinterpret_cast<std::byte*>(t.data()); }
 int64_t byte_count(const model::Tensor& t) { return t.numel() * static_cast<int64_t>(sizeof(float)); }
 
-// 1 where a run of consecutive indices starts (index[i] != index[i-1] + 1).
-template <typename Item>
-std::vector<uint8_t> run_starts(const std::vector<const Item*>& items) {
-  std::vector<uint8_t> starts(items.size());
-  for (size_t i = 0; i < items.size(); ++i) starts[i] = i == 0 || items[i]->index != items[i - 1]->index + 1;
-  return starts;
-}
-
 }  // namespace
 
 NcclSlotCopyExecutor::NcclSlotCopyExecutor(backend::CudaBackend& backend, NcclCommunicator& ep_comm)
@@ -75,46 +67,8 @@ void NcclSlotCopyExecutor::recv(const model::ExpertSlotView& /*view*/, int stagi
 }
 
 void NcclSlotCopyExecutor::issue() {
-  const int size = ep_comm_.size();
-  std::vector<std::vector<const Pending*>> out(size), in(size);
-  for (const Pending& p : sends_) out[p.peer].push_back(&p);
-  for (const Pending& p : recvs_) in[p.peer].push_back(&p);
-  // Run starts, each rank's own first (as sender, then as receiver: buffered host sends), then the peer's.
-  std::vector<std::vector<uint8_t>> out_starts(size), in_starts(size);
-  for (int peer = 0; peer < size; ++peer) {
-    out_starts[peer] = run_starts(out[peer]);
-    in_starts[peer] = run_starts(in[peer]);
-    if (!out[peer].empty()) ep_comm_.send(std::as_bytes(std::span<const uint8_t>(out_starts[peer])), peer);
-    if (!in[peer].empty()) ep_comm_.send(std::as_bytes(std::span<const uint8_t>(in_starts[peer])), peer);
-  }
-  std::vector<NcclCommunicator::DeviceSend> sends;
-  std::vector<NcclCommunicator::DeviceRecv> recvs;
-  const auto add_segments = [this](const std::vector<const Pending*>& items, std::vector<uint8_t>& starts,
-                                   const std::vector<uint8_t>& peer_starts, int peer, auto& ops) {
-    for (size_t i = 0; i < items.size(); ++i) starts[i] |= peer_starts[i];
-    for (size_t i = 0; i < items.size();) {
-      size_t j = i + 1;
-      while (j < items.size() && starts[j] == 0) ++j;
-      const auto k = static_cast<int64_t>(j - i);
-      ops.push_back({items[i]->gate_up, k * gate_up_bytes_, peer});
-      ops.push_back({items[i]->down, k * down_bytes_, peer});
-      i = j;
-    }
-  };
-  for (int peer = 0; peer < size; ++peer) {
-    std::vector<uint8_t> peer_starts;
-    if (!in[peer].empty()) {  // the peer's runs as sender
-      peer_starts.resize(in[peer].size());
-      ep_comm_.recv(std::as_writable_bytes(std::span<uint8_t>(peer_starts)), peer);
-      add_segments(in[peer], in_starts[peer], peer_starts, peer, recvs);
-    }
-    if (!out[peer].empty()) {  // the peer's runs as receiver
-      peer_starts.resize(out[peer].size());
-      ep_comm_.recv(std::as_writable_bytes(std::span<uint8_t>(peer_starts)), peer);
-      add_segments(out[peer], out_starts[peer], peer_starts, peer, sends);
-    }
-  }
-  ep_comm_.exchange_device(sends, recvs);
+  const SlotRunOps ops = merge_slot_runs(ep_comm_, sends_, recvs_, gate_up_bytes_, down_bytes_);
+  ep_comm_.exchange_device(ops.sends, ops.recvs);
 }
 
 void NcclSlotCopyExecutor::wait() {

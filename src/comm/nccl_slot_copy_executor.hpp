@@ -4,9 +4,8 @@
 // copies are cudaMemcpyAsync on the executor's own side stream; sends and recvs are deferred and issued in
 // wait() as one NCCL group of ncclSend/ncclRecv on device pointers (NcclCommunicator::exchange_device, on
 // the communicator's stream, with its abort-on-failure handling), overlapping the local copies.
-// Each NCCL op costs ~10 us on top of its bytes, so consecutive slots that are contiguous on both sides go as
-// one op per tensor: the two ranks of a pair first swap (over the host mesh, a few bytes) where their runs
-// of consecutive slots / staging entries start, and both cut the pair's slots at the union of those starts.
+// Consecutive slots that are contiguous on both sides go as one op per tensor (comm::merge_slot_runs, one host
+// message each way per pair).
 // Ordering with the backend's compute stream: begin_layer waits for the backend (no kernel still reads a
 // slot a commit rewrites); end_layer waits for the commits (the next forward pass reads them).
 // This header includes no CUDA header.
@@ -16,6 +15,7 @@
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "comm/nccl_communicator.hpp"
+#include "comm/slot_runs.hpp"
 #include "eplb_runtime/slot_copy_executor.hpp"
 
 struct CUstream_st;  // cudaStream_t
@@ -47,17 +47,11 @@ class NcclSlotCopyExecutor final : public eplb_runtime::SlotCopyExecutor {
   NcclCommunicator& ep_comm_;
   eplb_runtime::SlotStaging staging_;
   CUstream_st* stream_ = nullptr;
-  // One slot of this layer's pending sends or recvs: its peer, its local slot or staging entry, its rows.
-  struct Pending {
-    int peer = 0;
-    int index = 0;
-    std::byte* gate_up = nullptr;
-    std::byte* down = nullptr;
-  };
   void issue();
 
-  std::vector<Pending> sends_;  // this layer's, issued in wait()
-  std::vector<Pending> recvs_;
+  // This layer's pending sends and recvs (index: local slot or staging entry), issued in wait().
+  std::vector<SlotRunItem> sends_;
+  std::vector<SlotRunItem> recvs_;
   int64_t gate_up_bytes_ = 0;  // of one slot, this layer
   int64_t down_bytes_ = 0;
 };
