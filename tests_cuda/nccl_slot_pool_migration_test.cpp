@@ -64,7 +64,7 @@ void migrate_and_check(comm::NcclSlotPoolMigration& migration, comm::NcclCommuni
 
 TEST(NcclRank, SlotPoolMigrationHoldsTheNewExperts) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   auto migration_comm = world->duplicate();
   // 6 logical experts in 8 slots (4 per GPU), 3 layers, awkward H / I.
   const eplb::Topology topo{.num_physical_experts = 8, .num_gpus = 2, .num_nodes = 1};
@@ -99,7 +99,7 @@ TEST(NcclRank, SlotPoolMigrationHoldsTheNewExperts) {
 // those buffers (spare = 2), must wait for it: the copy sees the old weights.
 TEST(NcclRank, SlotPoolMigrationWaitsForReadersOfFreedBuffers) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   auto migration_comm = world->duplicate();
   const eplb::Topology topo{.num_physical_experts = 4, .num_gpus = 2, .num_nodes = 1};
   backend::GpuSlotPool pool({.num_layers = 1, .slots_per_layer = 2, .hidden_size = 64, .moe_intermediate_size = 32,
@@ -140,7 +140,7 @@ TEST(NcclRank, SlotPoolMigrationWaitsForReadersOfFreedBuffers) {
 
 TEST(NcclRank, SlotPoolMigrationMisuseIsAOneLineError) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   auto migration_comm = world->duplicate();
   const eplb::Topology topo{.num_physical_experts = 4, .num_gpus = 2, .num_nodes = 1};
   backend::GpuSlotPool pool({.num_layers = 2, .slots_per_layer = 2, .hidden_size = 16, .moe_intermediate_size = 8},
@@ -182,7 +182,7 @@ TEST(NcclRank, SlotPoolMigrationMisuseIsAOneLineError) {
 // 1 s later; rank 0's polling (ready) or the enqueue itself ends with the one-line abort error.
 TEST(NcclRank, AsyncExchangeAbortsWhenThePeerDies) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   auto migration_comm = world->duplicate();
   world->barrier();
   if (env->rank == 1) {
@@ -209,7 +209,7 @@ TEST(NcclRank, AsyncExchangeAbortsWhenThePeerDies) {
 // slots from rank 0 (which holds all the experts it needs) and sends none, each way of the back and forth.
 TEST(NcclRank, SlotPoolMigrationBandwidth) {
   FULCRUM_RANK_ONLY(env);
-  auto world = join_world(*env);
+  auto world = comm::join_local_world(*env);
   auto migration_comm = world->duplicate();
   const int iterations = 20;
   for (const bool both : {true, false}) {
