@@ -28,8 +28,16 @@ struct MoeLayerShape {
   int num_experts = 0;            // E logical experts (<= 256)
   int num_experts_per_tok = 8;    // k (<= 16)
   bool norm_topk_prob = true;
-  int num_slots = 0;              // P physical slots held on this GPU (>= E here: one GPU holds them all)
+  int num_slots = 0;              // P physical slots of the layer, over all GPUs (>= E); routing and the
+                                  // permutation run over these global slot ids
   int64_t max_tokens = 0;         // buffers are sized for this many tokens per forward
+  // Slots whose weights this GPU holds: [local_slot_begin, local_slot_begin + num_local_slots) (-1: all P,
+  // the one-GPU layer). Only a layer holding all P slots runs forward on its own; an expert-parallel rank
+  // (comm::NcclEpMoeLayer) routes and permutes over the global slots and runs its local slots' experts on
+  // the rows it receives (run_experts_on).
+  int local_slot_begin = 0;
+  int num_local_slots = -1;
+  int local_slots() const { return num_local_slots < 0 ? num_slots : num_local_slots; }
 };
 
 // How the expert GEMMs are issued: one cublasGemmGroupedBatchedEx per GEMM over all non-empty slots, or
@@ -71,11 +79,18 @@ class GpuMoeLayer {
   CUstream_st* stream() const { return stream_; }
   void synchronize();
 
-  // Host bf16 weights: router [E, H] (mlp.gate), gate_up [P, 2I, H] (gate rows, then up rows), down [P, H, I].
+  // Host bf16 weights: router [E, H] (mlp.gate), gate_up [L, 2I, H] (gate rows, then up rows), down [L, H, I]
+  // for the L = local_slots() slots this GPU holds (local slot l is global slot local_slot_begin + l).
   void upload_weights(std::span<const uint16_t> router, std::span<const uint16_t> gate_up,
                       std::span<const uint16_t> down);
-  // Pseudo-random bf16 weights filled on the device (benchmarks), uniform in +-1/sqrt(fan_in).
+  // Pseudo-random bf16 weights filled on the device (benchmarks), uniform in +-1/sqrt(fan_in). A value is a
+  // function of (seed, its index in the global [P, ...] arrays), so local slot l holds what a one-GPU layer
+  // with the same seed holds in global slot local_slot_begin + l.
   void randomize_weights(uint64_t seed);
+  // Expert weights held elsewhere (a slot pool): per local slot, device pointers to a gate_up [2I, H] and a
+  // down [H, I] bf16 matrix; both spans of L entries, or both empty (back to the layer's own weights). Call
+  // between forwards only: the next permute / run_experts_on builds its GEMM problems from these pointers.
+  void set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down);
   // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
   // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
@@ -92,8 +107,19 @@ class GpuMoeLayer {
   void route(const float* logits, int64_t num_tokens);         // -> expert_ids, weights, slots; histogram
                                                                //    (balanced: also host slot counts)
   void permute(const uint16_t* x, int64_t num_tokens);         // -> slot offsets, entry_row, permuted rows; host counts
-  void run_experts(int slot_begin, int slot_end);              // permuted rows of those slots -> expert_out rows
+  void run_experts(int slot_begin, int slot_end);              // permuted rows of those (local) slots -> expert_out rows
   void combine(int64_t num_tokens, float* out);                // expert_out rows -> out [T, H]
+  // combine from other expert-output rows [T * k, H] in the permuted order (the EP layer's returned rows).
+  void combine_rows(const uint16_t* rows, int64_t num_tokens, float* out);
+
+  // The expert stage over rows that are not this layer's permutation (the EP receive side): rows [n, H] lie
+  // in S segments one after another, segment s holding rows_per_segment_slot[s * L + l] rows of local slot
+  // l, l ascending (S = size / L). out [n, H] gets each row's SwiGLU expert output, row for row; n is the
+  // sum of the counts, at most the reserved rows (reserve_expert_rows, else max_tokens * k). One GEMM problem
+  // per non-empty (segment, slot); grouped or per-problem GEMMs as set_expert_gemm says.
+  void run_experts_on(const uint16_t* rows, std::span<const int32_t> rows_per_segment_slot, uint16_t* out);
+  // Scratch for run_experts_on over up to `rows` rows (allocated now, so no forward allocates).
+  void reserve_expert_rows(int64_t rows);
 
   // Device buffers of the last forward (entries [T * k] in router order; rows [T * k] slot-contiguous).
   const float* logits() const { return logits_.as<float>(); }              // [T, E]
@@ -104,7 +130,7 @@ class GpuMoeLayer {
   const int32_t* entry_row() const { return entry_row_.as<int32_t>(); }    // [T * k]
   const uint16_t* permuted() const { return permuted_.as<uint16_t>(); }    // [T * k, H]
   const uint16_t* expert_out() const { return expert_out_.as<uint16_t>(); }  // [T * k, H]
-  // Per-slot entry counts of the last permute, on the host [P].
+  // Per-slot entry counts of the last permute, on the host [P] (global slots).
   std::span<const int32_t> slot_counts() const { return {host_counts_, static_cast<size_t>(shape_.num_slots)}; }
   // FLOPs and minimum HBM bytes of run_experts over [slot_begin, slot_end) for the last permute.
   double expert_flops(int slot_begin, int slot_end) const;
