@@ -63,14 +63,16 @@ class NcclEpMoeLayer {
   const EpForwardStats& last_stats() const { return stats_; }
 
  private:
-  void exchange_and_combine(const uint16_t* x, int64_t num_tokens, float* out, double start_ms);
+  // forward with given logits, or (null) the router GEMM's.
+  void run(const uint16_t* x, const float* logits, int64_t num_tokens, float* out);
 
   NcclCommunicator& ep_;
   int rank_ = 0, world_ = 1, slot_begin_ = 0, num_local_ = 0;
+  backend::MoeLayerShape shape_;  // the global shape
   std::unique_ptr<backend::GpuMoeLayer> layer_;
   bool timing_ = false;
   EpForwardStats stats_;
-  std::vector<int32_t> my_counts_, all_counts_;  // [P] of this rank's permute, [W][P] gathered
+  std::vector<int32_t> all_counts_;              // [W][P] every rank's per-slot counts, gathered
   std::vector<int32_t> recv_slot_counts_;        // [W][L] rows received per (source, local slot)
   std::vector<int64_t> send_bytes_, recv_bytes_;  // [W]
   backend::DeviceBuffer recv_rows_, recv_out_, back_rows_;  // [W * T * k, H] x2, [T * k, H]

@@ -137,10 +137,17 @@ class GpuMoeLayer {
   double expert_min_bytes(int slot_begin, int slot_end) const;
 
  private:
+  // Expert GEMM problems (moe_layer.cpp): one per group of rows sharing a local slot's weights.
+  struct GemmProblems;
+
   // Balanced choice after the router: counts -> host split -> route table -> slots; fills host_counts_.
   void choose_balanced(int64_t num_tokens);
-  // One expert GEMM (0: gate_up, 1: down) over the non-empty slots of [slot_begin, slot_end).
-  void expert_gemm(int gemm_idx, int slot_begin, int slot_end);
+  void check_holds_all_slots() const;
+  const uint16_t* gate_up_of(int local_slot) const;
+  const uint16_t* down_of(int local_slot) const;
+  // One expert GEMM (0: gate_up, 1: down) over problems [first, first + count) of `problems`; auto picks
+  // per-problem GEMMs when `flops` (of both GEMMs) reaches kPerSlotMinFlops.
+  void expert_gemm(const GemmProblems& problems, int gemm_idx, int first, int count, double flops);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
@@ -152,10 +159,13 @@ class GpuMoeLayer {
   unsigned long long* histogram_row_ = nullptr;
   int64_t num_tokens_ = 0;  // of the last route/permute
 
-  DeviceBuffer router_w_, gate_up_w_, down_w_;
+  DeviceBuffer router_w_, gate_up_w_, down_w_;  // [E, H], [L, 2I, H], [L, H, I]
+  std::vector<const uint16_t*> slot_gate_up_, slot_down_;  // set_slot_weights: [L] each, or empty
   DeviceBuffer static_slot_of_, replica_offsets_, replica_slots_, source_streams_;
   DeviceBuffer logits_, expert_ids_, weights_, slots_, multi_draws_, draw_base_;
-  DeviceBuffer counts_, offsets_, cursor_, entry_row_, permuted_, h_, act_, expert_out_;
+  DeviceBuffer counts_, offsets_, cursor_, entry_row_, permuted_, expert_out_;
+  DeviceBuffer h_, act_;       // expert scratch [rows, 2I], [rows, I]
+  int64_t expert_rows_ = 0;    // rows h_ and act_ hold
   // Balanced: entry ranks [T * k], chunk bases, pair counts [S][E], route table (offsets | slots | ends).
   DeviceBuffer entry_rank_, chunk_base_, pair_counts_, routes_;
   std::unique_ptr<eplb::BalancedSplitter> splitter_;
@@ -164,14 +174,11 @@ class GpuMoeLayer {
   std::vector<int32_t> host_pair_counts_, host_routes_;
   std::vector<int64_t> pair_tokens_;
   bool host_counts_from_route_ = false;  // host_counts_ already hold the last route's slot counts
-  // Grouped GEMM problems, one per non-empty slot in slot order, built by permute: compact_begin_[s] is
-  // the first problem of slot >= s; pointer arrays [2 GEMMs][A, B, C][P] on the device (cuBLAS reads
-  // them there) and their pinned host staging, written once per permute.
-  std::vector<int> compact_begin_;  // [P + 1]
-  std::vector<int> problem_rows_;   // [problems]: tokens of each problem's slot
-  DeviceBuffer gemm_ptrs_;
-  int32_t* host_counts_ = nullptr;    // pinned [P + 1]: counts, then the total
-  const void** host_ptrs_ = nullptr;  // pinned [2][3][P]
+  // The permutation's problems, one per non-empty local slot in slot order: compact_begin_[l] is the first
+  // problem of local slot >= l. run_experts_on's problems, one per non-empty (segment, local slot).
+  std::unique_ptr<GemmProblems> own_problems_, recv_problems_;
+  std::vector<int> compact_begin_;  // [L + 1]
+  int32_t* host_counts_ = nullptr;  // pinned [P + 1]: counts, then the total
 };
 
 }  // namespace fulcrum::backend
