@@ -388,7 +388,7 @@ TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
 TEST(MoeLayerLocalSlots, RunExpertsOnMatchesReferenceAndTheWholeLayer) {
   if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const int experts = 16, p = 20, local_begin = 6, l = 7, segments = 3;
-  for (const auto [hidden, intermediate] : {std::pair{64, 48}, std::pair{50, 22}, std::pair{2048, 768}}) {
+  for (const auto& [hidden, intermediate] : {std::pair{64, 48}, std::pair{50, 22}, std::pair{2048, 768}}) {
     const int64_t h = hidden, i = intermediate;
     MoeLayerShape shape;
     shape.hidden_size = hidden;

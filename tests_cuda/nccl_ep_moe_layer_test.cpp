@@ -1,9 +1,9 @@
 // The expert-parallel MoE layer (comm::NcclEpMoeLayer) on 2 GPU rank processes (nccl_rank_util.hpp). Each
 // rank r holds slots [r * P / 2, (r + 1) * P / 2) and its own T_r tokens (source r). Inputs are built on
-// every rank from the same seeds as one padded global batch of 2 sources x max(T_r) tokens (source r's real
-// tokens first): padding tokens come after a source's real ones, so they change neither the static lookup
-// nor a source's dynamic draws of its real tokens (balanced, which would see them, is refused by the layer).
-// Checked per rank, for static and dynamic replica choice, grouped and per-slot GEMMs, with awkward sizes
+// every rank from the same seeds as one global batch: source 0's T_0 tokens padded to max(T_r), then source
+// 1's T_1 tokens. Padding tokens come after source 0's real ones, so they change neither the static lookup
+// nor its dynamic draws; balanced, whose split counts them, runs only without padding (T_0 >= T_1).
+// Checked per rank, for static, dynamic and balanced replica choice, grouped and per-slot GEMMs, with awkward sizes
 // (37 + 19 tokens, a rank with 0 tokens either side, 4099 + 1000, P with replicas, slots with no rows, the
 // Qwen3-30B-A3B hidden/intermediate sizes, hidden 50 / intermediate 22 for the scalar kernel paths):
 //   1e-3   the output vs model::moe::moe_layer_reference over the global batch, ||gpu - ref|| / ||ref||: both
@@ -61,7 +61,7 @@ void check_case(comm::NcclCommunicator& world, int device, const EpCase& c, eplb
   SCOPED_TRACE(name_of(c, algorithm, gemm));
   const int rank = world.rank(), p = c.experts + c.extra_slots, l = p / kWorld;
   const int64_t h = c.hidden, i = c.intermediate, k = c.top_k;
-  const int64_t per_source = std::max<int64_t>({c.tokens[0], c.tokens[1], 1}), global_tokens = kWorld * per_source;
+  const int64_t per_source = std::max<int64_t>({c.tokens[0], c.tokens[1], 1}), global_tokens = per_source + c.tokens[1];
   const int64_t my_tokens = c.tokens[rank], my_first = rank * per_source;
 
   const std::vector<int32_t> map = layer_map_for(c.experts, c.extra_slots, 5);
@@ -173,14 +173,16 @@ void check_case(comm::NcclCommunicator& world, int device, const EpCase& c, eplb
   };
   EXPECT_TRUE(run_with(0) == out) << "the same weights at other addresses changed the output";
   const std::vector<float> shifted = run_with(1);
-  if (my_tokens > 0) EXPECT_FALSE(shifted == out) << "other weights did not change the output";
+  if (my_tokens > 0) {
+    EXPECT_FALSE(shifted == out) << "other weights did not change the output";
+  }
   ep.layer().set_slot_weights({}, {});
   ep.forward_from_logits(d_x.as<uint16_t>(), d_logits.as<float>(), my_tokens, d_out.as<float>());
   EXPECT_TRUE(download_out(ep, d_out, my_tokens * h) == out);
 
-  const moe::ReplicaChoiceSpec balanced =
-      moe::make_replica_choice(eplb::DispatchAlgorithm::kBalanced, map, c.experts, topo, per_source);
-  EXPECT_THROW(ep.set_replica_choice(balanced), Error);
+  const moe::ReplicaChoiceSpec four_sources =
+      moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, c.experts, {p, 2 * kWorld, 1}, per_source);
+  EXPECT_THROW(ep.set_replica_choice(four_sources), Error);
   if (rank == 0) {
     fmt::print("  {}: rel err vs reference {:.2e}, vs one-GPU layer {:.2e}; rank 0 kept {} sent {} received {} rows\n",
                name_of(c, algorithm, gemm), ref_error, whole_error, stats.rows_local, stats.rows_sent,
@@ -195,7 +197,9 @@ TEST(NcclRank, EpMoeMatchesReference) {
   const EpCase cases[] = {{64, 48, 128, 8, 8, {37, 19}},  {50, 22, 40, 4, 8, {0, 23}}, {64, 48, 128, 8, 0, {11, 0}},
                           {2048, 768, 16, 4, 4, {9, 5}}, {64, 48, 40, 4, 8, {4099, 1000}}};
   for (const EpCase& c : cases) {
-    for (const auto algorithm : {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic}) {
+    for (const auto algorithm : {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic,
+                                 eplb::DispatchAlgorithm::kBalanced}) {
+      if (algorithm == eplb::DispatchAlgorithm::kBalanced && c.tokens[0] < c.tokens[1]) continue;  // padded
       for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
         check_case(*world, device, c, algorithm, gemm);
       }
@@ -244,7 +248,6 @@ TEST(NcclRank, EpMoeTiming) {
   std::vector<int32_t> map(128);
   std::iota(map.begin(), map.end(), 0);
   const eplb::Topology topo{128, kWorld, 1};
-  ep.set_replica_choice(moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, 128, topo, t));
   // Uniform routing: i.i.d. logits, so every expert is equally likely in each token's top-k.
   const DeviceBuffer d_logits = to_device(random_bf16_values(t * 128, 100 + rank, 4.0f));
   DeviceBuffer d_x(2 * t * h), d_out(sizeof(float) * t * h);
@@ -254,7 +257,18 @@ TEST(NcclRank, EpMoeTiming) {
     ep.forward_from_logits(d_x.as<uint16_t>(), d_logits.as<float>(), t, d_out.as<float>());
     ep.layer().synchronize();
   };
-  for (const auto gemm : {backend::ExpertGemm::kAuto, backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+  // P = E: one replica per expert, so dynamic and balanced choose the slots static does; their rows show
+  // what the choice itself costs (balanced: a host synchronization in route, the count all-gather, the split).
+  const std::vector<uint64_t> streams = {0xabcdefull, 0x123456ull};
+  const std::pair<eplb::DispatchAlgorithm, backend::ExpertGemm> configs[] = {
+      {eplb::DispatchAlgorithm::kStatic, backend::ExpertGemm::kAuto},
+      {eplb::DispatchAlgorithm::kStatic, backend::ExpertGemm::kGrouped},
+      {eplb::DispatchAlgorithm::kStatic, backend::ExpertGemm::kPerSlot},
+      {eplb::DispatchAlgorithm::kDynamic, backend::ExpertGemm::kAuto},
+      {eplb::DispatchAlgorithm::kBalanced, backend::ExpertGemm::kAuto}};
+  for (const auto& [algorithm, gemm] : configs) {
+    ep.set_replica_choice(moe::make_replica_choice(
+        algorithm, map, 128, topo, t, algorithm == eplb::DispatchAlgorithm::kDynamic ? streams : std::vector<uint64_t>{}));
     ep.layer().set_expert_gemm(gemm);
     ep.set_timing(false);
     const double ms = median_ms(3, 20, forward);
@@ -267,14 +281,38 @@ TEST(NcclRank, EpMoeTiming) {
     std::sort(staged.begin(), staged.end(), [](const auto& a, const auto& b) { return a.experts_ms < b.experts_ms; });
     const comm::EpForwardStats& s = staged[2];
     const char* name = gemm == backend::ExpertGemm::kAuto ? "auto" : gemm == backend::ExpertGemm::kGrouped ? "grouped" : "per-slot";
-    std::printf("EP-2 rank %d, %-8s: forward %.3f ms median of 20 (%.0f tokens/s per rank); with stage timing: "
-                "route+permute %.3f, dispatch %.3f, experts %.3f, combine-exchange %.3f, combine %.3f ms; rows kept %lld "
-                "sent %lld received %lld\n",
-                rank, name, ms, t / ms * 1e3, s.route_permute_ms, s.dispatch_ms, s.experts_ms, s.combine_exchange_ms,
-                s.combine_ms, static_cast<long long>(s.rows_local), static_cast<long long>(s.rows_sent),
+    std::printf("EP-2 rank %d, %-8s %-8s: forward %.3f ms median of 20 (%.0f tokens/s per rank); with stage timing: "
+                "route+permute %.3f, dispatch %.3f (counts %.3f), experts %.3f, combine-exchange %.3f, combine %.3f ms; "
+                "rows kept %lld sent %lld received %lld\n",
+                rank, std::string(eplb::to_string(algorithm)).c_str(), name, ms, t / ms * 1e3, s.route_permute_ms,
+                s.dispatch_ms, s.count_exchange_ms, s.experts_ms, s.combine_exchange_ms, s.combine_ms,
+                static_cast<long long>(s.rows_local), static_cast<long long>(s.rows_sent),
                 static_cast<long long>(s.rows_received));
     std::fflush(stdout);
   }
+  // The expert stage's alternative: received rows regrouped slot-contiguous over the sources (one problem
+  // per local slot instead of per (source, slot)); its GEMMs timed on this rank's last received counts. The
+  // regrouping copy itself (every received row once more each way) is not in this figure.
+  ep.layer().set_expert_gemm(backend::ExpertGemm::kAuto);
+  std::vector<int32_t> segmented(ep.received_counts().begin(), ep.received_counts().end());
+  const int l = ep.num_local_slots();
+  std::vector<int32_t> regrouped(static_cast<size_t>(l), 0);  // [1][L]
+  for (size_t q = 0; q < segmented.size(); ++q) regrouped[q % l] += segmented[q];
+  const int64_t n = std::accumulate(segmented.begin(), segmented.end(), int64_t{0});
+  DeviceBuffer d_rows(2 * n * h), d_rows_out(2 * n * h);
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(d_rows.as<uint16_t>(), n * h, 11, 1.0f, ep.stream()));
+  for (const std::vector<int32_t>* counts : {&segmented, &regrouped}) {
+    const double ms = median_ms(3, 20, [&] {
+      ep.layer().run_experts_on(d_rows.as<uint16_t>(), *counts, d_rows_out.as<uint16_t>());
+      ep.layer().synchronize();
+    });
+    std::printf("EP-2 rank %d experts alone on %lld received rows, %s: %.3f ms (%.0f TFLOP/s)\n", rank,
+                static_cast<long long>(n), counts == &segmented ? "per (source, slot)" : "regrouped per slot", ms,
+                static_cast<double>(n) * 6.0 * h * shape.moe_intermediate_size / ms * 1e-9);
+    std::fflush(stdout);
+  }
+  world->barrier();
+
   // For scale: one GPU holding all 128 slots on both ranks' 8192 tokens (rank 0 alone; rank 1 waits).
   if (rank == 0) {
     backend::MoeLayerShape one = shape;

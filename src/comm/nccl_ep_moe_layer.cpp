@@ -33,6 +33,10 @@ NcclEpMoeLayer::NcclEpMoeLayer(const backend::MoeLayerShape& shape, NcclCommunic
   slot_begin_ = local.local_slot_begin;
   num_local_ = local.num_local_slots;
   layer_ = std::make_unique<backend::GpuMoeLayer>(local, device_idx);  // validates the rest of the shape
+  // Balanced choice splits every rank's (source, expert) counts: an all-gather inside route.
+  layer_->set_balanced_sources(rank_, [this](std::span<const int32_t> mine, std::span<int32_t> all) {
+    ep_.all_gather(std::as_bytes(mine), std::as_writable_bytes(all));
+  });
   // Worst case: every rank sends all its entries here.
   const int64_t max_entries = shape.max_tokens * shape.num_experts_per_tok, max_received = max_entries * world_;
   const auto row_bytes = static_cast<size_t>(2 * shape.hidden_size);
@@ -47,9 +51,6 @@ NcclEpMoeLayer::NcclEpMoeLayer(const backend::MoeLayerShape& shape, NcclCommunic
 }
 
 void NcclEpMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) {
-  FULCRUM_CHECK(spec.algorithm != eplb::DispatchAlgorithm::kBalanced,
-                "EP MoE layer: balanced replica choice is not supported across GPUs (it needs every rank's expert "
-                "counts before the split); use static or dynamic");
   const int e = shape_.num_experts;
   FULCRUM_CHECK(spec.num_sources == world_ && spec.num_slots == shape_.num_slots && spec.num_logical_experts == e,
                 "EP MoE layer: replica choice for {} sources / {} slots / {} experts, the layer has {} ranks / {} / {}",
@@ -66,6 +67,13 @@ void NcclEpMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spe
                   "EP MoE layer: static table of {} entries, expected {} x {}", spec.static_slot_of.size(), world_, e);
     mine.static_slot_of.assign(spec.static_slot_of.begin() + static_cast<ptrdiff_t>(rank_) * e,
                                spec.static_slot_of.begin() + static_cast<ptrdiff_t>(rank_ + 1) * e);
+  } else if (spec.algorithm == eplb::DispatchAlgorithm::kBalanced) {
+    FULCRUM_CHECK(spec.topo.num_gpus == world_, "EP MoE layer: balanced split over {} GPUs for {} ranks",
+                  spec.topo.num_gpus, world_);
+    mine.replica_offsets = spec.replica_offsets;
+    mine.replica_slots = spec.replica_slots;
+    mine.layer_map = spec.layer_map;
+    mine.topo = spec.topo;
   } else {
     FULCRUM_CHECK(spec.source_streams.size() == static_cast<size_t>(world_),
                   "EP MoE layer: {} dynamic source streams for {} ranks", spec.source_streams.size(), world_);
@@ -109,6 +117,7 @@ void NcclEpMoeLayer::run(const uint16_t* x, const float* logits, int64_t num_tok
   // Every rank's per-slot counts [W][P] (small, over the host): what each rank sends to whom.
   const std::span<const int32_t> my_counts = layer.slot_counts();
   ep_.all_gather(std::as_bytes(my_counts), std::as_writable_bytes(std::span(all_counts_)));
+  if (timing_) stats_.count_exchange_ms = now_ms() - mark;
   const int p = shape_.num_slots, l = num_local_;
   const int64_t row_bytes = 2 * int64_t{shape_.hidden_size};
   for (int r = 0; r < world_; ++r) {

@@ -8,9 +8,11 @@
 //   -> expert GEMMs over the received rows (GpuMoeLayer::run_experts_on, one problem per (source, local
 //   slot)) -> all_to_all_v_device back into the positions the rows left from -> combine with the routing
 //   weights (fp32 out).
-// Ranks with 0 tokens join every collective. Replica choice: static and dynamic; balanced (which needs every
-// rank's per-expert counts before the split) is rejected with a one-line error.
-// Host synchronization per forward: permute's (slot counts), the counts all-gather, and one wait per
+// Ranks with 0 tokens join every collective. Replica choice: static, dynamic, and balanced, whose split needs
+// every rank's per-(source, expert) counts: an all-gather of [E] int32 inside route, then every rank runs
+// the same eplb::BalancedSplitter on the same counts and takes its own source's routes.
+// Host synchronization per forward: permute's (slot counts; balanced: route's, for the split), the counts
+// all-gather, and one wait per
 // all_to_all (NcclCommunicator returns when its NCCL work completed; the layer stream is synchronized before
 // each, so NCCL reads rows the layer finished writing).
 // NOTES: the output is bitwise the same whatever the other ranks hold in their expert weights' addresses,
@@ -34,6 +36,7 @@ struct EpForwardStats {
   bool timed = false;
   double route_permute_ms = 0;     // router GEMM, router, permutation (with its count download)
   double dispatch_ms = 0;          // count all-gather + rows all_to_all
+  double count_exchange_ms = 0;    // of which the count all-gather
   double experts_ms = 0;           // expert GEMMs over the received rows
   double combine_exchange_ms = 0;  // rows all_to_all back
   double combine_ms = 0;           // weighted sum into out
@@ -48,8 +51,8 @@ class NcclEpMoeLayer {
   // The rank's layer: upload_weights / randomize_weights (its local slots), set_slot_weights,
   // set_expert_gemm, set_recorder. Its forward must not be called (it holds only the local slots).
   backend::GpuMoeLayer& layer() { return *layer_; }
-  // Global tables (num_sources = W, num_slots = P); this rank uses row / stream r. tokens_per_source is
-  // not used (each rank's tokens are its source). Balanced throws.
+  // Global tables (num_sources = W, num_slots = P; balanced: topo.num_gpus = W); this rank uses row /
+  // stream / source r. tokens_per_source is not used (each rank's tokens are its source).
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
 
   // x: device bf16 [T, H] of this rank's tokens -> out: device fp32 [T, H]; 0 <= T <= max_tokens. Collective.
@@ -61,6 +64,8 @@ class NcclEpMoeLayer {
   int num_local_slots() const { return num_local_; }
   void set_timing(bool on) { timing_ = on; }
   const EpForwardStats& last_stats() const { return stats_; }
+  // Rows the last forward received per (source rank, local slot) [W][L]: run_experts_on's segments.
+  std::span<const int32_t> received_counts() const { return recv_slot_counts_; }
 
  private:
   // forward with given logits, or (null) the router GEMM's.

@@ -232,7 +232,10 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   }
   splitter_.reset();
   if (is_balanced) {
-    FULCRUM_CHECK(spec.topo.num_gpus == spec.num_sources && spec.topo.num_physical_experts == spec.num_slots,
+    // Every source is here, or (expert parallelism) this layer's one source is one of the topology's GPUs.
+    const bool sources_ok = gather_ ? spec.num_sources == 1 && balanced_source_ < spec.topo.num_gpus
+                                    : spec.topo.num_gpus == spec.num_sources;
+    FULCRUM_CHECK(sources_ok && spec.topo.num_physical_experts == spec.num_slots,
                   "balanced dispatch: topology of {} GPUs / {} slots for {} sources / {} slots", spec.topo.num_gpus,
                   spec.topo.num_physical_experts, spec.num_sources, spec.num_slots);
     splitter_ = std::make_unique<eplb::BalancedSplitter>(spec.layer_map, spec.num_logical_experts, spec.topo);
@@ -250,6 +253,13 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   replica_slots_ = upload_array(spec.replica_slots, stream_);
   source_streams_ = upload_array(spec.source_streams, stream_);
   synchronize();
+}
+
+void GpuMoeLayer::set_balanced_sources(int source_idx, CountGather gather) {
+  FULCRUM_CHECK(source_idx >= 0 && gather, "balanced sources: source {} needs a count gather", source_idx);
+  balanced_source_ = source_idx;
+  gather_ = std::move(gather);
+  has_spec_ = false;  // a balanced spec must be checked against the new source
 }
 
 void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
@@ -313,17 +323,29 @@ void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_pair_counts_.data(), pair_counts_.as<int32_t>(), sizeof(int32_t) * pairs,
                                      cudaMemcpyDeviceToHost, stream_));
   synchronize();  // the split needs this pass's counts
-  pair_tokens_.assign(host_pair_counts_.begin(), host_pair_counts_.end());
+  // The split's sources: this layer's, or (expert parallelism) every rank's, this layer's being number
+  // balanced_source_; this layer takes the routes of its own pairs [pair_begin, pair_begin + pairs).
+  const int split_sources = gather_ ? spec_.topo.num_gpus : num_sources;
+  const size_t pair_begin = gather_ ? static_cast<size_t>(balanced_source_) * num_experts : 0;
+  if (gather_) {
+    all_pair_counts_.resize(static_cast<size_t>(split_sources) * num_experts);
+    gather_(host_pair_counts_, all_pair_counts_);
+    pair_tokens_.assign(all_pair_counts_.begin(), all_pair_counts_.end());
+  } else {
+    pair_tokens_.assign(host_pair_counts_.begin(), host_pair_counts_.end());
+  }
   splitter_->split(pair_tokens_, split_);
-  eplb::build_balanced_route_table(split_, num_sources, route_table_);
-  const size_t num_routes = route_table_.slots.size();
+  eplb::build_balanced_route_table(split_, split_sources, route_table_);
+  const int32_t route_begin = route_table_.offsets[pair_begin], route_end = route_table_.offsets[pair_begin + pairs];
+  const auto num_routes = static_cast<size_t>(route_end - route_begin);
   FULCRUM_CHECK(num_routes <= static_cast<size_t>(num_sources) * p, "balanced split: {} routes, at most {}", num_routes,
                 static_cast<size_t>(num_sources) * p);
   // Table for the pick kernel: offsets [S * E + 1] | slots [R] | cumulative ends [R]; slot counts on the host.
-  host_routes_.assign(route_table_.offsets.begin(), route_table_.offsets.end());
-  host_routes_.insert(host_routes_.end(), route_table_.slots.begin(), route_table_.slots.end());
+  host_routes_.clear();
+  for (size_t pair = pair_begin; pair <= pair_begin + pairs; ++pair) host_routes_.push_back(route_table_.offsets[pair] - route_begin);
+  host_routes_.insert(host_routes_.end(), route_table_.slots.begin() + route_begin, route_table_.slots.begin() + route_end);
   std::fill_n(host_counts_, p, 0);
-  for (size_t pair = 0; pair < pairs; ++pair) {
+  for (size_t pair = pair_begin; pair < pair_begin + pairs; ++pair) {
     int64_t routed = 0;  // the pair's routes must hold exactly its entries (the pick kernel relies on it)
     for (int32_t r = route_table_.offsets[pair]; r < route_table_.offsets[pair + 1]; ++r) {
       host_counts_[route_table_.slots[r]] += static_cast<int32_t>(route_table_.ends[r] - routed);
@@ -332,7 +354,7 @@ void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
     FULCRUM_CHECK(routed == pair_tokens_[pair], "balanced split routes {} of {} tokens of (source {}, expert {})",
                   routed, pair_tokens_[pair], pair / num_experts, pair % num_experts);
   }
-  for (const int64_t end : route_table_.ends) host_routes_.push_back(static_cast<int32_t>(end));
+  for (int32_t r = route_begin; r < route_end; ++r) host_routes_.push_back(static_cast<int32_t>(route_table_.ends[r]));
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(routes_.as<int32_t>(), host_routes_.data(), sizeof(int32_t) * host_routes_.size(),
                                      cudaMemcpyHostToDevice, stream_));
   const int32_t* offsets = routes_.as<int32_t>();

@@ -11,6 +11,7 @@
 //
 // This header includes no CUDA header; device pointers are plain pointers (bf16 as uint16_t bits).
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -93,6 +94,12 @@ class GpuMoeLayer {
   void set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down);
   // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
+  // Balanced replica choice over expert-parallel ranks (comm::NcclEpMoeLayer): this layer's tokens are the
+  // one source of its spec, global source `source_idx` of the spec topology's GPUs; `gather` turns this
+  // source's per-expert entry counts [E] into every source's [num_gpus][E] (a collective: route calls it on
+  // every forward, also with 0 tokens). The split runs on those; this layer takes its source's routes.
+  using CountGather = std::function<void(std::span<const int32_t> mine, std::span<int32_t> all)>;
+  void set_balanced_sources(int source_idx, CountGather gather);
   // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
   void set_recorder(unsigned long long* histogram_row) { histogram_row_ = histogram_row; }
   void set_expert_gemm(ExpertGemm gemm) { expert_gemm_ = gemm; }
@@ -171,7 +178,9 @@ class GpuMoeLayer {
   std::unique_ptr<eplb::BalancedSplitter> splitter_;
   eplb::BalancedDispatch split_;
   eplb::BalancedRouteTable route_table_;
-  std::vector<int32_t> host_pair_counts_, host_routes_;
+  std::vector<int32_t> host_pair_counts_, all_pair_counts_, host_routes_;
+  int balanced_source_ = 0;   // with gather_: this layer's source among the topology's GPUs
+  CountGather gather_;
   std::vector<int64_t> pair_tokens_;
   bool host_counts_from_route_ = false;  // host_counts_ already hold the last route's slot counts
   // The permutation's problems, one per non-empty local slot in slot order: compact_begin_[l] is the first
