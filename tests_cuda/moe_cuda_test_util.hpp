@@ -3,7 +3,9 @@
 // copies, bf16 bits, layer maps with replicas, router logits with an expert that never wins, and the
 // per-slot weights of a layer map.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -40,6 +42,24 @@ std::vector<T> to_host(const T* device, int64_t n) {
   std::vector<T> host(static_cast<size_t>(n));
   EXPECT_EQ(cudaMemcpy(host.data(), device, sizeof(T) * host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   return host;
+}
+
+// Bitwise equality of two outputs; when they differ, how many values and by how much (so a failure tells
+// rounding-level nondeterminism from garbage).
+inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& actual, const std::vector<float>& expected) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure() << actual.size() << " values, expected " << expected.size();
+  }
+  int64_t differ = 0;
+  double worst = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    if (std::memcmp(&actual[i], &expected[i], sizeof(float)) == 0) continue;
+    ++differ;
+    worst = std::max(worst, std::abs(double(actual[i]) - expected[i]));
+  }
+  if (differ == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << differ << " of " << actual.size() << " values differ, largest |difference| "
+                                       << worst << ", relative error " << relative_error(actual, expected);
 }
 
 // A layer map with P = E + extra slots: every expert once, then replicas of the first experts (hot ones in

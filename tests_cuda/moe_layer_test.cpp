@@ -368,12 +368,12 @@ TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
       const std::vector<float> own = run();
       const auto same = pointers(0);
       layer->set_slot_weights(same.first, same.second);
-      EXPECT_TRUE(run() == own) << "the same weights at other addresses changed the output";
+      EXPECT_TRUE(bitwise_equal(run(), own)) << "the same weights at other addresses";
       const auto shifted = pointers(1);
       layer->set_slot_weights(shifted.first, shifted.second);
-      EXPECT_FALSE(run() == own) << "other weights did not change the output";
+      EXPECT_FALSE(bitwise_equal(run(), own)) << "other weights did not change the output";
       layer->set_slot_weights({}, {});
-      EXPECT_TRUE(run() == own);
+      EXPECT_TRUE(bitwise_equal(run(), own)) << "own weights again";
     }
     const std::vector<const uint16_t*> too_few(1, d_gate_up.as<uint16_t>());
     EXPECT_THROW(layer->set_slot_weights(too_few, too_few), Error);

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 
@@ -147,9 +148,10 @@ void check_case(comm::NcclCommunicator& world, int device, const EpCase& c, eplb
   ep.layer().set_recorder(nullptr);
   ep.forward(d_x.as<uint16_t>(), my_tokens, d_out.as<float>());
   const std::vector<float> routed = download_out(ep, d_out, my_tokens * h);
+  EXPECT_TRUE(std::all_of(routed.begin(), routed.end(), [](float v) { return std::isfinite(v); }));
   const DeviceBuffer d_own_logits = to_device(to_host(ep.layer().logits(), my_tokens * c.experts));
   ep.forward_from_logits(d_x.as<uint16_t>(), d_own_logits.as<float>(), my_tokens, d_out.as<float>());
-  EXPECT_TRUE(download_out(ep, d_out, my_tokens * h) == routed);
+  EXPECT_TRUE(bitwise_equal(download_out(ep, d_out, my_tokens * h), routed)) << "forward vs forward_from_logits";
 
   // The local slots' weights in reverse order in other buffers: bitwise the same output; shifted by one
   // slot, another output (where this rank has tokens); empty spans: the layer's own weights again.
@@ -171,14 +173,14 @@ void check_case(comm::NcclCommunicator& world, int device, const EpCase& c, eplb
     ep.forward_from_logits(d_x.as<uint16_t>(), d_logits.as<float>(), my_tokens, d_out.as<float>());
     return download_out(ep, d_out, my_tokens * h);
   };
-  EXPECT_TRUE(run_with(0) == out) << "the same weights at other addresses changed the output";
+  EXPECT_TRUE(bitwise_equal(run_with(0), out)) << "the same weights at other addresses";
   const std::vector<float> shifted = run_with(1);
   if (my_tokens > 0) {
-    EXPECT_FALSE(shifted == out) << "other weights did not change the output";
+    EXPECT_FALSE(bitwise_equal(shifted, out)) << "other weights did not change the output";
   }
   ep.layer().set_slot_weights({}, {});
   ep.forward_from_logits(d_x.as<uint16_t>(), d_logits.as<float>(), my_tokens, d_out.as<float>());
-  EXPECT_TRUE(download_out(ep, d_out, my_tokens * h) == out);
+  EXPECT_TRUE(bitwise_equal(download_out(ep, d_out, my_tokens * h), out)) << "own weights again";
 
   const moe::ReplicaChoiceSpec four_sources =
       moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, c.experts, {p, 2 * kWorld, 1}, per_source);
