@@ -44,6 +44,18 @@ std::vector<T> to_host(const T* device, int64_t n) {
   return host;
 }
 
+inline backend::MoeLayerShape moe_shape(int hidden, int intermediate, int experts, int top_k, int slots,
+                                        int64_t max_tokens) {
+  backend::MoeLayerShape shape;
+  shape.hidden_size = hidden;
+  shape.moe_intermediate_size = intermediate;
+  shape.num_experts = experts;
+  shape.num_experts_per_tok = top_k;
+  shape.num_slots = slots;
+  shape.max_tokens = max_tokens;
+  return shape;
+}
+
 // Bitwise equality of two outputs; when they differ, how many values and by how much (so a failure tells
 // rounding-level nondeterminism from garbage).
 inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& actual, const std::vector<float>& expected) {

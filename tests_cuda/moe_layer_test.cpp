@@ -74,13 +74,7 @@ class MoeLayerTest : public ::testing::TestWithParam<eplb::DispatchAlgorithm> {
 
   // The layer with random bf16 weights; replicas copy their logical expert. Fills the host copies.
   std::unique_ptr<GpuMoeLayer> make_layer(const Case& c, const std::vector<int32_t>& map, uint32_t seed) {
-    MoeLayerShape shape;
-    shape.hidden_size = c.hidden;
-    shape.moe_intermediate_size = c.intermediate;
-    shape.num_experts = c.experts;
-    shape.num_experts_per_tok = c.top_k;
-    shape.num_slots = c.experts + c.extra_slots;
-    shape.max_tokens = c.tokens;
+    const MoeLayerShape shape = moe_shape(c.hidden, c.intermediate, c.experts, c.top_k, c.experts + c.extra_slots, c.tokens);
     auto layer = std::make_unique<GpuMoeLayer>(shape);
     MoeWeights w = random_moe_weights(c.hidden, c.intermediate, c.experts, map, seed);
     router_ = std::move(w.router);
@@ -390,13 +384,7 @@ TEST(MoeLayerLocalSlots, RunExpertsOnMatchesReferenceAndTheWholeLayer) {
   const int experts = 16, p = 20, local_begin = 6, l = 7, segments = 3;
   for (const auto& [hidden, intermediate] : {std::pair{64, 48}, std::pair{50, 22}, std::pair{2048, 768}}) {
     const int64_t h = hidden, i = intermediate;
-    MoeLayerShape shape;
-    shape.hidden_size = hidden;
-    shape.moe_intermediate_size = intermediate;
-    shape.num_experts = experts;
-    shape.num_experts_per_tok = 4;
-    shape.num_slots = p;
-    shape.max_tokens = 4;
+    const MoeLayerShape shape = moe_shape(hidden, intermediate, experts, 4, p, 4);
     MoeLayerShape local_shape = shape;
     local_shape.local_slot_begin = local_begin;
     local_shape.num_local_slots = l;

@@ -75,13 +75,7 @@ void check_case(comm::NcclCommunicator& world, int device, const EpCase& c, eplb
       algorithm, map, c.experts, topo, per_source,
       algorithm == eplb::DispatchAlgorithm::kDynamic ? streams : std::vector<uint64_t>{});
 
-  backend::MoeLayerShape shape;
-  shape.hidden_size = c.hidden;
-  shape.moe_intermediate_size = c.intermediate;
-  shape.num_experts = c.experts;
-  shape.num_experts_per_tok = c.top_k;
-  shape.num_slots = p;
-  shape.max_tokens = per_source;
+  const backend::MoeLayerShape shape = moe_shape(c.hidden, c.intermediate, c.experts, c.top_k, p, per_source);
   comm::NcclEpMoeLayer ep(shape, world, device);
   EXPECT_EQ(ep.slot_begin(), rank * l);
   EXPECT_EQ(ep.num_local_slots(), l);
@@ -208,14 +202,7 @@ TEST(NcclRank, EpMoeMatchesReference) {
     }
   }
   // Bad shapes: P not a multiple of the EP ranks.
-  backend::MoeLayerShape odd;
-  odd.hidden_size = 64;
-  odd.moe_intermediate_size = 48;
-  odd.num_experts = 16;
-  odd.num_experts_per_tok = 4;
-  odd.num_slots = 17;
-  odd.max_tokens = 4;
-  EXPECT_THROW(comm::NcclEpMoeLayer(odd, *world, device), Error);
+  EXPECT_THROW(comm::NcclEpMoeLayer(moe_shape(64, 48, 16, 4, 17, 4), *world, device), Error);
 }
 
 // Median of host-timed forwards (each ends with a stream synchronization), after warm-up.
@@ -237,13 +224,7 @@ TEST(NcclRank, EpMoeTiming) {
   auto world = join_world(*env);
   const int device = env->rank % backend::CudaBackend::device_count();
   const int rank = world->rank();
-  backend::MoeLayerShape shape;  // Qwen3-30B-A3B MoE layer, trivial placement P = E
-  shape.hidden_size = 2048;
-  shape.moe_intermediate_size = 768;
-  shape.num_experts = 128;
-  shape.num_experts_per_tok = 8;
-  shape.num_slots = 128;
-  shape.max_tokens = 4096;
+  const backend::MoeLayerShape shape = moe_shape(2048, 768, 128, 8, 128, 4096);  // Qwen3-30B-A3B, P = E
   const int64_t t = shape.max_tokens, h = shape.hidden_size;
   comm::NcclEpMoeLayer ep(shape, *world, device);
   ep.layer().randomize_weights(7);
