@@ -11,7 +11,8 @@
 //   exact      expert ids, physical slots (static table lookup; dynamic SplitMix64 draws; balanced split
 //              and per-(source, expert) entry ranks, across 256-token chunks and idle sources), recorder
 //              histogram, slot counts / offsets, permuted rows (copies), inverse index (checked as a
-//              bijection onto each slot's rows)
+//              bijection onto each slot's rows), the layer's output with set_slot_weights pointing at the
+//              same values elsewhere, run_experts_on of a local-slot layer vs a layer holding every slot
 //   1e-6 abs   routing weights (double softmax on both sides, only the double summation order differs)
 //   1e-3       expert output rows and the layer output vs the bf16 reference, as ||gpu - ref|| / ||ref||:
 //              both round to bf16 at the same points, so they differ only where fp32 sums in another
@@ -34,10 +35,11 @@
 #include "backend/cpu/cpu_backend.hpp"
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/moe_layer.hpp"
+#include "eplb/error.hpp"
 #include "model/checkpoint_writer.hpp"
 #include "model/model_parallel.hpp"
 #include "model/moe_reference.hpp"
-#include "moe_test_util.hpp"
+#include "moe_cuda_test_util.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -64,43 +66,6 @@ std::string name_of(const Case& c) {
                      c.tokens, c.sources);
 }
 
-std::vector<uint16_t> to_bits(const std::vector<float>& v) {
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = model::f32_to_bf16_bits(v[i]);
-  return bits;
-}
-
-template <typename T>
-DeviceBuffer to_device(const std::vector<T>& host) {
-  DeviceBuffer buf(sizeof(T) * std::max<size_t>(host.size(), 1));
-  EXPECT_EQ(cudaMemcpy(buf.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  return buf;
-}
-
-template <typename T>
-std::vector<T> to_host(const T* device, int64_t n) {
-  std::vector<T> host(static_cast<size_t>(n));
-  EXPECT_EQ(cudaMemcpy(host.data(), device, sizeof(T) * host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  return host;
-}
-
-// A layer map with P = E + extra slots over `gpus` GPUs: every expert once, then replicas of the first
-// experts (hot ones in a real placement), shuffled so replicas land on different GPUs.
-std::vector<int32_t> layer_map_for(int experts, int extra, uint32_t seed) {
-  std::vector<int32_t> map(static_cast<size_t>(experts + extra));
-  for (int s = 0; s < experts + extra; ++s) map[s] = s < experts ? s : (s - experts) % experts;
-  std::mt19937 rng(seed);
-  std::shuffle(map.begin(), map.end(), rng);
-  return map;
-}
-
-// Random logits [T, E]; expert 3 never wins (a slot, or several, with zero tokens).
-std::vector<float> random_logits(int64_t tokens, int experts, uint32_t seed) {
-  std::vector<float> logits = random_bf16_values(tokens * experts, seed, 4.0f);
-  for (int64_t t = 0; t < tokens; ++t) logits[static_cast<size_t>(t * experts + 3)] = -30.0f;
-  return logits;
-}
-
 class MoeLayerTest : public ::testing::TestWithParam<eplb::DispatchAlgorithm> {
  protected:
   void SetUp() override {
@@ -109,24 +74,14 @@ class MoeLayerTest : public ::testing::TestWithParam<eplb::DispatchAlgorithm> {
 
   // The layer with random bf16 weights; replicas copy their logical expert. Fills the host copies.
   std::unique_ptr<GpuMoeLayer> make_layer(const Case& c, const std::vector<int32_t>& map, uint32_t seed) {
-    MoeLayerShape shape;
-    shape.hidden_size = c.hidden;
-    shape.moe_intermediate_size = c.intermediate;
-    shape.num_experts = c.experts;
-    shape.num_experts_per_tok = c.top_k;
-    shape.num_slots = c.experts + c.extra_slots;
-    shape.max_tokens = c.tokens;
+    const MoeLayerShape shape = moe_shape(c.hidden, c.intermediate, c.experts, c.top_k, c.experts + c.extra_slots, c.tokens);
     auto layer = std::make_unique<GpuMoeLayer>(shape);
-    const int64_t h = c.hidden, i = c.intermediate;
-    router_ = random_bf16_values(c.experts * h, seed, 1.0f / std::sqrt(float(h)));
-    logical_gate_up_ = random_bf16_values(c.experts * 2 * i * h, seed + 1, 1.0f / std::sqrt(float(h)));
-    logical_down_ = random_bf16_values(c.experts * h * i, seed + 2, 1.0f / std::sqrt(float(i)));
-    gate_up_.clear();
-    down_.clear();
-    for (const int32_t e : map) {
-      gate_up_.insert(gate_up_.end(), logical_gate_up_.begin() + e * 2 * i * h, logical_gate_up_.begin() + (e + 1) * 2 * i * h);
-      down_.insert(down_.end(), logical_down_.begin() + e * h * i, logical_down_.begin() + (e + 1) * h * i);
-    }
+    MoeWeights w = random_moe_weights(c.hidden, c.intermediate, c.experts, map, seed);
+    router_ = std::move(w.router);
+    logical_gate_up_ = std::move(w.logical_gate_up);
+    logical_down_ = std::move(w.logical_down);
+    gate_up_ = std::move(w.gate_up);
+    down_ = std::move(w.down);
     layer->upload_weights(to_bits(router_), to_bits(gate_up_), to_bits(down_));
     return layer;
   }
@@ -283,11 +238,6 @@ TEST_P(MoeLayerTest, ExpertsAndCombineMatchReference) {
       layer->synchronize();
 
       const int64_t n = c.tokens * c.top_k, h = c.hidden, i = c.intermediate;
-      const auto to_floats = [](const std::vector<uint16_t>& bits) {
-        std::vector<float> v(bits.size());
-        for (size_t q = 0; q < bits.size(); ++q) v[q] = model::bf16_bits_to_f32(bits[q]);
-        return v;
-      };
       const std::vector<float> permuted = to_floats(to_host(layer->permuted(), n * h));
       const std::vector<float> rows = to_floats(to_host(layer->expert_out(), n * h));
       std::vector<float> expected_rows(rows.size());
@@ -369,6 +319,130 @@ TEST_P(MoeLayerTest, LayerMatchesModelMoeBlock) {
     EXPECT_LE(model_error, kModelTolerance);
     fmt::print("  {} layer rel err vs bf16 reference {:.2e}, vs fp32 model block {:.2e}, logits {:.2e}\n", name_of(c),
                ref_error, model_error, worst_logit);
+  }
+}
+
+// Expert weights held elsewhere (set_slot_weights, a slot pool's buffers): the same values at other
+// addresses give bitwise the same output with both GEMM paths; other values change it (the pointers are
+// read); empty spans go back to the layer's own weights.
+TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
+  for (const Case c : {Case{64, 48, 128, 8, 8, 333, 4}, Case{2048, 768, 16, 4, 4, 9, 4}}) {
+    const std::vector<int32_t> map = layer_map_for(c.experts, c.extra_slots, 17);
+    auto layer = make_layer(c, map, 18);
+    layer->set_replica_choice(spec_for(c, map));
+    const int p = c.experts + c.extra_slots;
+    const int64_t gate_up_size = 2 * int64_t{c.intermediate} * c.hidden, down_size = int64_t{c.hidden} * c.intermediate;
+    // The slots' weights in reverse slot order in other buffers.
+    std::vector<float> gate_up_reversed, down_reversed;
+    for (int s = p - 1; s >= 0; --s) {
+      gate_up_reversed.insert(gate_up_reversed.end(), gate_up_.begin() + s * gate_up_size, gate_up_.begin() + (s + 1) * gate_up_size);
+      down_reversed.insert(down_reversed.end(), down_.begin() + s * down_size, down_.begin() + (s + 1) * down_size);
+    }
+    const DeviceBuffer d_gate_up = to_device(to_bits(gate_up_reversed)), d_down = to_device(to_bits(down_reversed));
+    const auto pointers = [&](int shift) {
+      std::pair<std::vector<const uint16_t*>, std::vector<const uint16_t*>> ptrs;
+      for (int s = 0; s < p; ++s) {
+        const int held = p - 1 - (s + shift) % p;  // where slot (s + shift)'s weights lie
+        ptrs.first.push_back(d_gate_up.as<uint16_t>() + held * gate_up_size);
+        ptrs.second.push_back(d_down.as<uint16_t>() + held * down_size);
+      }
+      return ptrs;
+    };
+    const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(c.tokens * c.hidden, 27, 1.0f)));
+    DeviceBuffer d_out(sizeof(float) * c.tokens * c.hidden);
+    const auto run = [&] {
+      layer->forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>());
+      layer->synchronize();
+      return to_host(d_out.as<float>(), c.tokens * c.hidden);
+    };
+    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+      SCOPED_TRACE(name_of(c) + (gemm == backend::ExpertGemm::kGrouped ? " grouped" : " per-slot"));
+      layer->set_expert_gemm(gemm);
+      layer->set_slot_weights({}, {});
+      const std::vector<float> own = run();
+      const auto same = pointers(0);
+      layer->set_slot_weights(same.first, same.second);
+      EXPECT_TRUE(bitwise_equal(run(), own)) << "the same weights at other addresses";
+      const auto shifted = pointers(1);
+      layer->set_slot_weights(shifted.first, shifted.second);
+      EXPECT_FALSE(bitwise_equal(run(), own)) << "other weights did not change the output";
+      layer->set_slot_weights({}, {});
+      EXPECT_TRUE(bitwise_equal(run(), own)) << "own weights again";
+    }
+    const std::vector<const uint16_t*> too_few(1, d_gate_up.as<uint16_t>());
+    EXPECT_THROW(layer->set_slot_weights(too_few, too_few), Error);
+  }
+}
+
+// The EP receive side on one GPU: a layer holding local slots [6, 13) of 20 runs its experts on rows in 3
+// segments (slot-contiguous, some (segment, slot) groups and one whole segment empty) -> the reference's
+// SwiGLU rows. randomize_weights gives local slot l the values of global slot 6 + l: the same rows through a
+// layer holding all 20 slots (randomized with the same seed) give bitwise the same output. forward on a
+// layer without all slots is refused.
+TEST(MoeLayerLocalSlots, RunExpertsOnMatchesReferenceAndTheWholeLayer) {
+  if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const int experts = 16, p = 20, local_begin = 6, l = 7, segments = 3;
+  for (const auto& [hidden, intermediate] : {std::pair{64, 48}, std::pair{50, 22}, std::pair{2048, 768}}) {
+    const int64_t h = hidden, i = intermediate;
+    const MoeLayerShape shape = moe_shape(hidden, intermediate, experts, 4, p, 4);
+    MoeLayerShape local_shape = shape;
+    local_shape.local_slot_begin = local_begin;
+    local_shape.num_local_slots = l;
+    std::vector<int32_t> counts(static_cast<size_t>(segments * l));  // [segment][local slot]
+    std::mt19937 rng(hidden);
+    for (size_t q = 0; q < counts.size(); ++q) counts[q] = q / l == 1 ? 0 : static_cast<int32_t>(rng() % 6);
+    counts[2] = 0;
+    const int64_t n = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+    const std::vector<float> rows = random_bf16_values(n * h, 28, 1.0f);
+    const DeviceBuffer d_rows = to_device(to_bits(rows));
+    DeviceBuffer d_out(2 * n * h), d_whole_out(2 * n * h);
+
+    GpuMoeLayer local(local_shape);
+    local.reserve_expert_rows(n);
+    const std::vector<int32_t> map = layer_map_for(experts, p - experts, 19);
+    const MoeWeights w = random_moe_weights(hidden, intermediate, experts, map, 20);
+    local.upload_weights(to_bits(w.router), to_bits(slot_range(w.gate_up, local_begin, l, 2 * i * h)),
+                         to_bits(slot_range(w.down, local_begin, l, h * i)));
+    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+      SCOPED_TRACE(fmt::format("H{} I{} {}", hidden, intermediate, gemm == backend::ExpertGemm::kGrouped ? "grouped" : "per-slot"));
+      local.set_expert_gemm(gemm);
+      local.run_experts_on(d_rows.as<uint16_t>(), counts, d_out.as<uint16_t>());
+      local.synchronize();
+      const std::vector<float> out = to_floats(to_host(d_out.as<uint16_t>(), n * h));
+      std::vector<float> expected(out.size());
+      int64_t row = 0;
+      for (size_t q = 0; q < counts.size(); ++q) {
+        const int slot = local_begin + static_cast<int>(q % l);
+        const auto ys = moe::swiglu_expert_reference(std::span(rows).subspan(row * h, counts[q] * h), counts[q],
+                                                     std::span(w.gate_up).subspan(slot * 2 * i * h, 2 * i * h),
+                                                     std::span(w.down).subspan(slot * h * i, h * i), hidden, intermediate);
+        std::copy(ys.begin(), ys.end(), expected.begin() + row * h);
+        row += counts[q];
+      }
+      const double error = relative_error(out, expected);
+      EXPECT_LE(error, kBf16Tolerance);
+      fmt::print("  run_experts_on H{} I{}: {} rows, rel err {:.2e}\n", hidden, intermediate, n, error);
+    }
+
+    GpuMoeLayer whole(shape);
+    whole.reserve_expert_rows(n);
+    whole.randomize_weights(77);
+    local.randomize_weights(77);
+    std::vector<int32_t> whole_counts(static_cast<size_t>(segments * p), 0);  // [segment][slot]
+    for (size_t q = 0; q < counts.size(); ++q) whole_counts[(q / l) * p + local_begin + q % l] = counts[q];
+    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+      local.set_expert_gemm(gemm);
+      whole.set_expert_gemm(gemm);
+      local.run_experts_on(d_rows.as<uint16_t>(), counts, d_out.as<uint16_t>());
+      whole.run_experts_on(d_rows.as<uint16_t>(), whole_counts, d_whole_out.as<uint16_t>());
+      local.synchronize();
+      whole.synchronize();
+      EXPECT_EQ(to_host(d_out.as<uint16_t>(), n * h), to_host(d_whole_out.as<uint16_t>(), n * h)) << "H" << hidden;
+    }
+    const DeviceBuffer d_x = to_device(std::vector<uint16_t>(4 * h, 0));
+    DeviceBuffer d_layer_out(sizeof(float) * 4 * h);
+    EXPECT_THROW(local.forward(d_x.as<uint16_t>(), 4, d_layer_out.as<float>()), Error);
+    EXPECT_THROW(local.run_experts_on(d_rows.as<uint16_t>(), std::vector<int32_t>(5, 1), d_out.as<uint16_t>()), Error);
   }
 }
 

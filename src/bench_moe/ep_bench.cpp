@@ -3,8 +3,8 @@
 // Every rank holds T tokens per forward (--tokens is per rank) and P / W slots. Per model and T it measures
 // the step (host clock from a barrier to the end of the forward on every rank; the figure is the slowest
 // rank's median) for the routing scenarios of the one-GPU run: uniform, real loads without EPLB, real loads
-// with the fulcrum planner's placement of E + --redundant slots over the W GPUs (static and dynamic replica
-// choice); recorder on and off interleaved. Then live migration (migration_bench.cpp).
+// with the fulcrum planner's placement of E + --redundant slots over the W GPUs (static, dynamic and balanced
+// replica choice); recorder on and off interleaved. Then live migration (migration_bench.cpp).
 #include <chrono>
 #include <numeric>
 
@@ -150,7 +150,8 @@ void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::N
         {"uniform", &plain, trivial, &uniform, eplb::DispatchAlgorithm::kStatic},
         {"loads_no_eplb", &plain, trivial, &real, eplb::DispatchAlgorithm::kStatic},
         {"loads_eplb_static", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kStatic},
-        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic}};
+        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic},
+        {"loads_eplb_balanced", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kBalanced}};
     for (const int64_t tokens : opt.tokens) {
       double uniform_ms = 0;
       for (const EpScenario& sc : scenarios) {

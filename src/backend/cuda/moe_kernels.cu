@@ -273,10 +273,10 @@ __global__ void f32_to_bf16_kernel(const float* in, int64_t n, uint16_t* out) {
   }
 }
 
-__global__ void fill_random_bf16_kernel(uint16_t* out, int64_t n, uint64_t seed, float scale) {
+__global__ void fill_random_bf16_kernel(uint16_t* out, int64_t n, uint64_t seed, float scale, int64_t first_index) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t z = splitmix_mix(seed + static_cast<uint64_t>(i + 1) * kGolden);
+    const uint64_t z = splitmix_mix(seed + static_cast<uint64_t>(first_index + i + 1) * kGolden);
     const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
     out[i] = f32_to_bf16((2.0f * u - 1.0f) * scale);
   }
@@ -465,9 +465,10 @@ cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaSt
   return cudaGetLastError();
 }
 
-cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream,
+                                    int64_t first_index) {
   if (n == 0) return cudaSuccess;
-  fill_random_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(out, n, seed, scale);
+  fill_random_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(out, n, seed, scale, first_index);
   return cudaGetLastError();
 }
 

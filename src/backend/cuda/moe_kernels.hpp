@@ -87,8 +87,10 @@ cudaError_t launch_combine_bf16(const uint16_t* rows, const int32_t* entry_row, 
                                 int64_t num_tokens, int top_k, int hidden_size, uint16_t* out, cudaStream_t stream);
 
 // fp32 -> bf16 (round to nearest even), and a deterministic pseudo-random fill in [-scale, scale) (bench
-// weights without a host round trip): value i is a hash of (seed, i).
+// weights without a host round trip): out[i] is a hash of (seed, first_index + i), so a slice of an array
+// can be filled with the values the whole array would hold there.
 cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream);
-cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream,
+                                    int64_t first_index = 0);
 
 }  // namespace fulcrum::cuda::moe

@@ -46,6 +46,51 @@ DeviceBuffer upload_array(const std::vector<T>& host, cudaStream_t stream) {
 
 }  // namespace
 
+// Pointer arrays [2 GEMMs][A, B, C][capacity] in pinned host memory and on the device (cuBLAS's grouped GEMM
+// reads them there), one entry per problem. `uploaded` follows the last upload; the host array is rewritten
+// only after it (begin waits), so a problem list can be rebuilt while the GPU still runs the last forward.
+struct GpuMoeLayer::GemmProblems {
+  int capacity = 0;
+  std::vector<int> rows;  // [problems]
+  const void** host = nullptr;
+  DeviceBuffer device;
+  cudaEvent_t uploaded = nullptr;
+
+  GemmProblems() { FULCRUM_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming)); }
+  ~GemmProblems() {
+    if (uploaded != nullptr) cudaEventSynchronize(uploaded);
+    if (host != nullptr) cudaFreeHost(host);
+    if (uploaded != nullptr) cudaEventDestroy(uploaded);
+  }
+  GemmProblems(const GemmProblems&) = delete;
+  GemmProblems& operator=(const GemmProblems&) = delete;
+
+  // Starts a new list of up to `n` problems.
+  void begin(int n) {
+    FULCRUM_CUDA_CHECK(cudaEventSynchronize(uploaded));
+    if (n > capacity) {
+      if (host != nullptr) FULCRUM_CUDA_CHECK(cudaFreeHost(host));
+      host = nullptr;
+      FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host), sizeof(void*) * 6 * n));
+      device = device_array<void*>(6 * static_cast<int64_t>(n));
+      capacity = n;
+    }
+    rows.clear();
+  }
+  const void** at(int gemm_idx, int operand) const { return host + (3 * gemm_idx + operand) * capacity; }
+  void add(int n, const void* w1, const void* x, void* h, const void* w2, const void* act, void* out) {
+    const size_t q = rows.size();
+    const void* values[6] = {w1, x, h, w2, act, out};
+    for (int v = 0; v < 6; ++v) at(v / 3, v % 3)[q] = values[v];
+    rows.push_back(n);
+  }
+  void upload(cudaStream_t stream) {
+    if (capacity == 0) return;
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(device.as<void*>(), host, sizeof(void*) * 6 * capacity, cudaMemcpyHostToDevice, stream));
+    FULCRUM_CUDA_CHECK(cudaEventRecord(uploaded, stream));
+  }
+};
+
 GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx) : shape_(shape), device_idx_(device_idx) {
   FULCRUM_CHECK(shape.hidden_size > 0 && shape.moe_intermediate_size > 0 && shape.max_tokens > 0,
                 "MoE layer: hidden {} / intermediate {} / max tokens {} must be positive", shape.hidden_size,
@@ -58,6 +103,10 @@ GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx) : shape_(sh
                 shape.num_experts);
   FULCRUM_CHECK(shape.num_slots >= shape.num_experts, "MoE layer: {} slots for {} experts", shape.num_slots,
                 shape.num_experts);
+  FULCRUM_CHECK(shape.local_slot_begin >= 0 && shape.local_slots() >= 1 &&
+                    shape.local_slot_begin + shape.local_slots() <= shape.num_slots,
+                "MoE layer: local slots [{}, {} + {}) outside the {} slots", shape.local_slot_begin,
+                shape.local_slot_begin, shape.local_slots(), shape.num_slots);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
   cudaStream_t stream = nullptr;
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -68,10 +117,10 @@ GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx) : shape_(sh
   FULCRUM_CUBLAS_CHECK(cublasSetStream(handle, stream));
 
   const int64_t h = shape.hidden_size, i = shape.moe_intermediate_size, e = shape.num_experts, p = shape.num_slots;
-  const int64_t t = shape.max_tokens, n = t * shape.num_experts_per_tok;
+  const int64_t t = shape.max_tokens, n = t * shape.num_experts_per_tok, l = shape.local_slots();
   router_w_ = device_array<uint16_t>(e * h);
-  gate_up_w_ = device_array<uint16_t>(p * 2 * i * h);
-  down_w_ = device_array<uint16_t>(p * h * i);
+  gate_up_w_ = device_array<uint16_t>(l * 2 * i * h);
+  down_w_ = device_array<uint16_t>(l * h * i);
   logits_ = device_array<float>(t * e);
   expert_ids_ = device_array<int32_t>(n);
   weights_ = device_array<float>(n);
@@ -83,23 +132,60 @@ GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx) : shape_(sh
   cursor_ = device_array<int32_t>(p);
   entry_row_ = device_array<int32_t>(n);
   permuted_ = device_array<uint16_t>(n * h);
-  h_ = device_array<uint16_t>(n * 2 * i);
-  act_ = device_array<uint16_t>(n * i);
   expert_out_ = device_array<uint16_t>(n * h);
-  gemm_ptrs_ = device_array<void*>(6 * p);
+  reserve_expert_rows(n);
+  own_problems_ = std::make_unique<GemmProblems>();
+  recv_problems_ = std::make_unique<GemmProblems>();
+  own_problems_->begin(static_cast<int>(l));
   FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_), sizeof(int32_t) * (p + 1)));
-  FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_ptrs_), sizeof(void*) * 6 * p));
 }
 
 GpuMoeLayer::~GpuMoeLayer() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  own_problems_.reset();
+  recv_problems_.reset();
   if (host_counts_ != nullptr) cudaFreeHost(host_counts_);
-  if (host_ptrs_ != nullptr) cudaFreeHost(host_ptrs_);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
 void GpuMoeLayer::synchronize() { FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void GpuMoeLayer::reserve_expert_rows(int64_t rows) {
+  if (rows <= expert_rows_) return;
+  synchronize();  // the old scratch may still be in use
+  h_ = device_array<uint16_t>(rows * 2 * shape_.moe_intermediate_size);
+  act_ = device_array<uint16_t>(rows * shape_.moe_intermediate_size);
+  expert_rows_ = rows;
+}
+
+void GpuMoeLayer::check_holds_all_slots() const {
+  FULCRUM_CHECK(shape_.local_slots() == shape_.num_slots,
+                "MoE layer holds slots [{}, {}) of {}: forward needs them all (expert parallelism: comm::NcclEpMoeLayer)",
+                shape_.local_slot_begin, shape_.local_slot_begin + shape_.local_slots(), shape_.num_slots);
+}
+
+const uint16_t* GpuMoeLayer::gate_up_of(int local_slot) const {
+  if (!slot_gate_up_.empty()) return slot_gate_up_[static_cast<size_t>(local_slot)];
+  return gate_up_w_.as<uint16_t>() + int64_t{local_slot} * 2 * shape_.moe_intermediate_size * shape_.hidden_size;
+}
+
+const uint16_t* GpuMoeLayer::down_of(int local_slot) const {
+  if (!slot_down_.empty()) return slot_down_[static_cast<size_t>(local_slot)];
+  return down_w_.as<uint16_t>() + int64_t{local_slot} * shape_.hidden_size * shape_.moe_intermediate_size;
+}
+
+void GpuMoeLayer::set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down) {
+  const size_t l = static_cast<size_t>(shape_.local_slots());
+  FULCRUM_CHECK(gate_up.size() == down.size() && (gate_up.empty() || gate_up.size() == l),
+                "set_slot_weights: {} gate_up and {} down pointers, expected {} each (or none)", gate_up.size(),
+                down.size(), l);
+  for (size_t q = 0; q < gate_up.size(); ++q) {
+    FULCRUM_CHECK(gate_up[q] != nullptr && down[q] != nullptr, "set_slot_weights: null pointer for local slot {}", q);
+  }
+  slot_gate_up_.assign(gate_up.begin(), gate_up.end());
+  slot_down_.assign(down.begin(), down.end());
+}
 
 void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<const uint16_t> gate_up,
                                  std::span<const uint16_t> down) {
@@ -116,8 +202,12 @@ void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<con
 void GpuMoeLayer::randomize_weights(uint64_t seed) {
   const float h = static_cast<float>(shape_.hidden_size), i = static_cast<float>(shape_.moe_intermediate_size);
   FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(router_w_.as<uint16_t>(), router_w_.bytes() / 2, seed, 1.0f / std::sqrt(h), stream_));
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(gate_up_w_.as<uint16_t>(), gate_up_w_.bytes() / 2, seed + 1, 1.0f / std::sqrt(h), stream_));
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(down_w_.as<uint16_t>(), down_w_.bytes() / 2, seed + 2, 1.0f / std::sqrt(i), stream_));
+  // Local slot l takes the values of global slot local_slot_begin + l in the global [P, ...] arrays.
+  const int64_t slot_values = int64_t{shape_.hidden_size} * shape_.moe_intermediate_size, first = shape_.local_slot_begin;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(gate_up_w_.as<uint16_t>(), gate_up_w_.bytes() / 2, seed + 1,
+                                                        1.0f / std::sqrt(h), stream_, first * 2 * slot_values));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(down_w_.as<uint16_t>(), down_w_.bytes() / 2, seed + 2,
+                                                        1.0f / std::sqrt(i), stream_, first * slot_values));
 }
 
 void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) {
@@ -142,7 +232,10 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   }
   splitter_.reset();
   if (is_balanced) {
-    FULCRUM_CHECK(spec.topo.num_gpus == spec.num_sources && spec.topo.num_physical_experts == spec.num_slots,
+    // Every source is here, or (expert parallelism) this layer's one source is one of the topology's GPUs.
+    const bool sources_ok = gather_ ? spec.num_sources == 1 && balanced_source_ < spec.topo.num_gpus
+                                    : spec.topo.num_gpus == spec.num_sources;
+    FULCRUM_CHECK(sources_ok && spec.topo.num_physical_experts == spec.num_slots,
                   "balanced dispatch: topology of {} GPUs / {} slots for {} sources / {} slots", spec.topo.num_gpus,
                   spec.topo.num_physical_experts, spec.num_sources, spec.num_slots);
     splitter_ = std::make_unique<eplb::BalancedSplitter>(spec.layer_map, spec.num_logical_experts, spec.topo);
@@ -160,6 +253,13 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   replica_slots_ = upload_array(spec.replica_slots, stream_);
   source_streams_ = upload_array(spec.source_streams, stream_);
   synchronize();
+}
+
+void GpuMoeLayer::set_balanced_sources(int source_idx, CountGather gather) {
+  FULCRUM_CHECK(source_idx >= 0 && gather, "balanced sources: source {} needs a count gather", source_idx);
+  balanced_source_ = source_idx;
+  gather_ = std::move(gather);
+  has_spec_ = false;  // a balanced spec must be checked against the new source
 }
 
 void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
@@ -223,17 +323,29 @@ void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_pair_counts_.data(), pair_counts_.as<int32_t>(), sizeof(int32_t) * pairs,
                                      cudaMemcpyDeviceToHost, stream_));
   synchronize();  // the split needs this pass's counts
-  pair_tokens_.assign(host_pair_counts_.begin(), host_pair_counts_.end());
+  // The split's sources: this layer's, or (expert parallelism) every rank's, this layer's being number
+  // balanced_source_; this layer takes the routes of its own pairs [pair_begin, pair_begin + pairs).
+  const int split_sources = gather_ ? spec_.topo.num_gpus : num_sources;
+  const size_t pair_begin = gather_ ? static_cast<size_t>(balanced_source_) * num_experts : 0;
+  if (gather_) {
+    all_pair_counts_.resize(static_cast<size_t>(split_sources) * num_experts);
+    gather_(host_pair_counts_, all_pair_counts_);
+    pair_tokens_.assign(all_pair_counts_.begin(), all_pair_counts_.end());
+  } else {
+    pair_tokens_.assign(host_pair_counts_.begin(), host_pair_counts_.end());
+  }
   splitter_->split(pair_tokens_, split_);
-  eplb::build_balanced_route_table(split_, num_sources, route_table_);
-  const size_t num_routes = route_table_.slots.size();
+  eplb::build_balanced_route_table(split_, split_sources, route_table_);
+  const int32_t route_begin = route_table_.offsets[pair_begin], route_end = route_table_.offsets[pair_begin + pairs];
+  const auto num_routes = static_cast<size_t>(route_end - route_begin);
   FULCRUM_CHECK(num_routes <= static_cast<size_t>(num_sources) * p, "balanced split: {} routes, at most {}", num_routes,
                 static_cast<size_t>(num_sources) * p);
   // Table for the pick kernel: offsets [S * E + 1] | slots [R] | cumulative ends [R]; slot counts on the host.
-  host_routes_.assign(route_table_.offsets.begin(), route_table_.offsets.end());
-  host_routes_.insert(host_routes_.end(), route_table_.slots.begin(), route_table_.slots.end());
+  host_routes_.clear();
+  for (size_t pair = pair_begin; pair <= pair_begin + pairs; ++pair) host_routes_.push_back(route_table_.offsets[pair] - route_begin);
+  host_routes_.insert(host_routes_.end(), route_table_.slots.begin() + route_begin, route_table_.slots.begin() + route_end);
   std::fill_n(host_counts_, p, 0);
-  for (size_t pair = 0; pair < pairs; ++pair) {
+  for (size_t pair = pair_begin; pair < pair_begin + pairs; ++pair) {
     int64_t routed = 0;  // the pair's routes must hold exactly its entries (the pick kernel relies on it)
     for (int32_t r = route_table_.offsets[pair]; r < route_table_.offsets[pair + 1]; ++r) {
       host_counts_[route_table_.slots[r]] += static_cast<int32_t>(route_table_.ends[r] - routed);
@@ -242,7 +354,7 @@ void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
     FULCRUM_CHECK(routed == pair_tokens_[pair], "balanced split routes {} of {} tokens of (source {}, expert {})",
                   routed, pair_tokens_[pair], pair / num_experts, pair % num_experts);
   }
-  for (const int64_t end : route_table_.ends) host_routes_.push_back(static_cast<int32_t>(end));
+  for (int32_t r = route_begin; r < route_end; ++r) host_routes_.push_back(static_cast<int32_t>(route_table_.ends[r]));
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(routes_.as<int32_t>(), host_routes_.data(), sizeof(int32_t) * host_routes_.size(),
                                      cudaMemcpyHostToDevice, stream_));
   const int32_t* offsets = routes_.as<int32_t>();
@@ -265,57 +377,46 @@ void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
                                                     cursor_.as<int32_t>(), entry_row_.as<int32_t>(),
                                                     permuted_.as<uint16_t>(), stream_));
   // The one host synchronization: cuBLAS takes the GEMM sizes as host arrays (balanced routing has them
-  // already, and its synchronization also ordered the last upload from host_ptrs_ before the writes below).
+  // already).
   if (!std::exchange(host_counts_from_route_, false)) {
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, counts_.as<int32_t>(), sizeof(int32_t) * p, cudaMemcpyDeviceToHost, stream_));
     synchronize();
   }
-  // One problem per non-empty slot; pointers of both GEMMs for all of them, uploaded once.
+  // One problem per non-empty local slot; pointers of both GEMMs for all of them, uploaded once.
   const int64_t h = shape_.hidden_size, i = shape_.moe_intermediate_size;
-  compact_begin_.assign(static_cast<size_t>(p) + 1, 0);
-  problem_rows_.clear();
-  const void** a1 = host_ptrs_;
-  const void** b1 = host_ptrs_ + p;
-  const void** c1 = host_ptrs_ + 2 * p;
-  const void** a2 = host_ptrs_ + 3 * p;
-  const void** b2 = host_ptrs_ + 4 * p;
-  const void** c2 = host_ptrs_ + 5 * p;
+  const int local_begin = shape_.local_slot_begin, l = shape_.local_slots();
+  GemmProblems& problems = *own_problems_;
+  problems.begin(l);
+  compact_begin_.assign(static_cast<size_t>(l) + 1, 0);
   int64_t row = 0;
   for (int s = 0; s < p; ++s) {
-    compact_begin_[s] = static_cast<int>(problem_rows_.size());
-    const int n = host_counts_[s];
-    if (n > 0) {
-      const size_t q = problem_rows_.size();
-      a1[q] = gate_up_w_.as<uint16_t>() + s * 2 * i * h;
-      b1[q] = permuted_.as<uint16_t>() + row * h;
-      c1[q] = h_.as<uint16_t>() + row * 2 * i;
-      a2[q] = down_w_.as<uint16_t>() + s * h * i;
-      b2[q] = act_.as<uint16_t>() + row * i;
-      c2[q] = expert_out_.as<uint16_t>() + row * h;
-      problem_rows_.push_back(n);
+    const int n = host_counts_[s], local = s - local_begin;
+    if (local >= 0 && local < l) {
+      compact_begin_[local] = static_cast<int>(problems.rows.size());
+      if (n > 0) {
+        problems.add(n, gate_up_of(local), permuted_.as<uint16_t>() + row * h, h_.as<uint16_t>() + row * 2 * i,
+                     down_of(local), act_.as<uint16_t>() + row * i, expert_out_.as<uint16_t>() + row * h);
+      }
     }
     row += n;
   }
-  compact_begin_[p] = static_cast<int>(problem_rows_.size());
-  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(gemm_ptrs_.as<void*>(), host_ptrs_, sizeof(void*) * 6 * p, cudaMemcpyHostToDevice, stream_));
+  compact_begin_[l] = static_cast<int>(problems.rows.size());
+  problems.upload(stream_);
 }
 
-void GpuMoeLayer::expert_gemm(int gemm_idx, int slot_begin, int slot_end) {
-  const int first = compact_begin_[slot_begin], count = compact_begin_[slot_end] - first;
+void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int first, int count, double flops) {
   if (count == 0) return;
-  const int p = shape_.num_slots;
   const int out_features = gemm_idx == 0 ? 2 * shape_.moe_intermediate_size : shape_.hidden_size;
   const int in_features = gemm_idx == 0 ? shape_.hidden_size : shape_.moe_intermediate_size;
   const float alpha = 1.0f, beta = 0.0f;
-  const void** host_a = host_ptrs_ + (3 * gemm_idx) * p + first;
-  const void** host_b = host_ptrs_ + (3 * gemm_idx + 1) * p + first;
-  const void** host_c = host_ptrs_ + (3 * gemm_idx + 2) * p + first;
+  const void** host_a = problems.at(gemm_idx, 0) + first;
+  const void** host_b = problems.at(gemm_idx, 1) + first;
+  const void** host_c = problems.at(gemm_idx, 2) + first;
   // Row-major out [n, N] = in [n, K] @ W [N, K]^T is column-major out^T = W^T(op T) in^T: m = N, n = rows, k = K.
-  const bool per_slot = expert_gemm_ == ExpertGemm::kPerSlot ||
-                        (expert_gemm_ == ExpertGemm::kAuto && expert_flops(slot_begin, slot_end) >= kPerSlotMinFlops);
+  const bool per_slot = expert_gemm_ == ExpertGemm::kPerSlot || (expert_gemm_ == ExpertGemm::kAuto && flops >= kPerSlotMinFlops);
   if (per_slot) {
     for (int q = 0; q < count; ++q) {
-      FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out_features, problem_rows_[first + q],
+      FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out_features, problems.rows[first + q],
                                         in_features, &alpha, host_a[q], CUDA_R_16BF, in_features, host_b[q],
                                         CUDA_R_16BF, in_features, &beta, const_cast<void*>(host_c[q]), CUDA_R_16BF,
                                         out_features, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -325,35 +426,73 @@ void GpuMoeLayer::expert_gemm(int gemm_idx, int slot_begin, int slot_end) {
   const std::vector<cublasOperation_t> trans_a(count, CUBLAS_OP_T), trans_b(count, CUBLAS_OP_N);
   const std::vector<int> m(count, out_features), k(count, in_features), group_size(count, 1);
   const std::vector<float> alphas(count, alpha), betas(count, beta);
-  void** device_ptrs = gemm_ptrs_.as<void*>();
+  void** device_ptrs = problems.device.as<void*>();
+  const int64_t cap = problems.capacity;
   FULCRUM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
-      cublas_, trans_a.data(), trans_b.data(), m.data(), problem_rows_.data() + first, k.data(), alphas.data(),
-      device_ptrs + (3 * gemm_idx) * p + first, CUDA_R_16BF, k.data(), device_ptrs + (3 * gemm_idx + 1) * p + first,
-      CUDA_R_16BF, k.data(), betas.data(), device_ptrs + (3 * gemm_idx + 2) * p + first, CUDA_R_16BF, m.data(), count,
+      cublas_, trans_a.data(), trans_b.data(), m.data(), problems.rows.data() + first, k.data(), alphas.data(),
+      device_ptrs + (3 * gemm_idx) * cap + first, CUDA_R_16BF, k.data(), device_ptrs + (3 * gemm_idx + 1) * cap + first,
+      CUDA_R_16BF, k.data(), betas.data(), device_ptrs + (3 * gemm_idx + 2) * cap + first, CUDA_R_16BF, m.data(), count,
       group_size.data(), CUBLAS_COMPUTE_32F));
 }
 
 void GpuMoeLayer::run_experts(int slot_begin, int slot_end) {
-  FULCRUM_CHECK(0 <= slot_begin && slot_begin <= slot_end && slot_end <= shape_.num_slots,
-                "run_experts: slots [{}, {}) outside [0, {})", slot_begin, slot_end, shape_.num_slots);
-  expert_gemm(0, slot_begin, slot_end);
+  const int local_begin = shape_.local_slot_begin, local_end = local_begin + shape_.local_slots();
+  FULCRUM_CHECK(local_begin <= slot_begin && slot_begin <= slot_end && slot_end <= local_end,
+                "run_experts: slots [{}, {}) outside this layer's [{}, {})", slot_begin, slot_end, local_begin, local_end);
+  const int first = compact_begin_[slot_begin - local_begin];
+  const int count = compact_begin_[slot_end - local_begin] - first;
+  const double flops = expert_flops(slot_begin, slot_end);
+  expert_gemm(*own_problems_, 0, first, count, flops);
   int64_t row_begin = 0, num_rows = 0;
   for (int s = 0; s < slot_end; ++s) (s < slot_begin ? row_begin : num_rows) += host_counts_[s];
   const int64_t i = shape_.moe_intermediate_size;
   FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(h_.as<uint16_t>() + row_begin * 2 * i, num_rows,
                                                      shape_.moe_intermediate_size, act_.as<uint16_t>() + row_begin * i,
                                                      stream_));
-  expert_gemm(1, slot_begin, slot_end);
+  expert_gemm(*own_problems_, 1, first, count, flops);
 }
 
-void GpuMoeLayer::combine(int64_t num_tokens, float* out) {
+void GpuMoeLayer::run_experts_on(const uint16_t* rows, std::span<const int32_t> rows_per_segment_slot, uint16_t* out) {
+  const size_t l = static_cast<size_t>(shape_.local_slots());
+  FULCRUM_CHECK(!rows_per_segment_slot.empty() && rows_per_segment_slot.size() % l == 0,
+                "run_experts_on: {} counts are not segments of {} local slots", rows_per_segment_slot.size(), l);
+  int64_t n = 0;
+  for (const int32_t c : rows_per_segment_slot) {
+    FULCRUM_CHECK(c >= 0, "run_experts_on: negative row count {}", c);
+    n += c;
+  }
+  FULCRUM_CHECK(n <= expert_rows_, "run_experts_on: {} rows, scratch for {} (reserve_expert_rows)", n, expert_rows_);
+  const int64_t h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  GemmProblems& problems = *recv_problems_;
+  problems.begin(static_cast<int>(rows_per_segment_slot.size()));
+  int64_t row = 0;
+  for (size_t q = 0; q < rows_per_segment_slot.size(); ++q) {
+    const int c = rows_per_segment_slot[q];
+    if (c == 0) continue;
+    const int local = static_cast<int>(q % l);
+    problems.add(c, gate_up_of(local), rows + row * h, h_.as<uint16_t>() + row * 2 * i, down_of(local),
+                 act_.as<uint16_t>() + row * i, out + row * h);
+    row += c;
+  }
+  problems.upload(stream_);
+  const int count = static_cast<int>(problems.rows.size());
+  const double flops = static_cast<double>(n) * 6.0 * static_cast<double>(h) * static_cast<double>(i);
+  expert_gemm(problems, 0, 0, count, flops);
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(h_.as<uint16_t>(), n, shape_.moe_intermediate_size,
+                                                     act_.as<uint16_t>(), stream_));
+  expert_gemm(problems, 1, 0, count, flops);
+}
+
+void GpuMoeLayer::combine(int64_t num_tokens, float* out) { combine_rows(expert_out_.as<uint16_t>(), num_tokens, out); }
+
+void GpuMoeLayer::combine_rows(const uint16_t* rows, int64_t num_tokens, float* out) {
   FULCRUM_CHECK(num_tokens == num_tokens_, "MoE layer: combine of {} tokens after routing {}", num_tokens, num_tokens_);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_combine_f32(expert_out_.as<uint16_t>(), entry_row_.as<int32_t>(),
-                                                   weights_.as<float>(), num_tokens, shape_.num_experts_per_tok,
-                                                   shape_.hidden_size, out, stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_combine_f32(rows, entry_row_.as<int32_t>(), weights_.as<float>(), num_tokens,
+                                                   shape_.num_experts_per_tok, shape_.hidden_size, out, stream_));
 }
 
 void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out) {
+  check_holds_all_slots();
   route(logits, num_tokens);
   permute(x, num_tokens);
   run_experts(0, shape_.num_slots);
@@ -361,6 +500,7 @@ void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, in
 }
 
 void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {
+  check_holds_all_slots();
   router_logits(x, num_tokens);
   forward_from_logits(x, logits_.as<float>(), num_tokens, out);
 }

@@ -1,0 +1,119 @@
+#pragma once
+// Helpers of the GPU MoE layer tests (moe_layer_test.cpp, nccl_ep_moe_layer_test.cpp): host <-> device
+// copies, bf16 bits, layer maps with replicas, router logits with an expert that never wins, and the
+// per-slot weights of a layer map.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "backend/cuda/moe_layer.hpp"
+#include "model/checkpoint_writer.hpp"
+#include "moe_test_util.hpp"
+
+namespace fulcrum::test {
+
+inline std::vector<uint16_t> to_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = model::f32_to_bf16_bits(v[i]);
+  return bits;
+}
+
+inline std::vector<float> to_floats(const std::vector<uint16_t>& bits) {
+  std::vector<float> v(bits.size());
+  for (size_t q = 0; q < bits.size(); ++q) v[q] = model::bf16_bits_to_f32(bits[q]);
+  return v;
+}
+
+template <typename T>
+backend::DeviceBuffer to_device(const std::vector<T>& host) {
+  backend::DeviceBuffer buf(sizeof(T) * std::max<size_t>(host.size(), 1));
+  EXPECT_EQ(cudaMemcpy(buf.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  return buf;
+}
+
+template <typename T>
+std::vector<T> to_host(const T* device, int64_t n) {
+  std::vector<T> host(static_cast<size_t>(n));
+  EXPECT_EQ(cudaMemcpy(host.data(), device, sizeof(T) * host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+inline backend::MoeLayerShape moe_shape(int hidden, int intermediate, int experts, int top_k, int slots,
+                                        int64_t max_tokens) {
+  backend::MoeLayerShape shape;
+  shape.hidden_size = hidden;
+  shape.moe_intermediate_size = intermediate;
+  shape.num_experts = experts;
+  shape.num_experts_per_tok = top_k;
+  shape.num_slots = slots;
+  shape.max_tokens = max_tokens;
+  return shape;
+}
+
+// Bitwise equality of two outputs; when they differ, how many values and by how much (so a failure tells
+// rounding-level nondeterminism from garbage).
+inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& actual, const std::vector<float>& expected) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure() << actual.size() << " values, expected " << expected.size();
+  }
+  int64_t differ = 0;
+  double worst = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    if (std::memcmp(&actual[i], &expected[i], sizeof(float)) == 0) continue;
+    ++differ;
+    worst = std::max(worst, std::abs(double(actual[i]) - expected[i]));
+  }
+  if (differ == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << differ << " of " << actual.size() << " values differ, largest |difference| "
+                                       << worst << ", relative error " << relative_error(actual, expected);
+}
+
+// A layer map with P = E + extra slots: every expert once, then replicas of the first experts (hot ones in
+// a real placement), shuffled so replicas land on different GPUs.
+inline std::vector<int32_t> layer_map_for(int experts, int extra, uint32_t seed) {
+  std::vector<int32_t> map(static_cast<size_t>(experts + extra));
+  for (int s = 0; s < experts + extra; ++s) map[s] = s < experts ? s : (s - experts) % experts;
+  std::mt19937 rng(seed);
+  std::shuffle(map.begin(), map.end(), rng);
+  return map;
+}
+
+// Random logits [T, E]; expert 3 never wins (a slot, or several, with zero tokens).
+inline std::vector<float> random_logits(int64_t tokens, int experts, uint32_t seed) {
+  std::vector<float> logits = random_bf16_values(tokens * experts, seed, 4.0f);
+  for (int64_t t = 0; t < tokens; ++t) logits[static_cast<size_t>(t * experts + 3)] = -30.0f;
+  return logits;
+}
+
+// Random bf16 weights of a layer: router [E, H], logical experts' gate_up [E, 2I, H] / down [E, H, I], and
+// the slots' copies [P, ...] of their logical expert (as after an EPLB migration).
+struct MoeWeights {
+  std::vector<float> router, logical_gate_up, logical_down, gate_up, down;
+};
+
+inline MoeWeights random_moe_weights(int hidden, int intermediate, int experts, const std::vector<int32_t>& map,
+                                     uint32_t seed) {
+  const int64_t h = hidden, i = intermediate;
+  MoeWeights w;
+  w.router = random_bf16_values(experts * h, seed, 1.0f / std::sqrt(float(h)));
+  w.logical_gate_up = random_bf16_values(experts * 2 * i * h, seed + 1, 1.0f / std::sqrt(float(h)));
+  w.logical_down = random_bf16_values(experts * h * i, seed + 2, 1.0f / std::sqrt(float(i)));
+  for (const int32_t e : map) {
+    w.gate_up.insert(w.gate_up.end(), w.logical_gate_up.begin() + e * 2 * i * h, w.logical_gate_up.begin() + (e + 1) * 2 * i * h);
+    w.down.insert(w.down.end(), w.logical_down.begin() + e * h * i, w.logical_down.begin() + (e + 1) * h * i);
+  }
+  return w;
+}
+
+// Slots [begin, begin + count) of per-slot weights of `per_slot` values each.
+inline std::vector<float> slot_range(const std::vector<float>& all, int begin, int count, int64_t per_slot) {
+  return {all.begin() + begin * per_slot, all.begin() + (begin + count) * per_slot};
+}
+
+}  // namespace fulcrum::test
