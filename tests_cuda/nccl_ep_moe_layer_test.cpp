@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <numeric>
 
+#include "backend/cuda/cuda_check.hpp"
 #include "backend/cuda/moe_kernels.hpp"
 #include "comm/nccl_ep_moe_layer.hpp"
 #include "eplb/error.hpp"

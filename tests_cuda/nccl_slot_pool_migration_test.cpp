@@ -12,6 +12,8 @@
 // exchange_device of the same bytes.
 #include <gtest/gtest.h>
 
+#include <cuda_runtime.h>
+
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -19,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/cuda/cuda_check.hpp"
 #include "backend/cuda/gpu_slot_pool.hpp"
 #include "comm/nccl_slot_pool_migration.hpp"
 #include "eplb/error.hpp"
