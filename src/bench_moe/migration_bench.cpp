@@ -6,9 +6,12 @@
 // Figures, at one batch (the largest --tokens <= 4096 per rank):
 //   raw P2P     one ncclSend/ncclRecv per peer pair of the bytes the migration moves between them (both
 //               directions busy, as in the migration), on the migration communicator
-//   migration   begin_layer -> commit (the whole migration of the layer, host clock) on every rank
-//   inflation   a pass = --layers-per-pass forwards of the layer; passes with a migration begun at the
-//               pass's start and committed at its end alternate with passes without; median of --passes each
+//   migration   begin_layer -> commit (the whole migration of the layer's weights, host clock) on every rank;
+//               the switch that follows (the layer reads the new pointers and routes by the new placement's
+//               tables) is timed on its own
+//   inflation   a pass = one forward per MoE layer of the model (--layers-per-pass) of this one layer;
+//               passes with a migration begun at the pass's start and committed (and switched) at its end
+//               alternate with passes without; median of --passes each
 #include <fmt/format.h>
 
 #include "backend/cuda/gpu_slot_pool.hpp"
@@ -79,6 +82,7 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
     mover.commit(layer.stream());
     use_live();
   };
+  const int layers_per_pass = opt.layers_per_pass > 0 ? opt.layers_per_pass : m.num_layers;
 
   DeviceBuffer x(size_t(2) * tokens * m.hidden), out(sizeof(float) * tokens * m.hidden);
   FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), tokens * m.hidden, 9 + rank, 1.0f, layer.stream()));
@@ -108,7 +112,7 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
     if (out_bytes > 0) sends.push_back({send_buf.as<std::byte>() + send_off, out_bytes, peer}), send_off += out_bytes;
     if (in_bytes > 0) recvs.push_back({recv_buf.as<std::byte>() + recv_off, in_bytes, peer}), recv_off += in_bytes;
   }
-  std::vector<double> raw, moved;
+  std::vector<double> raw, moved, switched;
   for (int r = 0; r < opt.warmup + opt.reps; ++r) {
     migration.barrier();
     double start = now_ms();
@@ -117,10 +121,13 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
     migration.barrier();
     start = now_ms();
     begin_next();
-    commit();
-    if (r >= opt.warmup) moved.push_back(now_ms() - start);
+    mover.commit(layer.stream());
+    const double committed = now_ms();
+    use_live();
+    if (r >= opt.warmup) moved.push_back(committed - start), switched.push_back(now_ms() - committed);
   }
   const double raw_ms = slowest_rank(ep, median(raw)), moved_ms = slowest_rank(ep, median(moved));
+  const double switch_ms = slowest_rank(ep, median(switched));
   const double bytes = static_cast<double>(std::max(max_send, max_recv));  // the busiest GPU's direction
 
   // Forward passes with and without a migration in flight, alternating.
@@ -133,7 +140,7 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
     migration.barrier();
     const double start = now_ms();
     if (migrating) begin_next();
-    for (int l = 0; l < opt.layers_per_pass; ++l) forward();
+    for (int l = 0; l < layers_per_pass; ++l) forward();
     if (migrating) {
       not_ready_at_end += mover.ready() ? 0 : 1;
       commit();
@@ -146,18 +153,18 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
                {"slot_bytes", slot_bytes}, {"busiest_gpu_bytes_per_direction", bytes},
                {"raw_p2p_ms", raw_ms}, {"raw_p2p_gb_per_s", bytes / (raw_ms * 1e-3) / 1e9},
                {"migration_ms", moved_ms}, {"migration_gb_per_s", bytes / (moved_ms * 1e-3) / 1e9},
-               {"migration_fraction_of_p2p", raw_ms / moved_ms},
-               {"layers_per_pass", opt.layers_per_pass}, {"passes_each", opt.passes},
+               {"migration_fraction_of_p2p", raw_ms / moved_ms}, {"switch_ms", switch_ms},
+               {"layers_per_pass", layers_per_pass}, {"passes_each", opt.passes},
                {"pass_ms_without_migration", plain_ms}, {"pass_ms_with_migration", during_ms},
                {"forward_inflation_fraction", during_ms / plain_ms - 1},
                {"rank0_passes_where_migration_outlasted_the_pass", not_ready_at_end},
                {"rank0_nccl_ops_total", mover.stats().num_nccl_ops}};
   if (rank == 0) {
     fmt::print("{:16} migration T/rank={} P={}: {:.1f} MiB per direction (busiest GPU): raw P2P {:.3f} ms ({:.1f} GB/s), "
-               "migration {:.3f} ms ({:.1f} GB/s, {:.1f}% of P2P) | pass of {} layers {:.3f} ms, with a migration in flight "
+               "migration {:.3f} ms ({:.1f} GB/s, {:.1f}% of P2P), then switch {:.3f} ms | pass of {} layers {:.3f} ms, with a migration in flight "
                "{:.3f} ms ({:+.2f}%), migration outlasted {} of {} passes\n",
                m.name, tokens, p, bytes / (1 << 20), raw_ms, r["raw_p2p_gb_per_s"].get<double>(), moved_ms,
-               r["migration_gb_per_s"].get<double>(), 100 * raw_ms / moved_ms, opt.layers_per_pass, plain_ms, during_ms,
+               r["migration_gb_per_s"].get<double>(), 100 * raw_ms / moved_ms, switch_ms, layers_per_pass, plain_ms, during_ms,
                100 * (during_ms / plain_ms - 1), not_ready_at_end, opt.passes);
   }
   return r;

@@ -29,7 +29,7 @@ struct MoeBenchOptions {
   int redundant = 8;       // EPLB redundant slots
   int loads_layer = -1;    // -1: the layer least balanced over the EP ranks
   int passes = 20;         // several GPUs: forward passes per inflation figure
-  int layers_per_pass = 48;  // several GPUs: MoE layer forwards per pass (Qwen3-30B-A3B has 48)
+  int layers_per_pass = 0;  // several GPUs: MoE layer forwards per pass; 0: the model's MoE layers (48 / 94)
   std::string loads;
   std::string json_path;
   std::string git_commit = "unknown";
@@ -42,6 +42,7 @@ struct ModelShape {
   std::string name;
   int hidden = 0;
   int intermediate = 0;
+  int num_layers = 0;  // MoE layers of the model (a forward pass runs each once)
 };
 ModelShape model_shape(const std::string& name);  // qwen3-30b-a3b or qwen3-235b-a22b; else a one-line error
 

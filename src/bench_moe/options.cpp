@@ -8,8 +8,8 @@
 namespace fulcrum::bench_moe {
 
 ModelShape model_shape(const std::string& name) {
-  if (name == "qwen3-30b-a3b") return {name, 2048, 768};
-  if (name == "qwen3-235b-a22b") return {name, 4096, 1536};
+  if (name == "qwen3-30b-a3b") return {name, 2048, 768, 48};
+  if (name == "qwen3-235b-a22b") return {name, 4096, 1536, 94};
   throw Error(fmt::format("unknown model '{}' (known: qwen3-30b-a3b, qwen3-235b-a22b)", name));
 }
 
@@ -23,7 +23,7 @@ void validate(const MoeBenchOptions& opt) {
   FULCRUM_CHECK(opt.ep >= 1 && kMoeBenchExperts % opt.ep == 0 && (kMoeBenchExperts + opt.redundant) % opt.ep == 0,
                 "--ep {} with --redundant {}: the EP ranks must divide both 128 experts and 128 + redundant slots",
                 opt.ep, opt.redundant);
-  FULCRUM_CHECK(opt.passes > 0 && opt.layers_per_pass > 0, "--passes and --layers-per-pass must be positive");
+  FULCRUM_CHECK(opt.passes > 0 && opt.layers_per_pass >= 0, "--passes must be positive and --layers-per-pass >= 0");
   FULCRUM_CHECK(!opt.loads.empty(), "--loads: a load matrix CSV is required (../shared/data/loads/*.csv)");
   const eplb::LoadMatrix loads = eplb::read_loads_file(opt.loads);
   FULCRUM_CHECK(loads.num_logical_experts == kMoeBenchExperts, "{}: {} experts, the Qwen3 shapes have 128", opt.loads,

@@ -46,8 +46,8 @@ void register_bench_moe_command(CLI::App& bench) {
   cmd->add_option("--warmup", o->warmup, "Untimed repetitions first")->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_option("--passes", o->passes, "Several GPUs: forward passes per migration-inflation figure")
       ->capture_default_str()->check(CLI::Range(1, 10000));
-  cmd->add_option("--layers-per-pass", o->layers_per_pass, "Several GPUs: MoE layer forwards per pass")
-      ->capture_default_str()->check(CLI::Range(1, 1000));
+  cmd->add_option("--layers-per-pass", o->layers_per_pass, "Several GPUs: MoE layer forwards per pass (0: the model's, 48 / 94)")
+      ->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_option("--json", o->json_path, "Write the results here (JSON; written whole or not at all)");
   cmd->add_option("--git-commit", o->git_commit, "Commit recorded in the JSON")->capture_default_str();
   cmd->callback([o] {
