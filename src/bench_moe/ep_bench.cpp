@@ -189,7 +189,7 @@ void run_as_rank(const MoeBenchOptions& opt, const engine::LaunchedRank& me) {
                               std::chrono::milliseconds(static_cast<int64_t>(me.timeout_s * 1000))};
     std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
     const std::unique_ptr<comm::NcclCommunicator> ep = comm::NcclCommunicator::create_world(mesh);
-    const std::unique_ptr<comm::NcclCommunicator> migration = ep->duplicate();  // its own NCCL communicator and stream
+    const std::unique_ptr<comm::NcclCommunicator> migration = ep->duplicate(opt.migration_max_ctas);  // its own NCCL communicator, stream
     run_ep_rank(opt, *ep, *migration);
   } catch (const std::exception& e) {
     throw Error(fmt::format("rank {}: {}", me.world_rank, e.what()));

@@ -5,7 +5,7 @@
 // which moves nearly every slot across GPUs while leaving the balance, hence the forward time, unchanged.
 // Figures, at one batch (the largest --tokens <= 4096 per rank):
 //   raw P2P     one ncclSend/ncclRecv per peer pair of the bytes the migration moves between them (both
-//               directions busy, as in the migration), on the migration communicator
+//               directions busy, as in the migration), on the forward's communicator (no SM cap)
 //   migration   begin_layer -> commit (the whole migration of the layer's weights, host clock) on every rank;
 //               the switch that follows (the layer reads the new pointers and routes by the new placement's
 //               tables) is timed on its own
@@ -114,9 +114,9 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
   }
   std::vector<double> raw, moved, switched;
   for (int r = 0; r < opt.warmup + opt.reps; ++r) {
-    migration.barrier();
+    ep.barrier();
     double start = now_ms();
-    migration.exchange_device(sends, recvs);
+    ep.exchange_device(sends, recvs);  // NCCL's own choice of SMs, whatever cap the migration has
     if (r >= opt.warmup) raw.push_back(now_ms() - start);
     migration.barrier();
     start = now_ms();
@@ -154,6 +154,7 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
                {"raw_p2p_ms", raw_ms}, {"raw_p2p_gb_per_s", bytes / (raw_ms * 1e-3) / 1e9},
                {"migration_ms", moved_ms}, {"migration_gb_per_s", bytes / (moved_ms * 1e-3) / 1e9},
                {"migration_fraction_of_p2p", raw_ms / moved_ms}, {"switch_ms", switch_ms},
+               {"migration_max_ctas", opt.migration_max_ctas},
                {"layers_per_pass", layers_per_pass}, {"passes_each", opt.passes},
                {"pass_ms_without_migration", plain_ms}, {"pass_ms_with_migration", during_ms},
                {"forward_inflation_fraction", during_ms / plain_ms - 1},

@@ -29,6 +29,7 @@ struct MoeBenchOptions {
   int redundant = 8;       // EPLB redundant slots
   int loads_layer = -1;    // -1: the layer least balanced over the EP ranks
   int passes = 20;         // several GPUs: forward passes per inflation figure
+  int migration_max_ctas = 0;  // several GPUs: SM cap of the migration communicator (0: NCCL's choice)
   int layers_per_pass = 0;  // several GPUs: MoE layer forwards per pass; 0: the model's MoE layers (48 / 94)
   std::string loads;
   std::string json_path;

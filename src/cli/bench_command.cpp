@@ -48,6 +48,9 @@ void register_bench_moe_command(CLI::App& bench) {
       ->capture_default_str()->check(CLI::Range(1, 10000));
   cmd->add_option("--layers-per-pass", o->layers_per_pass, "Several GPUs: MoE layer forwards per pass (0: the model's, 48 / 94)")
       ->capture_default_str()->check(CLI::Range(0, 1000));
+  cmd->add_option("--migration-max-ctas", o->migration_max_ctas,
+                  "Several GPUs: cap on the SMs the migration's NCCL kernels use (0: NCCL's choice)")
+      ->capture_default_str()->check(CLI::Range(0, 64));
   cmd->add_option("--json", o->json_path, "Write the results here (JSON; written whole or not at all)");
   cmd->add_option("--git-commit", o->git_commit, "Commit recorded in the JSON")->capture_default_str();
   cmd->callback([o] {

@@ -368,10 +368,12 @@ void NcclCommunicator::recv(std::span<std::byte> data, int peer) { host_->recv(d
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) { return split_nccl(color, key); }
 
-std::unique_ptr<NcclCommunicator> NcclCommunicator::split_nccl(int color, int key) {
+std::unique_ptr<NcclCommunicator> NcclCommunicator::split_nccl(int color, int key, int max_ctas) {
+  FULCRUM_CHECK(max_ctas >= 0, "NCCL communicator split: max_ctas {} is negative", max_ctas);
   State& s = *state_;
   auto state = new_state(host_->mesh());
   ncclConfig_t config = nonblocking_config();
+  if (max_ctas > 0) config.maxCTAs = max_ctas;
   FULCRUM_NCCL_CALL(s, ncclCommSplit(s.comm, color, key, &state->comm, &config));
   s.wait_queued(s.comm);
   if (state->comm == nullptr) s.fail("ncclCommSplit returned no communicator");

@@ -96,11 +96,13 @@ class NcclCommunicator final : public Communicator {
                                         CUevent_st* start_after = nullptr);
 
   // split() with the NCCL type. Collective over this communicator.
-  std::unique_ptr<NcclCommunicator> split_nccl(int color, int key);
+  // max_ctas > 0 caps the thread blocks (SMs) the new communicator's kernels may use (ncclConfig_t::maxCTAs);
+  // 0 leaves NCCL's choice.
+  std::unique_ptr<NcclCommunicator> split_nccl(int color, int key, int max_ctas = 0);
   // A second communicator over the same ranks in the same order (its own NCCL communicator, stream and host
   // channel), so traffic on it never orders against this one's collectives: e.g. slot migration beside the
   // forward pass's dispatch. Collective over this communicator.
-  std::unique_ptr<NcclCommunicator> duplicate() { return split_nccl(0, rank()); }
+  std::unique_ptr<NcclCommunicator> duplicate(int max_ctas = 0) { return split_nccl(0, rank(), max_ctas); }
 
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
