@@ -21,7 +21,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -206,126 +205,9 @@ TEST(NcclRank, EpMoeMatchesReference) {
   EXPECT_THROW(comm::NcclEpMoeLayer(moe_shape(64, 48, 16, 4, 17, 4), *world, device), Error);
 }
 
-// Median of host-timed forwards (each ends with a stream synchronization), after warm-up.
-template <typename Fn>
-double median_ms(int warmup, int reps, Fn&& fn) {
-  for (int r = 0; r < warmup; ++r) fn();
-  std::vector<double> times;
-  for (int r = 0; r < reps; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-TEST(NcclRank, EpMoeTiming) {
-  FULCRUM_RANK_ONLY(env);
-  auto world = comm::join_local_world(*env);
-  const int device = env->rank % backend::CudaBackend::device_count();
-  const int rank = world->rank();
-  const backend::MoeLayerShape shape = moe_shape(2048, 768, 128, 8, 128, 4096);  // Qwen3-30B-A3B, P = E
-  const int64_t t = shape.max_tokens, h = shape.hidden_size;
-  comm::NcclEpMoeLayer ep(shape, *world, device);
-  ep.layer().randomize_weights(7);
-  std::vector<int32_t> map(128);
-  std::iota(map.begin(), map.end(), 0);
-  const eplb::Topology topo{128, kWorld, 1};
-  // Uniform routing: i.i.d. logits, so every expert is equally likely in each token's top-k.
-  const DeviceBuffer d_logits = to_device(random_bf16_values(t * 128, 100 + rank, 4.0f));
-  DeviceBuffer d_x(2 * t * h), d_out(sizeof(float) * t * h);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(d_x.as<uint16_t>(), t * h, 9 + rank, 1.0f, ep.stream()));
-  ep.layer().synchronize();
-  const auto forward = [&] {
-    ep.forward_from_logits(d_x.as<uint16_t>(), d_logits.as<float>(), t, d_out.as<float>());
-    ep.layer().synchronize();
-  };
-  // P = E: one replica per expert, so dynamic and balanced choose the slots static does; their rows show
-  // what the choice itself costs (balanced: a host synchronization in route, the count all-gather, the split).
-  const std::vector<uint64_t> streams = {0xabcdefull, 0x123456ull};
-  const std::pair<eplb::DispatchAlgorithm, backend::ExpertGemm> configs[] = {
-      {eplb::DispatchAlgorithm::kStatic, backend::ExpertGemm::kAuto},
-      {eplb::DispatchAlgorithm::kStatic, backend::ExpertGemm::kGrouped},
-      {eplb::DispatchAlgorithm::kStatic, backend::ExpertGemm::kPerSlot},
-      {eplb::DispatchAlgorithm::kDynamic, backend::ExpertGemm::kAuto},
-      {eplb::DispatchAlgorithm::kBalanced, backend::ExpertGemm::kAuto}};
-  for (const auto& [algorithm, gemm] : configs) {
-    ep.set_replica_choice(moe::make_replica_choice(
-        algorithm, map, 128, topo, t, algorithm == eplb::DispatchAlgorithm::kDynamic ? streams : std::vector<uint64_t>{}));
-    ep.layer().set_expert_gemm(gemm);
-    ep.set_timing(false);
-    const double ms = median_ms(3, 20, forward);
-    ep.set_timing(true);
-    std::vector<comm::EpForwardStats> staged;
-    for (int r = 0; r < 5; ++r) {
-      forward();
-      staged.push_back(ep.last_stats());
-    }
-    std::sort(staged.begin(), staged.end(), [](const auto& a, const auto& b) { return a.experts_ms < b.experts_ms; });
-    const comm::EpForwardStats& s = staged[2];
-    const char* name = gemm == backend::ExpertGemm::kAuto ? "auto" : gemm == backend::ExpertGemm::kGrouped ? "grouped" : "per-slot";
-    std::printf("EP-2 rank %d, %-8s %-8s: forward %.3f ms median of 20 (%.0f tokens/s per rank); with stage timing: "
-                "route+permute %.3f, dispatch %.3f (counts %.3f), experts %.3f, combine-exchange %.3f, combine %.3f ms; "
-                "rows kept %lld sent %lld received %lld\n",
-                rank, std::string(eplb::to_string(algorithm)).c_str(), name, ms, t / ms * 1e3, s.route_permute_ms,
-                s.dispatch_ms, s.count_exchange_ms, s.experts_ms, s.combine_exchange_ms, s.combine_ms,
-                static_cast<long long>(s.rows_local), static_cast<long long>(s.rows_sent),
-                static_cast<long long>(s.rows_received));
-    std::fflush(stdout);
-  }
-  // The expert stage's alternative: received rows regrouped slot-contiguous over the sources (one problem
-  // per local slot instead of per (source, slot)); its GEMMs timed on this rank's last received counts. The
-  // regrouping copy itself (every received row once more each way) is not in this figure.
-  ep.layer().set_expert_gemm(backend::ExpertGemm::kAuto);
-  std::vector<int32_t> segmented(ep.received_counts().begin(), ep.received_counts().end());
-  const int l = ep.num_local_slots();
-  std::vector<int32_t> regrouped(static_cast<size_t>(l), 0);  // [1][L]
-  for (size_t q = 0; q < segmented.size(); ++q) regrouped[q % l] += segmented[q];
-  const int64_t n = std::accumulate(segmented.begin(), segmented.end(), int64_t{0});
-  DeviceBuffer d_rows(2 * n * h), d_rows_out(2 * n * h);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(d_rows.as<uint16_t>(), n * h, 11, 1.0f, ep.stream()));
-  for (const std::vector<int32_t>* counts : {&segmented, &regrouped}) {
-    const double ms = median_ms(3, 20, [&] {
-      ep.layer().run_experts_on(d_rows.as<uint16_t>(), *counts, d_rows_out.as<uint16_t>());
-      ep.layer().synchronize();
-    });
-    std::printf("EP-2 rank %d experts alone on %lld received rows, %s: %.3f ms (%.0f TFLOP/s)\n", rank,
-                static_cast<long long>(n), counts == &segmented ? "per (source, slot)" : "regrouped per slot", ms,
-                static_cast<double>(n) * 6.0 * h * shape.moe_intermediate_size / ms * 1e-9);
-    std::fflush(stdout);
-  }
-  world->barrier();
-
-  // For scale: one GPU holding all 128 slots on both ranks' 8192 tokens (rank 0 alone; rank 1 waits).
-  if (rank == 0) {
-    backend::MoeLayerShape one = shape;
-    one.max_tokens = kWorld * t;
-    backend::GpuMoeLayer whole(one, device);
-    whole.randomize_weights(7);
-    whole.set_replica_choice(moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, 128, topo, t));
-    const DeviceBuffer d_all_logits = to_device(random_bf16_values(kWorld * t * 128, 100, 4.0f));
-    DeviceBuffer d_all_x(2 * kWorld * t * h), d_all_out(sizeof(float) * kWorld * t * h);
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(d_all_x.as<uint16_t>(), kWorld * t * h, 9, 1.0f, whole.stream()));
-    const double ms = median_ms(3, 20, [&] {
-      whole.forward_from_logits(d_all_x.as<uint16_t>(), d_all_logits.as<float>(), kWorld * t, d_all_out.as<float>());
-      whole.synchronize();
-    });
-    std::printf("one GPU, all 128 slots, %lld tokens: forward %.3f ms median of 20 (%.0f tokens/s)\n",
-                static_cast<long long>(kWorld * t), ms, kWorld * t / ms * 1e3);
-    std::fflush(stdout);
-  }
-  world->barrier();
-}
-
 TEST(NcclEpMoeLayer, MatchesReferenceAndOneGpuLayer) {
   FULCRUM_NEEDS_GPUS(2);
   EXPECT_EQ(run_rank_processes(kWorld, "NcclRank.EpMoeMatchesReference"), (std::vector<int>{0, 0}));
-}
-
-TEST(NcclEpMoeLayer, Timing) {
-  FULCRUM_NEEDS_GPUS(2);
-  EXPECT_EQ(run_rank_processes(kWorld, "NcclRank.EpMoeTiming"), (std::vector<int>{0, 0}));
 }
 
 }  // namespace
