@@ -34,6 +34,9 @@ template <typename T>
 backend::DeviceBuffer to_device(const std::vector<T>& host) {
   backend::DeviceBuffer buf(sizeof(T) * std::max<size_t>(host.size(), 1));
   EXPECT_EQ(cudaMemcpy(buf.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  // From pageable memory cudaMemcpy may return before its DMA lands, and the layers' non-blocking streams do
+  // not wait for the legacy stream: without this, a kernel could read part of the old contents.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return buf;
 }
 

@@ -23,6 +23,13 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+DeviceBuffer upload(const std::vector<float>& host) {
+  DeviceBuffer buf(sizeof(float) * std::max<size_t>(host.size(), 1));
+  FULCRUM_CUDA_CHECK(cudaMemcpy(buf.as<float>(), host.data(), sizeof(float) * host.size(), cudaMemcpyHostToDevice));
+  FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
+  return buf;
+}
+
 std::pair<double, double> measure_ceilings(cudaStream_t stream) {
   const int n = 8192;
   DeviceBuffer a(size_t(2) * n * n), b(size_t(2) * n * n), c(size_t(2) * n * n);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_check.hpp"
+#include "backend/cuda/moe_layer.hpp"
 #include "bench_moe/moe_bench.hpp"
 
 namespace fulcrum::bench_moe {
@@ -41,6 +42,10 @@ double median_ms(cudaStream_t stream, int warmup, int reps, Fn&& fn) {
   cudaEventDestroy(stop);
   return median(std::move(times));
 }
+
+// Host floats in a new device buffer, landed before this returns (a pageable cudaMemcpy may return before its
+// DMA completes, and the layers' non-blocking streams do not wait for the legacy stream).
+backend::DeviceBuffer upload(const std::vector<float>& host);
 
 // Ceilings measured on this GPU: {bf16 GEMM FLOP/s (8192^3, fp32 accumulate), copy bytes/s (read + write)}.
 std::pair<double, double> measure_ceilings(cudaStream_t stream);

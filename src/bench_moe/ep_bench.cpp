@@ -46,9 +46,7 @@ model::moe::ReplicaChoiceSpec ep_replica_choice(eplb::DispatchAlgorithm algorith
 }
 
 EpRoutingInput::EpRoutingInput(const std::vector<double>& loads, int64_t tokens, int rank, uint64_t seed) {
-  const std::vector<float> host = logits_for(loads, tokens, kTopK, seed + 7919 * static_cast<uint64_t>(rank));
-  logits = DeviceBuffer(sizeof(float) * std::max<size_t>(host.size(), 1));
-  FULCRUM_CUDA_CHECK(cudaMemcpy(logits.as<float>(), host.data(), sizeof(float) * host.size(), cudaMemcpyHostToDevice));
+  logits = upload(logits_for(loads, tokens, kTopK, seed + 7919 * static_cast<uint64_t>(rank)));
 }
 
 double ep_step_ms(comm::NcclCommunicator& ep, comm::NcclEpMoeLayer& layer, const uint16_t* x, const float* logits,

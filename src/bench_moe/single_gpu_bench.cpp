@@ -50,8 +50,7 @@ json run_scenario(const Scenario& sc, int64_t tokens, const MoeBenchOptions& opt
                                                            sc.dispatch == eplb::DispatchAlgorithm::kDynamic ? streams
                                                                                                             : std::vector<uint64_t>{}));
   const std::vector<float> host_logits = logits_for(*sc.loads, tokens, shape.num_experts_per_tok, 77 + tokens);
-  DeviceBuffer logits(sizeof(float) * host_logits.size());
-  FULCRUM_CUDA_CHECK(cudaMemcpy(logits.as<float>(), host_logits.data(), sizeof(float) * host_logits.size(), cudaMemcpyHostToDevice));
+  const DeviceBuffer logits = upload(host_logits);
   const uint16_t* xp = x.as<uint16_t>();
   const float* lp = logits.as<float>();
 
