@@ -30,6 +30,14 @@ DeviceBuffer upload(const std::vector<float>& host) {
   return buf;
 }
 
+LayerInputs::LayerInputs(int64_t max_tokens, int hidden, uint64_t seed, cudaStream_t stream)
+    : x(size_t(2) * max_tokens * hidden), out(sizeof(float) * max_tokens * hidden),
+      histogram(sizeof(unsigned long long) * kExperts) {
+  FULCRUM_CUDA_CHECK(cudaMemsetAsync(histogram.as<void>(), 0, histogram.bytes(), stream));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), max_tokens * hidden, seed, 1.0f, stream));
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 std::pair<double, double> measure_ceilings(cudaStream_t stream) {
   const int n = 8192;
   DeviceBuffer a(size_t(2) * n * n), b(size_t(2) * n * n), c(size_t(2) * n * n);

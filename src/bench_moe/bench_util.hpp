@@ -13,6 +13,7 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "backend/cuda/moe_layer.hpp"
 #include "bench_moe/moe_bench.hpp"
+#include "eplb/dispatch.hpp"
 
 namespace fulcrum::bench_moe {
 
@@ -64,6 +65,35 @@ std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, 
 
 // The fulcrum planner's map of E + redundant slots over `ep` ranks for `loads`.
 std::vector<int32_t> plan_map(const std::vector<double>& loads, int num_slots, int ep);
+
+// One routing scenario of the tables: a layer (with its slot count), a placement map, the loads tokens are
+// drawn from, and the replica choice. routing_scenarios lists them in table order.
+template <typename Layer>
+struct Scenario {
+  std::string name;
+  Layer* layer = nullptr;
+  std::vector<int32_t> map;
+  const std::vector<double>* loads = nullptr;
+  eplb::DispatchAlgorithm dispatch = eplb::DispatchAlgorithm::kStatic;
+};
+template <typename Layer>
+std::vector<Scenario<Layer>> routing_scenarios(Layer& plain, Layer& balanced, const std::vector<int32_t>& trivial,
+                                               const std::vector<int32_t>& eplb_map, const std::vector<double>& uniform,
+                                               const std::vector<double>& real) {
+  using D = eplb::DispatchAlgorithm;
+  return {{"uniform", &plain, trivial, &uniform, D::kStatic},
+          {"loads_no_eplb", &plain, trivial, &real, D::kStatic},
+          {"loads_eplb_static", &balanced, eplb_map, &real, D::kStatic},
+          {"loads_eplb_dynamic", &balanced, eplb_map, &real, D::kDynamic},
+          {"loads_eplb_balanced", &balanced, eplb_map, &real, D::kBalanced}};
+}
+
+// Device inputs of one model: activations x [T, H] bf16 (pseudo-random from `seed`), out [T, H] fp32, and a
+// zeroed recorder row [E]; ready when the constructor returns.
+struct LayerInputs {
+  LayerInputs(int64_t max_tokens, int hidden, uint64_t seed, cudaStream_t stream);
+  backend::DeviceBuffer x, out, histogram;
+};
 
 // Machine and run fields of the result document; write_json writes it atomically (no half-written file).
 nlohmann::json machine_json(int device);

@@ -60,13 +60,7 @@ double ep_step_ms(comm::NcclCommunicator& ep, comm::NcclEpMoeLayer& layer, const
 
 namespace {
 
-struct EpScenario {
-  std::string name;
-  comm::NcclEpMoeLayer* layer;
-  std::vector<int32_t> map;
-  const std::vector<double>* loads;
-  eplb::DispatchAlgorithm dispatch;
-};
+using EpScenario = Scenario<comm::NcclEpMoeLayer>;
 
 json run_ep_scenario(const EpScenario& sc, int64_t tokens, const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
                      const DeviceBuffer& x, DeviceBuffer& out, unsigned long long* histogram) {
@@ -139,21 +133,12 @@ void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::N
     comm::NcclEpMoeLayer balanced(shape, ep, 0);
     plain.layer().randomize_weights(5);
     balanced.layer().randomize_weights(5);
-    DeviceBuffer x(size_t(2) * max_tokens * m.hidden), out(sizeof(float) * max_tokens * m.hidden);
-    DeviceBuffer histogram(sizeof(unsigned long long) * kExperts);
-    FULCRUM_CUDA_CHECK(cudaMemset(histogram.as<void>(), 0, histogram.bytes()));
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), max_tokens * m.hidden, 9 + rank, 1.0f, plain.stream()));
-    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(plain.stream()));
-    const std::vector<EpScenario> scenarios{
-        {"uniform", &plain, trivial, &uniform, eplb::DispatchAlgorithm::kStatic},
-        {"loads_no_eplb", &plain, trivial, &real, eplb::DispatchAlgorithm::kStatic},
-        {"loads_eplb_static", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kStatic},
-        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic},
-        {"loads_eplb_balanced", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kBalanced}};
+    LayerInputs in(max_tokens, m.hidden, 9 + static_cast<uint64_t>(rank), plain.stream());
+    const auto scenarios = routing_scenarios(plain, balanced, trivial, eplb_map, uniform, real);
     for (const int64_t tokens : opt.tokens) {
       double uniform_ms = 0;
       for (const EpScenario& sc : scenarios) {
-        json r = run_ep_scenario(sc, tokens, opt, ep, x, out, histogram.as<unsigned long long>());
+        json r = run_ep_scenario(sc, tokens, opt, ep, in.x, in.out, in.histogram.as<unsigned long long>());
         r["model"] = m.name;
         const double step = r["step_ms_recorder_on"].get<double>();
         if (sc.name == "uniform") uniform_ms = step;

@@ -29,15 +29,9 @@ using backend::DeviceBuffer;
 using backend::GpuMoeLayer;
 using nlohmann::json;
 
-struct Scenario {
-  std::string name;
-  GpuMoeLayer* layer;
-  std::vector<int32_t> map;
-  const std::vector<double>* loads;
-  eplb::DispatchAlgorithm dispatch;
-};
+using LayerScenario = Scenario<GpuMoeLayer>;
 
-json run_scenario(const Scenario& sc, int64_t tokens, const MoeBenchOptions& opt, const DeviceBuffer& x, DeviceBuffer& out,
+json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions& opt, const DeviceBuffer& x, DeviceBuffer& out,
                   unsigned long long* histogram, double peak_flops, double peak_bytes) {
   GpuMoeLayer& layer = *sc.layer;
   const auto& shape = layer.shape();
@@ -138,21 +132,12 @@ void run_single_gpu(const MoeBenchOptions& opt) {
     GpuMoeLayer balanced(shape);
     plain.randomize_weights(5);
     balanced.randomize_weights(5);
-    DeviceBuffer x(size_t(2) * max_tokens * m.hidden), out(sizeof(float) * max_tokens * m.hidden);
-    DeviceBuffer histogram(sizeof(unsigned long long) * kExperts);
-    FULCRUM_CUDA_CHECK(cudaMemset(histogram.as<void>(), 0, histogram.bytes()));
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), max_tokens * m.hidden, 9, 1.0f, stream));
-    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const std::vector<Scenario> scenarios{
-        {"uniform", &plain, trivial, &uniform, eplb::DispatchAlgorithm::kStatic},
-        {"loads_no_eplb", &plain, trivial, &real, eplb::DispatchAlgorithm::kStatic},
-        {"loads_eplb_static", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kStatic},
-        {"loads_eplb_dynamic", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kDynamic},
-        {"loads_eplb_balanced", &balanced, eplb_map, &real, eplb::DispatchAlgorithm::kBalanced}};
+    LayerInputs in(max_tokens, m.hidden, 9, stream);
+    const auto scenarios = routing_scenarios(plain, balanced, trivial, eplb_map, uniform, real);
     for (const int64_t tokens : opt.tokens) {
-      const double router_gemm_ms = median_ms(plain.stream(), opt.warmup, opt.reps, [&] { plain.router_logits(x.as<uint16_t>(), tokens); });
-      for (const Scenario& sc : scenarios) {
-        json r = run_scenario(sc, tokens, opt, x, out, histogram.as<unsigned long long>(), peak_flops, peak_bytes);
+      const double router_gemm_ms = median_ms(plain.stream(), opt.warmup, opt.reps, [&] { plain.router_logits(in.x.as<uint16_t>(), tokens); });
+      for (const LayerScenario& sc : scenarios) {
+        json r = run_scenario(sc, tokens, opt, in.x, in.out, in.histogram.as<unsigned long long>(), peak_flops, peak_bytes);
         r["model"] = m.name;
         r["router_gemm_ms"] = router_gemm_ms;
         const json& g = r["expert_gemm"];
