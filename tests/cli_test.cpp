@@ -139,12 +139,18 @@ TEST_F(CliTest, BenchMoeChecksItsFlagsBeforeLookingForAGpu) {
   // The same one-line errors with and without CUDA in the build: the options are checked first.
   const std::string three = write("three.csv", "1,2,3\n4,5,6\n");
   std::string row;
-  for (int e = 0; e < 128; ++e) row += (e ? "," : "") + std::to_string(e + 1);
+  for (int e = 0; e < 128; ++e) {
+    if (e > 0) row += ',';
+    row += std::to_string(e + 1);
+  }
   const std::string loads = write("loads.csv", row + "\n" + row + "\n");
   expect_one_line_error(run("bench moe --loads " + (dir_ / "absent.csv").string()), "absent.csv");
   expect_one_line_error(run("bench moe --loads " + three), "3 experts, the Qwen3 shapes have 128");
   expect_one_line_error(run("bench moe --loads " + loads + " --models qwen9"), "unknown model 'qwen9'");
   expect_one_line_error(run("bench moe --loads " + loads + " --ep 3"), "--ep 3 with --redundant 8");
+  expect_one_line_error(run("bench moe --loads " + loads + " --gpus 3"), "--gpus 3 with --redundant 8");
+  expect_one_line_error(run("bench moe --loads " + loads + " --json " + (dir_ / "no" / "r.json").string()),
+                        "does not exist");
   expect_one_line_error(run("bench moe --loads " + loads + " --loads-layer 5"), "--loads-layer 5 but");
   expect_one_line_error(run("bench moe --loads " + loads + " --gpus 0"), "--gpus");
   expect_one_line_error(run("bench moe"), "--loads");

@@ -5,11 +5,11 @@
 //    a layer without changes, and back again into the freed buffers;
 //  - until commit the old pointers are the layer's pointers and hold the old weights (the forward pass's
 //    collectives on the world communicator run meanwhile);
-//  - a freed buffer that a reader stream still reads is not overwritten by the next layer's transfer;
+//  - a freed buffer that a reader stream still reads is not overwritten by the next layer's transfer, also when
+//    a reservation takes buffers freed by two commits with two reader streams;
 //  - begin while in flight, commit / ready without begin and bad rows are one-line errors; a dead peer ends an
 //    async exchange with the communicator's one-line abort error.
-// Plus a figure (no threshold): one layer of Qwen3-30B-A3B bf16 slots, begin -> commit against a raw
-// exchange_device of the same bytes.
+// Bandwidth: `fulcrum bench moe --gpus 2` (docs/benchmarks.md).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -141,6 +141,53 @@ TEST(NcclRank, SlotPoolMigrationWaitsForReadersOfFreedBuffers) {
   world->barrier();
 }
 
+// Freed buffers of two commits with two reader streams (each layer's forward has its own stream): the slow
+// reader of the EARLIER commit must still be waited for when a later reservation takes buffers of both commits
+// (the later commit's event, on the other stream, does not cover it). Per rank, buffers: layer 0 {0, 1},
+// layer 1 {2, 3}, spare {4, 5, 6}. Layer 0 slot 1 changes (into 4; frees 1, reader A holds it 1.5 s), then all
+// of layer 1 (into 5, 6; frees 2, 3, reader B), then all of layer 0: it reserves {1, 2}, one buffer of each.
+TEST(NcclRank, SlotPoolMigrationWaitsForEveryReaderStream) {
+  FULCRUM_RANK_ONLY(env);
+  auto world = comm::join_local_world(*env);
+  auto migration_comm = world->duplicate();
+  const eplb::Topology topo{.num_physical_experts = 4, .num_gpus = 2, .num_nodes = 1};
+  backend::GpuSlotPool pool({.num_layers = 2, .slots_per_layer = 2, .hidden_size = 64, .moe_intermediate_size = 32,
+                             .spare = 3},
+                            env->rank);
+  const std::vector<int32_t> start{0, 1, 2, 3}, layer0_step1{0, 3, 2, 1}, layer1_step2{2, 3, 0, 1}, layer0_step3{2, 1, 0, 3};
+  pool.fill_layer(0, local_row(start, env->rank, 2), kSeed);
+  pool.fill_layer(1, local_row(start, env->rank, 2), kSeed);
+  comm::NcclSlotPoolMigration migration(pool, *migration_comm, topo);
+  cudaStream_t reader_a = nullptr, reader_b = nullptr;
+  FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&reader_a, cudaStreamNonBlocking));
+  FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&reader_b, cudaStreamNonBlocking));
+  uint16_t* seen = nullptr;  // [2I, H]: what reader A copied out of layer 0's old slot 1
+  FULCRUM_CUDA_CHECK(cudaMalloc(&seen, pool.gate_up_elems() * 2));
+
+  migration.begin_layer(0, start, layer0_step1);
+  const uint16_t* old_slot1 = pool.gate_up_ptrs(0)[1];
+  FULCRUM_CUDA_CHECK(cudaLaunchHostFunc(
+      reader_a, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(1500)); }, nullptr));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(seen, old_slot1, pool.gate_up_elems() * 2, cudaMemcpyDeviceToDevice, reader_a));
+  migration.commit(reader_a);
+  migration.begin_layer(1, start, layer1_step2);
+  migration.commit(reader_b);  // nothing queued on B: its event completes at once
+  migration.begin_layer(0, layer0_step1, layer0_step3);
+  EXPECT_EQ(pool.map().reserved(0), (std::vector<int32_t>{1, 2}));
+  migration.commit(nullptr);
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(reader_a));
+  std::vector<uint16_t> got(static_cast<size_t>(pool.gate_up_elems()));
+  FULCRUM_CUDA_CHECK(cudaMemcpy(got.data(), seen, got.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(got == expected_expert(pool, 0, start[static_cast<size_t>(env->rank * 2 + 1)], kSeed).first)
+      << "reader A saw its freed buffer overwritten";
+  expect_slots_hold(pool, 0, local_row(layer0_step3, env->rank, 2), kSeed);
+  expect_slots_hold(pool, 1, local_row(layer1_step2, env->rank, 2), kSeed);
+  FULCRUM_CUDA_CHECK(cudaFree(seen));
+  FULCRUM_CUDA_CHECK(cudaStreamDestroy(reader_a));
+  FULCRUM_CUDA_CHECK(cudaStreamDestroy(reader_b));
+  world->barrier();
+}
+
 TEST(NcclRank, SlotPoolMigrationMisuseIsAOneLineError) {
   FULCRUM_RANK_ONLY(env);
   auto world = comm::join_local_world(*env);
@@ -213,6 +260,11 @@ TEST(NcclSlotPoolMigration, HoldsTheNewExpertsOnTwoGpus) {
 TEST(NcclSlotPoolMigration, WaitsForReadersOfFreedBuffers) {
   FULCRUM_NEEDS_GPUS(2);
   EXPECT_EQ(run_rank_processes(2, "NcclRank.SlotPoolMigrationWaitsForReadersOfFreedBuffers"), (std::vector<int>{0, 0}));
+}
+
+TEST(NcclSlotPoolMigration, WaitsForEveryReaderStream) {
+  FULCRUM_NEEDS_GPUS(2);
+  EXPECT_EQ(run_rank_processes(2, "NcclRank.SlotPoolMigrationWaitsForEveryReaderStream"), (std::vector<int>{0, 0}));
 }
 
 TEST(NcclSlotPoolMigration, MisuseIsAOneLineError) {

@@ -90,7 +90,8 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
   const EpRoutingInput input(loads, tokens, rank, 4242);
   const auto forward = [&] { layer.forward_from_logits(x.as<uint16_t>(), input.logits.as<float>(), tokens, out.as<float>()); };
 
-  // Raw P2P of the same bytes per peer pair (the a -> b and b -> a moves mirror each other in count).
+  // Raw P2P of the a -> b move's bytes per peer pair. With 2 GPUs the b -> a move mirrors it (the same counts
+  // the other way); with more GPUs the raw figure follows the a -> b pattern only.
   const int64_t slot_bytes = pool.slot_bytes();
   const std::vector<int64_t> ab = pair_bytes(map_a, map_b, world, slot_bytes);
   int64_t max_send = 0, max_recv = 0, my_sent = 0, my_received = 0;

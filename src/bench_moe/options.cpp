@@ -1,4 +1,6 @@
 // Options of `fulcrum bench moe` checked without CUDA (the CLI of every build reports bad flags the same way).
+#include <filesystem>
+
 #include <fmt/format.h>
 
 #include "bench_moe/moe_bench.hpp"
@@ -20,11 +22,18 @@ void validate(const MoeBenchOptions& opt) {
   for (const int64_t t : opt.tokens) FULCRUM_CHECK(t > 0 && t <= (int64_t{1} << 20), "--tokens {}: must be in [1, 1048576]", t);
   FULCRUM_CHECK(opt.reps > 0 && opt.warmup >= 0, "--reps must be positive and --warmup >= 0");
   FULCRUM_CHECK(opt.gpus >= 1, "--gpus must be at least 1, got {}", opt.gpus);
-  FULCRUM_CHECK(opt.ep >= 1 && kMoeBenchExperts % opt.ep == 0 && (kMoeBenchExperts + opt.redundant) % opt.ep == 0,
-                "--ep {} with --redundant {}: the EP ranks must divide both 128 experts and 128 + redundant slots",
-                opt.ep, opt.redundant);
+  // One GPU simulates --ep ranks; several GPUs are the EP ranks themselves.
+  const int ep = opt.gpus > 1 ? opt.gpus : opt.ep;
+  const char* ep_flag = opt.gpus > 1 ? "--gpus" : "--ep";
+  FULCRUM_CHECK(ep >= 1 && kMoeBenchExperts % ep == 0 && (kMoeBenchExperts + opt.redundant) % ep == 0,
+                "{} {} with --redundant {}: the EP ranks must divide both 128 experts and 128 + redundant slots",
+                ep_flag, ep, opt.redundant);
   FULCRUM_CHECK(opt.passes > 0 && opt.layers_per_pass >= 0, "--passes must be positive and --layers-per-pass >= 0");
   FULCRUM_CHECK(!opt.loads.empty(), "--loads: a load matrix CSV is required (../shared/data/loads/*.csv)");
+  if (!opt.json_path.empty()) {  // fail now, not after the whole run
+    const std::filesystem::path dir = std::filesystem::absolute(opt.json_path).parent_path();
+    FULCRUM_CHECK(std::filesystem::is_directory(dir), "--json {}: folder {} does not exist", opt.json_path, dir.string());
+  }
   const eplb::LoadMatrix loads = eplb::read_loads_file(opt.loads);
   FULCRUM_CHECK(loads.num_logical_experts == kMoeBenchExperts, "{}: {} experts, the Qwen3 shapes have 128", opt.loads,
                 loads.num_logical_experts);

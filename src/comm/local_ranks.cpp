@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include <fmt/format.h>
@@ -22,15 +23,36 @@ namespace {
 
 constexpr const char* kLocalRankEnv = "FULCRUM_LOCAL_RANK";  // "rank size port"
 
-[[noreturn]] void exec_rank(const std::vector<std::string>& argv, pid_t launcher, const std::string& place) {
+// A rank's argv and environment, built in the launcher before fork: in the child of a threaded process only
+// async-signal-safe calls are safe until exec (no allocation, no formatting, no setenv).
+struct ExecImage {
+  std::vector<std::string> strings;  // the arguments, then the environment entries
+  std::vector<char*> argv, envp;     // null-terminated pointers into strings
+};
+
+ExecImage exec_image(const std::vector<std::string>& argv, const std::string& place) {
+  ExecImage image;
+  image.strings = argv;
+  const std::string rank_entry = std::string(kLocalRankEnv) + "=";
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    if (entry.starts_with(rank_entry) || entry.starts_with("NCCL_NVLS_ENABLE=")) continue;
+    image.strings.emplace_back(entry);
+  }
+  image.strings.push_back(rank_entry + place);
+  image.strings.push_back("NCCL_NVLS_ENABLE=0");  // NVLink multicast stays off
+  for (size_t i = 0; i < image.strings.size(); ++i) {
+    (i < argv.size() ? image.argv : image.envp).push_back(image.strings[i].data());
+  }
+  image.argv.push_back(nullptr);
+  image.envp.push_back(nullptr);
+  return image;
+}
+
+[[noreturn]] void exec_rank(const ExecImage& image, pid_t launcher) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // the launcher dies: so does this rank
   if (::getppid() != launcher) ::_exit(1);
-  ::setenv(kLocalRankEnv, place.c_str(), 1);
-  ::setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast stays off
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  ::execv("/proc/self/exe", args.data());
+  ::execve("/proc/self/exe", image.argv.data(), image.envp.data());
   ::_exit(127);
 }
 
@@ -54,8 +76,9 @@ std::vector<int> run_local_rank_processes(int n, const std::vector<std::string>&
   std::fflush(nullptr);  // nothing buffered is written twice by the children
   std::vector<pid_t> pids;
   for (int r = 0; r < n; ++r) {
+    const ExecImage image = exec_image(argv, fmt::format("{} {} {}", r, n, port));
     const pid_t pid = ::fork();
-    if (pid == 0) exec_rank(argv, launcher, fmt::format("{} {} {}", r, n, port));
+    if (pid == 0) exec_rank(image, launcher);
     if (pid < 0) {
       const std::string reason = std::strerror(errno);
       for (const pid_t started : pids) {

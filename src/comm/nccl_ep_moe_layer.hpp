@@ -47,6 +47,9 @@ class NcclEpMoeLayer {
   // shape.num_slots = global P (P % W == 0), shape.max_tokens = tokens per rank and forward; the local slot
   // fields are set here. `ep` must outlive the layer; device_idx is the rank's current CUDA device.
   NcclEpMoeLayer(const backend::MoeLayerShape& shape, NcclCommunicator& ep, int device_idx);
+  // The inner layer's balanced count-gather captures this object: it stays where it was made.
+  NcclEpMoeLayer(const NcclEpMoeLayer&) = delete;
+  NcclEpMoeLayer& operator=(const NcclEpMoeLayer&) = delete;
 
   // The rank's layer: upload_weights / randomize_weights (its local slots), set_slot_weights,
   // set_expert_gemm, set_recorder. Its forward must not be called (it holds only the local slots).

@@ -67,6 +67,7 @@ NcclSlotPoolMigration::NcclSlotPoolMigration(backend::GpuSlotPool& pool, NcclCom
   FULCRUM_CUDA_CHECK(cudaSetDevice(pool.device_idx()));
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   FULCRUM_CUDA_CHECK(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
+  FULCRUM_CUDA_CHECK(cudaEventCreateWithFlags(&readers_done_, cudaEventDisableTiming));
 }
 
 NcclSlotPoolMigration::~NcclSlotPoolMigration() {
@@ -79,22 +80,28 @@ NcclSlotPoolMigration::~NcclSlotPoolMigration() {
   cudaStreamSynchronize(stream_);
   for (const auto& [commit, event] : release_events_) cudaEventDestroy(event);
   cudaEventDestroy(copies_done_);
+  cudaEventDestroy(readers_done_);
   cudaStreamDestroy(stream_);
 }
 
-CUevent_st* NcclSlotPoolMigration::release_event_for(std::span<const int32_t> buffers) {
+CUevent_st* NcclSlotPoolMigration::wait_for_readers_of(std::span<const int32_t> buffers) {
   while (!release_events_.empty() && cudaEventQuery(release_events_.front().second) == cudaSuccess) {
     FULCRUM_CUDA_CHECK(cudaEventDestroy(release_events_.front().second));
     release_events_.pop_front();
   }
-  int64_t needed = 0;
-  for (const int32_t b : buffers) needed = std::max(needed, freed_at_[static_cast<size_t>(b)]);
-  if (needed == 0) return nullptr;
-  // Events are recorded in commit order on the readers' streams; any one at or after the freeing commit covers it.
+  // Each layer's commit records its event on that layer's reader stream, so every freeing commit among the
+  // buffers needs its own wait (a later commit's event on another stream does not cover an earlier reader).
+  bool waited = false;
   for (const auto& [commit, event] : release_events_) {
-    if (commit >= needed) return event;
+    const bool freed_here = std::any_of(buffers.begin(), buffers.end(),
+                                        [&](int32_t b) { return freed_at_[static_cast<size_t>(b)] == commit; });
+    if (!freed_here) continue;
+    FULCRUM_CUDA_CHECK(cudaStreamWaitEvent(stream_, event, 0));
+    waited = true;
   }
-  return nullptr;  // its readers are done (event pruned) or the commit named none
+  if (!waited) return nullptr;  // no reader left (events pruned) or the commits named none
+  FULCRUM_CUDA_CHECK(cudaEventRecord(readers_done_, stream_));
+  return readers_done_;
 }
 
 void NcclSlotPoolMigration::begin_layer(int layer_idx, std::span<const int32_t> old_row,
@@ -127,8 +134,7 @@ void NcclSlotPoolMigration::begin_layer(int layer_idx, std::span<const int32_t> 
   };
   const int64_t gate_up_bytes = pool_.gate_up_elems() * 2, down_bytes = pool_.down_elems() * 2;
   try {
-    CUevent_st* start_after = release_event_for(reserved);
-    if (start_after != nullptr) FULCRUM_CUDA_CHECK(cudaStreamWaitEvent(stream_, start_after, 0));
+    CUevent_st* start_after = wait_for_readers_of(reserved);  // the local copies below wait too (stream_)
     std::vector<SlotRunItem> sends, recvs;
     std::vector<std::pair<int, int32_t>> assigned;
     int64_t num_local = 0;

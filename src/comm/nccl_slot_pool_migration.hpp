@@ -73,8 +73,9 @@ class NcclSlotPoolMigration {
   const SlotPoolMigrationStats& stats() const { return stats_; }
 
  private:
-  // The device event that a write into `buffers` must wait for (null: none pending).
-  CUevent_st* release_event_for(std::span<const int32_t> buffers);
+  // Makes stream_ wait on the device for every commit's readers that may still read one of `buffers`, and
+  // returns an event on stream_ after those waits (null: nothing to wait for).
+  CUevent_st* wait_for_readers_of(std::span<const int32_t> buffers);
   void abandon();  // drops the layer in flight (after a failure): its reservations go back
 
   backend::GpuSlotPool& pool_;
@@ -82,6 +83,7 @@ class NcclSlotPoolMigration {
   eplb::Topology topology_;
   CUstream_st* stream_ = nullptr;      // local copies
   CUevent_st* copies_done_ = nullptr;  // recorded on stream_ after the layer's local copies
+  CUevent_st* readers_done_ = nullptr;  // recorded on stream_ after the waits for freed buffers' readers
 
   int layer_in_flight_ = -1;
   NcclCommunicator::PendingExchange exchange_;

@@ -85,12 +85,15 @@ void GpuSlotPool::fill_layer(int layer_idx, std::span<const int32_t> experts, ui
   FULCRUM_CHECK(static_cast<int>(experts.size()) == shape_.slots_per_layer,
                 "slot pool: layer {} fill with {} experts for {} slots", layer_idx, experts.size(),
                 shape_.slots_per_layer);
+  for (int s = 0; s < shape_.slots_per_layer; ++s) {  // all checked before any fill: no half-filled layer
+    FULCRUM_CHECK(experts[static_cast<size_t>(s)] >= 0, "slot pool: layer {} slot {}: logical expert {}", layer_idx, s,
+                  experts[static_cast<size_t>(s)]);
+  }
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   using model::ExpertTensor;
   for (int s = 0; s < shape_.slots_per_layer; ++s) {
     const int32_t b = map_.buffer_of(layer_idx, s);
     const int expert = experts[static_cast<size_t>(s)];
-    FULCRUM_CHECK(expert >= 0, "slot pool: layer {} slot {}: logical expert {}", layer_idx, s, expert);
     FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(
         gate_up_buffer(b), gate_up_elems(), model::expert_weight_seed(seed, layer_idx, expert, ExpertTensor::kGateUp),
         model::expert_weight_scale(ExpertTensor::kGateUp, h, i), stream_));

@@ -71,6 +71,7 @@ struct GpuMoeLayer::GemmProblems {
     if (n > capacity) {
       if (host != nullptr) FULCRUM_CUDA_CHECK(cudaFreeHost(host));
       host = nullptr;
+      capacity = 0;  // a failed allocation below must not leave a capacity without storage
       FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host), sizeof(void*) * 6 * n));
       device = device_array<void*>(6 * static_cast<int64_t>(n));
       capacity = n;
