@@ -10,6 +10,7 @@
 #include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
 #include "eplb/loads.hpp"
+#include "eplb/metrics.hpp"
 #include "eplb/planner.hpp"
 #include "eplb/token_sampling.hpp"
 
@@ -79,12 +80,7 @@ std::vector<float> logits_for(const std::vector<double>& loads, int64_t tokens, 
 }
 
 double balancedness(const std::vector<double>& loads, const std::vector<int32_t>& map, int ep) {
-  std::vector<int> replicas(loads.size(), 0);
-  for (const int32_t e : map) ++replicas[e];
-  std::vector<double> rank(static_cast<size_t>(ep), 0.0);
-  const int per_rank = static_cast<int>(map.size()) / ep;
-  for (size_t s = 0; s < map.size(); ++s) rank[s / per_rank] += loads[map[s]] / replicas[map[s]];
-  return std::accumulate(rank.begin(), rank.end(), 0.0) / ep / *std::max_element(rank.begin(), rank.end());
+  return eplb::balancedness(eplb::gpu_loads(loads, map, eplb::Topology{static_cast<int>(map.size()), ep, 1}));
 }
 
 std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, int ep) {
@@ -102,6 +98,14 @@ std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, 
   }
   const auto row = loads.layer(layer_idx);
   return {layer_idx, std::vector<double>(row.begin(), row.end())};
+}
+
+std::vector<uint64_t> dispatch_streams(eplb::DispatchAlgorithm algorithm, int num_sources) {
+  std::vector<uint64_t> streams;
+  if (algorithm == eplb::DispatchAlgorithm::kDynamic) {
+    for (int r = 0; r < num_sources; ++r) streams.push_back(1000 + static_cast<uint64_t>(r));
+  }
+  return streams;
 }
 
 std::vector<int32_t> plan_map(const std::vector<double>& loads, int num_slots, int ep) {

@@ -63,6 +63,9 @@ double balancedness(const std::vector<double>& loads, const std::vector<int32_t>
 // the trivial placement. Returns {layer index, loads}.
 std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, int ep);
 
+// The draw streams of dynamic replica choice, one per source (empty for the other algorithms).
+std::vector<uint64_t> dispatch_streams(eplb::DispatchAlgorithm algorithm, int num_sources);
+
 // The fulcrum planner's map of E + redundant slots over `ep` ranks for `loads`.
 std::vector<int32_t> plan_map(const std::vector<double>& loads, int num_slots, int ep);
 

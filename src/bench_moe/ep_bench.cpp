@@ -37,12 +37,9 @@ double slowest_rank(comm::Communicator& ep, double value) {
 
 model::moe::ReplicaChoiceSpec ep_replica_choice(eplb::DispatchAlgorithm algorithm, const std::vector<int32_t>& map,
                                                 int world) {
-  std::vector<uint64_t> streams;
-  if (algorithm == eplb::DispatchAlgorithm::kDynamic) {
-    for (int r = 0; r < world; ++r) streams.push_back(1000 + r);
-  }
   const eplb::Topology topo{static_cast<int>(map.size()), world, 1};
-  return model::moe::make_replica_choice(algorithm, map, kExperts, topo, /*tokens_per_source=*/1, streams);
+  return model::moe::make_replica_choice(algorithm, map, kExperts, topo, /*tokens_per_source=*/1,
+                                         dispatch_streams(algorithm, world));
 }
 
 EpRoutingInput::EpRoutingInput(const std::vector<double>& loads, int64_t tokens, int rank, uint64_t seed) {
@@ -168,9 +165,7 @@ void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::N
 void run_as_rank(const MoeBenchOptions& opt, const engine::LaunchedRank& me) {
   try {
     FULCRUM_CUDA_CHECK(cudaSetDevice(0));  // the launcher gives each rank process its one GPU
-    const comm::DistInit init{comm::parse_host_port(me.dist_init_addr, "--dist-init-addr"), me.world_size, me.world_rank,
-                              std::chrono::milliseconds(static_cast<int64_t>(me.timeout_s * 1000))};
-    std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
+    std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(me.dist_init());
     const std::unique_ptr<comm::NcclCommunicator> ep = comm::NcclCommunicator::create_world(mesh);
     const std::unique_ptr<comm::NcclCommunicator> migration = ep->duplicate(opt.migration_max_ctas);  // its own NCCL communicator, stream
     run_ep_rank(opt, *ep, *migration);

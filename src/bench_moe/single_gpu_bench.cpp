@@ -36,13 +36,10 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
   GpuMoeLayer& layer = *sc.layer;
   const auto& shape = layer.shape();
   const cudaStream_t stream = layer.stream();
-  std::vector<uint64_t> streams;
-  for (int r = 0; r < opt.ep; ++r) streams.push_back(1000 + r);
   const eplb::Topology topo{shape.num_slots, opt.ep, 1};
   const int64_t per_source = (tokens + opt.ep - 1) / opt.ep;
   layer.set_replica_choice(model::moe::make_replica_choice(sc.dispatch, sc.map, shape.num_experts, topo, per_source,
-                                                           sc.dispatch == eplb::DispatchAlgorithm::kDynamic ? streams
-                                                                                                            : std::vector<uint64_t>{}));
+                                                           dispatch_streams(sc.dispatch, opt.ep)));
   const std::vector<float> host_logits = logits_for(*sc.loads, tokens, shape.num_experts_per_tok, 77 + tokens);
   const DeviceBuffer logits = upload(host_logits);
   const uint16_t* xp = x.as<uint16_t>();

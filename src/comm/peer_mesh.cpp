@@ -1,7 +1,6 @@
 #include "comm/peer_mesh.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <exception>
 
 #include <sys/socket.h>

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "eplb/dispatch.hpp"
 #include "eplb/error.hpp"
 
 namespace fulcrum::comm {
@@ -11,12 +12,7 @@ namespace {
 
 constexpr uint64_t kWorldGroupId = 2;
 
-uint64_t mix(uint64_t x) {  // splitmix64's finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+uint64_t mix(uint64_t x) { return eplb::SplitMix64(x).next(); }  // one splitmix64 step from x
 
 }  // namespace
 

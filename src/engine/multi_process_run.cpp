@@ -227,6 +227,11 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
   throw Error(line);
 }
 
+comm::DistInit LaunchedRank::dist_init() const {
+  return {comm::parse_host_port(dist_init_addr, "--dist-init-addr"), world_size, world_rank,
+          std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))};
+}
+
 InProcessResult generate_as_rank(const LaunchedRank& me, const std::string& model_dir,
                                  const model::Qwen3MoeConfig& config, const ParallelLayout& layout,
                                  const InProcessRun& run, const std::vector<std::vector<int32_t>>& prompts) {
@@ -234,10 +239,7 @@ InProcessResult generate_as_rank(const LaunchedRank& me, const std::string& mode
     FULCRUM_CHECK(layout.world_size() == me.world_size, "the layout has {} ranks, the launcher started {}",
                   layout.world_size(), me.world_size);
     InProcessResult result = prepare_generate(config, layout, run);
-    const comm::DistInit init{comm::parse_host_port(me.dist_init_addr, "--dist-init-addr"), me.world_size,
-                              me.world_rank,
-                              std::chrono::milliseconds(static_cast<int64_t>(me.timeout_s * 1000))};
-    std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
+    std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(me.dist_init());
     std::unique_ptr<comm::Communicator> world;
     if (run.device == "cuda") {
 #ifdef FULCRUM_WITH_NCCL

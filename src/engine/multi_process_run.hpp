@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/peer_mesh.hpp"
 #include "engine/parallel_generate.hpp"
 
 namespace fulcrum::engine {
@@ -32,6 +33,8 @@ struct LaunchedRank {
   int world_size = 1;
   std::string dist_init_addr;
   double timeout_s = 120;
+  // Where this rank joins its world (comm::PeerMesh::connect).
+  comm::DistInit dist_init() const;
 };
 // Set in a process the launcher started; empty in the command the user ran.
 std::optional<LaunchedRank> launched_rank();

@@ -65,7 +65,6 @@ class RankEngine {
   int add_sequence(SequenceId id, int64_t capacity);
   // Drops sequence `id` and frees its cache; a no-op when it is not live.
   void drop_sequence(SequenceId id);
-  int num_live_sequences() const { return static_cast<int>(live_.size()); }
 
   // Entries of live sequences, each at most once -> logits per entry in batch order: [num_new_tokens,
   // vocab_size] (kAll) or [1, vocab_size] (kLast; entries with no new token then get [0, vocab_size]).

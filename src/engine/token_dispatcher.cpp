@@ -82,9 +82,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     }
     const model::Tensor sum = backend_.zeros({max_entries, hidden_});  // [max_entries, hidden]
     rows_->reduce_scatter_sum(send, sum);
-    const model::Tensor mine = backend_.zeros({entry_counts_[me], hidden_});  // [my entries, hidden]
-    if (entry_counts_[me] > 0) backend_.copy(mine, sum.rows(0, entry_counts_[me]));
-    return mine;
+    return sum.rows(0, entry_counts_[me]);  // [my entries, hidden]: a view that keeps `sum` alive
   }
 
  private:

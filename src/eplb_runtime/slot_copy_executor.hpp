@@ -45,7 +45,6 @@ class SlotStaging {
   void prepare(model::Backend& backend, const model::ExpertSlotView& view, int num_staging_slots);
   void check_idx(int staging_idx) const;
   void clear() { num_slots_ = 0; }
-  int num_slots() const { return num_slots_; }
   const model::Tensor& gate_up() const { return gate_up_; }
   const model::Tensor& down() const { return down_; }
   int64_t peak_bytes() const { return peak_bytes_; }

@@ -12,7 +12,6 @@ class ConnectionWatch {
   // Looks the socket up once; when none matches (e.g. not TCP), peer_closed() is always false.
   ConnectionWatch(const std::string& remote_addr, int remote_port, int local_port);
 
-  bool found() const { return fd_ >= 0; }
   // True once the peer has shut its side down or reset the connection. Valid while the request's
   // handler runs (the server closes the socket only after it returns).
   bool peer_closed() const;

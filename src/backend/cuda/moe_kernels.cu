@@ -221,17 +221,9 @@ __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int in
   }
 }
 
-template <typename Out>
-__device__ __forceinline__ void store_out(Out* out, int64_t i, float v);
-template <>
-__device__ __forceinline__ void store_out<float>(float* out, int64_t i, float v) { out[i] = v; }
-template <>
-__device__ __forceinline__ void store_out<uint16_t>(uint16_t* out, int64_t i, float v) { out[i] = f32_to_bf16(v); }
-
 // One block per token: its k rows and weights in shared memory, columns spread over the threads.
-template <typename Out>
 __global__ void combine_kernel(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
-                               int top_k, int hidden_size, Out* out) {
+                               int top_k, int hidden_size, float* out) {
   __shared__ int32_t s_row[kMaxTopK];
   __shared__ float s_weight[kMaxTopK];
   for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
@@ -254,22 +246,15 @@ __global__ void combine_kernel(const uint16_t* rows, const int32_t* entry_row, c
           }
         }
 #pragma unroll
-        for (int q = 0; q < 8; ++q) store_out(out, t * hidden_size + c8 * 8 + q, acc[q]);
+        for (int q = 0; q < 8; ++q) out[t * hidden_size + c8 * 8 + q] = acc[q];
       }
     } else {
       for (int c = threadIdx.x; c < hidden_size; c += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j) acc += s_weight[j] * bf16_to_f32(rows[static_cast<int64_t>(s_row[j]) * hidden_size + c]);
-        store_out(out, t * hidden_size + c, acc);
+        out[t * hidden_size + c] = acc;
       }
     }
-  }
-}
-
-__global__ void f32_to_bf16_kernel(const float* in, int64_t n, uint16_t* out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = f32_to_bf16(in[i]);
   }
 }
 
@@ -440,28 +425,11 @@ cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int interm
   return cudaGetLastError();
 }
 
-template <typename Out>
-cudaError_t launch_combine(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
-                           int top_k, int hidden_size, Out* out, cudaStream_t stream) {
-  if (num_tokens == 0) return cudaSuccess;
-  combine_kernel<Out><<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
-                                                                     hidden_size, out);
-  return cudaGetLastError();
-}
-
 cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,
                                int64_t num_tokens, int top_k, int hidden_size, float* out, cudaStream_t stream) {
-  return launch_combine(rows, entry_row, weights, num_tokens, top_k, hidden_size, out, stream);
-}
-
-cudaError_t launch_combine_bf16(const uint16_t* rows, const int32_t* entry_row, const float* weights,
-                                int64_t num_tokens, int top_k, int hidden_size, uint16_t* out, cudaStream_t stream) {
-  return launch_combine(rows, entry_row, weights, num_tokens, top_k, hidden_size, out, stream);
-}
-
-cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  f32_to_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(in, n, out);
+  if (num_tokens == 0) return cudaSuccess;
+  combine_kernel<<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
+                                                                hidden_size, out);
   return cudaGetLastError();
 }
 

@@ -83,13 +83,10 @@ cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int interm
 // out [T, H] = sum_j weights[t*k+j] * rows[entry_row[t*k+j]] (bf16 rows, fp32 sum in j order).
 cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,
                                int64_t num_tokens, int top_k, int hidden_size, float* out, cudaStream_t stream);
-cudaError_t launch_combine_bf16(const uint16_t* rows, const int32_t* entry_row, const float* weights,
-                                int64_t num_tokens, int top_k, int hidden_size, uint16_t* out, cudaStream_t stream);
 
-// fp32 -> bf16 (round to nearest even), and a deterministic pseudo-random fill in [-scale, scale) (bench
-// weights without a host round trip): out[i] is a hash of (seed, first_index + i), so a slice of an array
-// can be filled with the values the whole array would hold there.
-cudaError_t launch_f32_to_bf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream);
+// A deterministic pseudo-random bf16 fill in [-scale, scale) (bench weights without a host round trip):
+// out[i] is a hash of (seed, first_index + i), so a slice of an array can be filled with the values the whole
+// array would hold there.
 cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream,
                                     int64_t first_index = 0);
 

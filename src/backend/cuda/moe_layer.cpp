@@ -30,6 +30,11 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 
 namespace {
 
+// FLOPs of the expert stage over `rows` rows: gate_up [rows, H] x [H, 2I] and down [rows, I] x [I, H].
+double expert_flops_of_rows(double rows, const MoeLayerShape& shape) {
+  return rows * 6.0 * static_cast<double>(shape.hidden_size) * static_cast<double>(shape.moe_intermediate_size);
+}
+
 template <typename T>
 DeviceBuffer device_array(int64_t n) {
   return DeviceBuffer(sizeof(T) * static_cast<size_t>(n < 1 ? 1 : n));
@@ -477,7 +482,7 @@ void GpuMoeLayer::run_experts_on(const uint16_t* rows, std::span<const int32_t> 
   }
   problems.upload(stream_);
   const int count = static_cast<int>(problems.rows.size());
-  const double flops = static_cast<double>(n) * 6.0 * static_cast<double>(h) * static_cast<double>(i);
+  const double flops = expert_flops_of_rows(static_cast<double>(n), shape_);
   expert_gemm(problems, 0, 0, count, flops);
   FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(h_.as<uint16_t>(), n, shape_.moe_intermediate_size,
                                                      act_.as<uint16_t>(), stream_));
@@ -509,8 +514,7 @@ void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {
 double GpuMoeLayer::expert_flops(int slot_begin, int slot_end) const {
   double rows = 0;
   for (int s = slot_begin; s < slot_end; ++s) rows += host_counts_[s];
-  const double h = shape_.hidden_size, i = shape_.moe_intermediate_size;
-  return rows * (2.0 * h * 2.0 * i + 2.0 * i * h);
+  return expert_flops_of_rows(rows, shape_);
 }
 
 double GpuMoeLayer::expert_min_bytes(int slot_begin, int slot_end) const {

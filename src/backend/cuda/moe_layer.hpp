@@ -43,10 +43,10 @@ struct MoeLayerShape {
 
 // How the expert GEMMs are issued: one cublasGemmGroupedBatchedEx per GEMM over all non-empty slots, or
 // one cublasGemmEx per non-empty slot, or (auto, the default) grouped below kPerSlotMinFlops of expert work
-// and per-slot above. Measured on an H200 (docs/benchmarks.md): grouped wins while host launch overhead
-// dominates (about 2.5 ms for 256 per-slot calls), per-slot wins on large problems (its GEMMs run at
-// about 0.45-0.67 of the bf16 roofline, grouped at about 0.33); the crossover lies between 0.31 and 1.2
-// TFLOP per call at both Qwen3 shapes.
+// and per-slot above. Measured on an H200 (docs/benchmarks.md, bench/results/moe_layer_h200.json): grouped wins
+// while host launch overhead dominates (about 1.6-3 ms for 256 per-slot calls), per-slot wins on large problems
+// (its GEMMs run at about 0.42-0.69 of the bf16 roofline there, grouped at about 0.33); the crossover lies
+// between 0.31 and 1.2 TFLOP per call at both Qwen3 shapes.
 enum class ExpertGemm { kGrouped, kPerSlot, kAuto };
 constexpr double kPerSlotMinFlops = 0.7e12;
 
