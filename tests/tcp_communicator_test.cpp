@@ -121,6 +121,20 @@ TEST(TcpSocket, ConnectionsDetectDeadPeers) {
   EXPECT_NE(dead_peer_detection(listener), kDeadPeerDetection);  // the kernel's defaults differ
 }
 
+// Outgoing connections take ports from the ephemeral range; a picked rendezvous port must lie outside it.
+TEST(TcpSocket, PickedPortsLieBelowTheEphemeralRangeAndAreFree) {
+  const auto [low, high] = ephemeral_port_range();
+  ASSERT_LE(low, high);
+  for (int i = 0; i < 20; ++i) {
+    const int port = pick_free_port();
+    if (low - 10000 >= 1000) {
+      EXPECT_GE(port, 10000);
+      EXPECT_LT(port, low);
+    }
+    EXPECT_NO_THROW(listen_tcp(port, "test listener")) << port;
+  }
+}
+
 TEST(PeerMesh, EverySocketDetectsDeadPeers) {
   const int n = 3;
   const auto errors = run_ranks(n, [n](int rank, const DistInit& init) {

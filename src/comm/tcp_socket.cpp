@@ -10,6 +10,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <random>
+#include <utility>
 #include <thread>
 
 #include "eplb/error.hpp"
@@ -139,7 +142,34 @@ DeadPeerDetection dead_peer_detection(const Socket& socket) {
           get_int_option(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, "TCP_USER_TIMEOUT")};
 }
 
-int pick_free_port() { return local_port(listen_tcp(0, "picking a free port")); }
+std::pair<int, int> ephemeral_port_range() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 0, high = 0;
+  if (in >> low >> high && 1 <= low && low <= high && high <= 65535) return {low, high};
+  return {32768, 60999};  // Linux's default
+}
+
+// bind(0) hands out a port from the ephemeral range, which the kernel also gives to outgoing connections: between
+// this call and the rendezvous' listen, another process's connect could take it ("Address already in use", seen
+// with tests in parallel). Ports below the range are only ever taken by an explicit bind, so draw one there.
+int pick_free_port() {
+  constexpr int kLowest = 10000;
+  const int below = ephemeral_port_range().first;
+  if (below - kLowest >= 1000) {
+    std::mt19937 rng(std::random_device{}());
+    std::uniform_int_distribution<int> port(kLowest, below - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      const int candidate = port(rng);
+      try {
+        listen_tcp(candidate, "picking a free port");
+        return candidate;
+      } catch (const Error&) {
+        // taken: draw again
+      }
+    }
+  }
+  return local_port(listen_tcp(0, "picking a free port"));
+}
 
 Socket accept_tcp(const Socket& listener, Clock::time_point deadline, const std::string& what) {
   while (true) {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <utility>
 
 namespace fulcrum::comm {
 
@@ -70,8 +71,11 @@ Socket listen_tcp(int port, const std::string& what);
 int local_port(const Socket& socket);
 // The IPv4 address of the connected peer, as text.
 std::string peer_address(const Socket& socket);
-// An unused port on 127.0.0.1 at the time of the call (a single-host launch's rendezvous port).
+// An unused port at the time of the call (a single-host launch's rendezvous port), drawn at random below the
+// kernel's ephemeral range so that no outgoing connection takes it before the rendezvous listens.
 int pick_free_port();
+// The kernel's ephemeral port range [low, high] (/proc/sys/net/ipv4/ip_local_port_range).
+std::pair<int, int> ephemeral_port_range();
 
 // Accepts one connection, or throws once `deadline` passes.
 Socket accept_tcp(const Socket& listener, Clock::time_point deadline, const std::string& what);
