@@ -2,9 +2,11 @@
 // fulcrum_tests re-executes itself as rank processes of one LocalRankChild.* test each; they join a TCP world.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <thread>
 
+#include "comm/exec_image.hpp"
 #include "comm/local_ranks.hpp"
 #include "comm/tcp_communicator.hpp"
 #include "eplb/error.hpp"
@@ -68,6 +70,35 @@ TEST(LocalRanks, MalformedEnvironmentIsAOneLineError) {
     EXPECT_NE(std::string(e.what()).find("malformed FULCRUM_LOCAL_RANK='2 2 5000'"), std::string::npos) << e.what();
   }
   ::unsetenv("FULCRUM_LOCAL_RANK");
+}
+
+
+// What a rank process is started with: the arguments as given, the launcher's environment with each override
+// replacing its variable (once), and NVLink multicast off.
+TEST(ExecImage, OverridesReplaceTheLaunchersVariablesAndMulticastStaysOff) {
+  ::setenv("FULCRUM_TEST_KEEP", "kept", 1);
+  ::setenv("FULCRUM_TEST_SET", "old", 1);
+  ::setenv("FULCRUM_TEST_SET_LONGER", "untouched", 1);  // shares a prefix with an override: not replaced
+  ::setenv("NCCL_NVLS_ENABLE", "1", 1);
+  const ExecImage image = exec_image({"prog", "--flag", "value"}, {{"FULCRUM_TEST_SET", "new value"}});
+  ::unsetenv("FULCRUM_TEST_KEEP");
+  ::unsetenv("FULCRUM_TEST_SET");
+  ::unsetenv("FULCRUM_TEST_SET_LONGER");
+  ::unsetenv("NCCL_NVLS_ENABLE");
+  ASSERT_EQ(image.argv.size(), 4u);
+  EXPECT_EQ(std::string(image.argv[0]), "prog");
+  EXPECT_EQ(std::string(image.argv[2]), "value");
+  EXPECT_EQ(image.argv[3], nullptr);
+  ASSERT_FALSE(image.envp.empty());
+  EXPECT_EQ(image.envp.back(), nullptr);
+  std::vector<std::string> env(image.envp.begin(), image.envp.end() - 1);
+  const auto count = [&](const std::string& entry) { return std::count(env.begin(), env.end(), entry); };
+  EXPECT_EQ(count("FULCRUM_TEST_KEEP=kept"), 1);
+  EXPECT_EQ(count("FULCRUM_TEST_SET=new value"), 1);
+  EXPECT_EQ(count("FULCRUM_TEST_SET=old"), 0);
+  EXPECT_EQ(count("FULCRUM_TEST_SET_LONGER=untouched"), 1);
+  EXPECT_EQ(count("NCCL_NVLS_ENABLE=0"), 1);
+  EXPECT_EQ(count("NCCL_NVLS_ENABLE=1"), 0);
 }
 
 }  // namespace

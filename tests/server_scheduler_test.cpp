@@ -1,5 +1,6 @@
 // Scheduler logic over a fake executor: admission control, page accounting, chunked prefill, batch
 // composition, stop conditions, cancellation.
+#include <map>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -51,6 +52,38 @@ TEST(ServerScheduler, AdmissionWaitsForPagesInsteadOfDropping) {
   g = s.gauges();
   EXPECT_EQ(g.kv_pages_used, 0);
   EXPECT_TRUE(exec.live.empty());
+}
+
+// A request's KV is released before its handle finishes, whatever ends it (length, a stop token, a failed
+// step): a client woken by the end of its request must not find the server still holding its pages.
+TEST(ServerScheduler, KvIsReleasedBeforeTheClientIsTold) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 64, .page_size = 4, .max_prefill_tokens = 64});
+  std::map<SequenceId, std::shared_ptr<RequestHandle>> handles;
+  std::vector<SequenceId> released_unfinished, released_finished;
+  exec.on_release = [&](SequenceId id) {
+    (handles.at(id)->finish_reason() == FinishReason::kNone ? released_unfinished : released_finished).push_back(id);
+  };
+  const auto submit = [&](RequestParams p) {
+    auto h = s.submit(std::move(p));
+    handles[h->id()] = h;
+    return h;
+  };
+  auto by_length = submit(request(iota_prompt(5), 3));
+  RequestParams stopping = request(iota_prompt(4, 7), 10);
+  stopping.stop_token_ids = {FakeExecutor::expected(iota_prompt(4, 7), 2, 50)[1]};
+  auto by_stop = submit(stopping);
+  run_until_idle(s);
+  EXPECT_EQ(by_length->finish_reason(), FinishReason::kLength);
+  EXPECT_EQ(by_stop->finish_reason(), FinishReason::kStop);
+  auto by_error = submit(request(iota_prompt(6, 3), 4));
+  s.step();
+  exec.fail_next_step = true;
+  s.step();
+  EXPECT_EQ(by_error->finish_reason(), FinishReason::kError);
+  EXPECT_EQ(released_unfinished.size(), 3u);
+  EXPECT_TRUE(released_finished.empty()) << "a handle finished before its KV was released";
+  EXPECT_EQ(s.gauges().kv_pages_used, 0);
 }
 
 TEST(ServerScheduler, RunningLimitAndFifoOrder) {

@@ -2,6 +2,7 @@
 // Helpers of the server tests: a fake StepExecutor whose logits are a pure function of each sequence's
 // own history (for scheduler logic), and a tiny synthetic model with a tokenizer, made once per process.
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,6 +30,7 @@ class FakeExecutor final : public server::StepExecutor {
     capacity_[id] = capacity;
   }
   void release(server::SequenceId id) override {
+    if (on_release) on_release(id);
     live.erase(id);
     capacity_.erase(id);
   }
@@ -69,6 +71,7 @@ class FakeExecutor final : public server::StepExecutor {
   int steps = 0;
   bool fail_next_step = false;
   bool failed_for_good = false;  // every step throws ExecutorFailure
+  std::function<void(server::SequenceId)> on_release;  // called before a sequence's KV is dropped
 
  private:
   int vocab_;

@@ -1,7 +1,6 @@
 #include "engine/multi_process_run.hpp"
 
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/exec_image.hpp"
 #include "comm/peer_mesh.hpp"
 #include "comm/tcp_communicator.hpp"
 #include "eplb/error.hpp"
@@ -101,22 +101,6 @@ std::string error_line(const std::string& err) {
   return err.substr(at + prefix.size(), end == std::string::npos ? std::string::npos : end - at - prefix.size());
 }
 
-[[noreturn]] void exec_rank(const std::vector<std::string>& args, pid_t launcher, const std::string& launch,
-                            const std::string& gpu, int stderr_fd) {
-  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // the launcher dies: so does this rank
-  if (::getppid() != launcher) ::_exit(1);
-  ::dup2(stderr_fd, STDERR_FILENO);
-  ::setenv(kLaunchEnv, launch.c_str(), 1);
-  ::setenv("NCCL_NVLS_ENABLE", "0", 1);
-  if (!gpu.empty()) ::setenv("CUDA_VISIBLE_DEVICES", gpu.c_str(), 1);
-  std::vector<char*> argv;
-  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  ::execv("/proc/self/exe", argv.data());
-  std::fprintf(stderr, "fulcrum: error: cannot start a rank process: %s\n", std::strerror(errno));
-  ::_exit(127);
-}
-
 }  // namespace
 
 bool runs_as_processes(const DistFlags& flags, const std::string& device, int world_size) {
@@ -171,9 +155,12 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
   for (int local = 0; local < num_local; ++local) {
     const std::string launch =
         fmt::format("{} {} {} {} {}", local, first_rank + local, world_size, address, flags.dist_timeout_s);
+    std::vector<std::pair<std::string, std::string>> env{{kLaunchEnv, launch}};
+    if (!gpus[local].empty()) env.emplace_back("CUDA_VISIBLE_DEVICES", gpus[local]);
+    const comm::ExecImage image = comm::exec_image(args, env);
     stderr_fds.push_back(anonymous_file());
     const pid_t pid = ::fork();
-    if (pid == 0) exec_rank(args, launcher, launch, gpus[local], stderr_fds.back());
+    if (pid == 0) comm::exec_self(image, launcher, stderr_fds.back());
     if (pid < 0) {
       failures.push_back({fmt::format("cannot start local rank {}: fork failed: {}", local, std::strerror(errno))});
       num_stopped = running.size();

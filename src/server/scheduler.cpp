@@ -119,11 +119,10 @@ void Scheduler::admit() {
   num_running_ = static_cast<int64_t>(running_.size());
 }
 
-bool Scheduler::after_token(Sequence& seq, int32_t token) {
+std::optional<Scheduler::Ending> Scheduler::after_token(Sequence& seq, int32_t token) {
   const RequestParams& p = seq.params;
   if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end()) {
-    finish(seq, FinishReason::kStop);
-    return true;
+    return Ending{&seq, FinishReason::kStop};
   }
   seq.generated.push_back(token);
   if (metrics_) metrics_->add_generation_tokens(1);
@@ -132,16 +131,10 @@ bool Scheduler::after_token(Sequence& seq, int32_t token) {
     const std::string text = detokenizer_(seq.generated);
     size_t first = std::string::npos;
     for (const std::string& s : p.stop) first = std::min(first, text.find(s));
-    if (first != std::string::npos) {
-      finish(seq, FinishReason::kStop, first);
-      return true;
-    }
+    if (first != std::string::npos) return Ending{&seq, FinishReason::kStop, first};
   }
-  if (static_cast<int>(seq.generated.size()) >= p.max_tokens) {
-    finish(seq, FinishReason::kLength);
-    return true;
-  }
-  return false;
+  if (static_cast<int>(seq.generated.size()) >= p.max_tokens) return Ending{&seq, FinishReason::kLength};
+  return std::nullopt;
 }
 
 bool Scheduler::step() {
@@ -182,8 +175,9 @@ bool Scheduler::step() {
     throw;
   } catch (const std::exception& e) {
     fmt::print(stderr, "fulcrum serve: step failed, ending its {} request(s): {}\n", members.size(), e.what());
-    for (Sequence* seq : members) finish(*seq, FinishReason::kError);
-    retire(members);
+    std::vector<Ending> failed;
+    for (Sequence* seq : members) failed.push_back({seq, FinishReason::kError});
+    retire(failed);
     return true;
   }
   int64_t batch_tokens = 0;
@@ -192,7 +186,7 @@ bool Scheduler::step() {
     metrics_->observe_step(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), batch_tokens);
   }
 
-  std::vector<Sequence*> finished;
+  std::vector<Ending> finished;
   for (size_t i = 0; i < members.size(); ++i) {
     Sequence& seq = *members[i];
     if (record.entries[i].prefill) {
@@ -202,26 +196,28 @@ bool Scheduler::step() {
     }
     try {
       const int32_t token = model::sample_token(logits[i], seq.params.sampling, seq.rng);
-      if (after_token(seq, token)) finished.push_back(&seq);
+      if (const std::optional<Ending> end = after_token(seq, token)) finished.push_back(*end);
     } catch (const std::exception& e) {  // e.g. non-finite logits: this request ends, the others go on
       fmt::print(stderr, "fulcrum serve: request {} failed: {}\n", seq.handle->id(), e.what());
-      finish(seq, FinishReason::kError);
-      finished.push_back(&seq);
+      finished.push_back({&seq, FinishReason::kError});
     }
   }
   retire(finished);
   return true;
 }
 
-void Scheduler::retire(const std::vector<Sequence*>& done) {
+// Under the lock that gauges() takes, so a client that has seen its request end finds it gone from the
+// server's gauges (before, the handle finished first and /metrics right after could still count its pages).
+void Scheduler::retire(const std::vector<Ending>& done) {
   if (done.empty()) return;
   std::lock_guard lock(mutex_);
-  for (Sequence* seq : done) {
-    executor_.release(seq->handle->id());
-    pages_used_ -= seq->pages;
+  for (const Ending& end : done) {
+    executor_.release(end.seq->handle->id());
+    pages_used_ -= end.seq->pages;
   }
+  for (const Ending& end : done) finish(*end.seq, end.reason, end.stop_text_length);
   std::erase_if(running_, [&](const std::unique_ptr<Sequence>& s) {
-    return std::find(done.begin(), done.end(), s.get()) != done.end();
+    return std::any_of(done.begin(), done.end(), [&](const Ending& end) { return end.seq == s.get(); });
   });
   num_running_ = static_cast<int64_t>(running_.size());
 }

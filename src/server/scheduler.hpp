@@ -89,8 +89,13 @@ class Scheduler {
   void drop_cancelled();
   void admit();
   void finish(Sequence& seq, FinishReason reason, std::optional<size_t> stop_text_length = std::nullopt);
-  bool after_token(Sequence& seq, int32_t token);  // true when the sequence finished
-  void retire(const std::vector<Sequence*>& done);  // releases KV and pages, leaves the batch
+  struct Ending {  // a running sequence that ends this step, and how
+    Sequence* seq = nullptr;
+    FinishReason reason = FinishReason::kNone;
+    std::optional<size_t> stop_text_length;
+  };
+  std::optional<Ending> after_token(Sequence& seq, int32_t token);  // set when the sequence ends
+  void retire(const std::vector<Ending>& done);  // releases KV and pages, then finishes the handles, leaves the batch
   void fail_all();  // every waiting and running request ends with "error"; no new ones
   void wake();
 
