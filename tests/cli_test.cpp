@@ -133,6 +133,13 @@ TEST_F(CliTest, BadPlacementsAndFlagsGiveOneLineErrors) {
   expect_one_line_error(run("plan --loads " + (dir_ / "absent.csv").string() + " --gpus 2 --physical-experts 4"),
                         "absent.csv");
   expect_one_line_error(run("replan"), "unknown command 'replan'");
+  // Number flags name their rule (CLI11's own check printed a 300-digit range that seemed to allow 0).
+  const RunResult zero = run("plan --loads " + loads + " --gpus 0 --physical-experts 4");
+  expect_one_line_error(zero, "--gpus: must be positive, got 0");
+  EXPECT_LT(zero.err.size(), 100u) << zero.err;
+  expect_one_line_error(run("plan --loads " + loads + " --gpus two --physical-experts 4"), "--gpus: 'two' is not a number");
+  expect_one_line_error(run("simulate --trace " + loads + " --gpus 2 --physical-experts 4 --rebalance-every 1 --batch-tokens -1"),
+                        "--batch-tokens: must be zero or more, got -1");
 }
 
 TEST_F(CliTest, BenchMoeChecksItsFlagsBeforeLookingForAGpu) {

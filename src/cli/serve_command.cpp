@@ -6,6 +6,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/engine_flags.hpp"
+#include "cli/number_checks.hpp"
 #include "eplb/error.hpp"
 #include "server/load_generator.hpp"
 #include "server/serve.hpp"
@@ -35,13 +36,13 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--host", o->host, "Address to listen on")->capture_default_str();
   cmd->add_option("--port", o->port, "Port (0: any free port; the log names it)")->capture_default_str()->check(CLI::Range(0, 65535));
   cmd->add_option("--max-running-requests", o->scheduler.max_running_requests, "Requests in the running batch")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-pages", o->scheduler.kv_pages, "KV cache pool, in pages")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--page-size", o->scheduler.page_size, "Tokens per KV page")->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--kv-pages", o->scheduler.kv_pages, "KV cache pool, in pages")->capture_default_str()->check(kPositive);
+  cmd->add_option("--page-size", o->scheduler.page_size, "Tokens per KV page")->capture_default_str()->check(kPositive);
   cmd->add_option("--max-prefill-tokens", o->scheduler.max_prefill_tokens, "Prompt tokens per step (chunked prefill)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositive);
   cmd->add_option("--default-max-tokens", o->default_max_tokens, "max_tokens of requests that give none")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositive);
   cmd->add_option("--served-model-name", o->served_model_name, "Model id in the API (default: the folder name)");
   cmd->add_option("--expert-distribution-dir", o->expert_distribution_dir,
                   "Folder /dump_expert_distribution_record writes to")->capture_default_str();

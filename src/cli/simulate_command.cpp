@@ -82,17 +82,17 @@ void register_simulate_command(CLI::App& app) {
   flags->topology.add_to(cmd);
   cmd->add_option("--rebalance-every", flags->rebalance_every, "Replan every K windows (from the last K windows)")
       ->required()
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--dispatch", flags->dispatch, "Replica choice per token")
       ->check(CLI::IsMember({"static", "dynamic", "balanced"}))
       ->capture_default_str();
   cmd->add_option("--batch-tokens", flags->batch_tokens, "Replay each window as batches of T sampled tokens (top-8)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd->add_option("--batches-per-window", flags->batches_per_window, "Batches per window with --batch-tokens")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--top-k", flags->top_k, "Experts per sampled token with --batch-tokens (Qwen3-MoE: 8)")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->capture_default_str();
   cmd->add_option("--seed", flags->seed, "Seed for sampling and dynamic dispatch")->capture_default_str();
   cmd->add_flag("--json", flags->json, "Print one JSON object");

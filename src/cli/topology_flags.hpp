@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/number_checks.hpp"
 #include "eplb/planner.hpp"
 
 namespace fulcrum::cli {
@@ -16,13 +17,13 @@ struct TopologyFlags {
   std::string algorithm = "fulcrum";
 
   void add_to(CLI::App* cmd) {
-    cmd->add_option("--gpus", num_gpus, "Expert-parallel GPUs (G)")->required()->check(CLI::PositiveNumber);
+    cmd->add_option("--gpus", num_gpus, "Expert-parallel GPUs (G)")->required()->check(kPositive);
     cmd->add_option("--physical-experts", num_physical_experts, "Physical expert slots per layer (P, multiple of G)")
         ->required()
-        ->check(CLI::PositiveNumber);
-    cmd->add_option("--nodes", num_nodes, "Nodes (G divisible by N)")->check(CLI::PositiveNumber)->capture_default_str();
+        ->check(kPositive);
+    cmd->add_option("--nodes", num_nodes, "Nodes (G divisible by N)")->check(kPositive)->capture_default_str();
     cmd->add_option("--groups", num_groups, "Expert groups (DeepSeek-V3 style; Qwen3 has none)")
-        ->check(CLI::PositiveNumber)
+        ->check(kPositive)
         ->capture_default_str();
     cmd->add_option("--algorithm", algorithm, "Planner")
         ->check(CLI::IsMember(eplb::planner_names()))
