@@ -34,6 +34,10 @@ struct HttpServer::Impl {
   std::atomic<bool> draining{false};
   std::atomic<int> open_streams{0};  // streamed responses not yet written to the end
   int listen_socket = -1;
+  // stop() against listen() on another thread: cpp-httplib's stop() does nothing until listen_after_bind() has
+  // marked the server running, so a stop that comes first (SIGTERM right after start) must be waited out or
+  // make listen() return at once. Sequentially consistent: one of the two always sees the other's store.
+  std::atomic<bool> stop_requested{false}, listen_started{false}, listen_returned{false};
 
   Impl(Scheduler& s, ServerMetrics& m, ExpertDistributionRecorder* r, HttpServerOptions o)
       : scheduler(s), metrics(m), recorder(r), options(std::move(o)) {}
@@ -195,8 +199,21 @@ int HttpServer::bind(const std::string& host, int port) {
   return bound;
 }
 
-void HttpServer::listen() { impl_->http.listen_after_bind(); }
-void HttpServer::stop() { impl_->http.stop(); }
+void HttpServer::listen() {
+  impl_->listen_started = true;
+  struct MarkReturned {
+    std::atomic<bool>& flag;
+    ~MarkReturned() { flag = true; }
+  } mark{impl_->listen_returned};
+  if (!impl_->stop_requested) impl_->http.listen_after_bind();
+}
+
+void HttpServer::stop() {
+  impl_->stop_requested = true;
+  if (!impl_->listen_started) return;  // listen() has not begun: it sees stop_requested and returns
+  while (!impl_->http.is_running() && !impl_->listen_returned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  impl_->http.stop();
+}
 
 bool HttpServer::wait_streams_sent(double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);

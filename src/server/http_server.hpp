@@ -37,8 +37,8 @@ class HttpServer {
   int bind(const std::string& host, int port);
   // Serves until stop(); returns after in-flight handlers finished.
   void listen();
-  // Closes the listener. A stream still being written is cut short by cpp-httplib once it stops, so call
-  // wait_streams_sent() first.
+  // Closes the listener; from any thread, also before listen() has begun (listen() then returns at once). A
+  // stream still being written is cut short by cpp-httplib once it stops, so call wait_streams_sent() first.
   void stop();
   // Waits until every streamed response has been written to the end (or its client went away), at most
   // `seconds`; false on timeout.

@@ -1,0 +1,66 @@
+// HttpServer::stop() from another thread at any moment of the listener's start: before listen() began, while
+// it starts, and while it serves. cpp-httplib's own stop() does nothing until its accept loop runs, so a server
+// that got SIGTERM right after it logged "listening" could stay in listen() for ever (seen as a 30 s shutdown
+// timeout in ServerEplb.EngineFlagsAreCheckedLikeGenerates under AddressSanitizer and a loaded machine).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <future>
+#include <thread>
+
+#include "server/http_server.hpp"
+#include "server/metrics.hpp"
+#include "server/scheduler.hpp"
+#include "server_test_util.hpp"
+
+namespace fulcrum::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Served {
+  test::FakeExecutor executor;
+  ServerMetrics metrics;
+  Scheduler scheduler{executor, {}};
+  HttpServer http{scheduler, metrics, nullptr, {}};
+  Served() { http.bind("127.0.0.1", 0); }
+};
+
+// Runs listen() on a thread; true when it returned within 10 s of `stop_at` (which calls stop()).
+bool listen_ends(Served& s, const std::function<void()>& stop_at) {
+  std::promise<void> returned;
+  std::future<void> done = returned.get_future();
+  std::thread listener([&] {
+    s.http.listen();
+    returned.set_value();
+  });
+  stop_at();
+  const bool ended = done.wait_for(10s) == std::future_status::ready;
+  if (!ended) s.http.stop();  // the listener runs by now: let the thread end so the test can report
+  listener.join();
+  return ended;
+}
+
+TEST(HttpServerStop, AStopBeforeListenMakesListenReturnAtOnce) {
+  Served s;
+  s.http.stop();
+  EXPECT_TRUE(listen_ends(s, [] {}));
+}
+
+TEST(HttpServerStop, AStopWhileTheListenerStartsEndsIt) {
+  for (int i = 0; i < 100; ++i) {
+    Served s;
+    ASSERT_TRUE(listen_ends(s, [&] { s.http.stop(); })) << "attempt " << i;
+  }
+}
+
+TEST(HttpServerStop, AStopWhileServingEndsIt) {
+  Served s;
+  EXPECT_TRUE(listen_ends(s, [&] {
+    std::this_thread::sleep_for(50ms);
+    s.http.stop();
+  }));
+}
+
+}  // namespace
+}  // namespace fulcrum::server
