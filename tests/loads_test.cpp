@@ -1,6 +1,9 @@
 // Load input: CSV and JSON parsing, summing, and one-line errors with file and line.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+
 #include "eplb/loads.hpp"
 #include "test_data.hpp"
 
@@ -18,13 +21,25 @@ TEST(Loads, ParsesCsvWithCommentsAndBlankLines) {
 }
 
 TEST(Loads, CsvErrorsNameFileAndLine) {
-  EXPECT_EQ(error_of([] { parse_loads_csv("1,2\n3,nan\n", "a.csv"); }), "a.csv:2 column 2: load 'nan' is not finite");
+  EXPECT_EQ(error_of([] { parse_loads_csv("1,2\n3,nan\n", "a.csv"); }), "a.csv:2 column 2: load nan is not finite");
   EXPECT_EQ(error_of([] { parse_loads_csv("1,2\n3,-1\n", "a.csv"); }), "a.csv:2 column 2: load -1 is negative");
   EXPECT_EQ(error_of([] { parse_loads_csv("1,2\n3\n", "a.csv"); }), "a.csv:2: ragged row of 1 values, expected 2");
   EXPECT_EQ(error_of([] { parse_loads_csv("# only\n\n", "a.csv"); }), "a.csv: no load rows");
   EXPECT_EQ(error_of([] { parse_loads_csv("1,x\n", "a.csv"); }), "a.csv:1 column 2: 'x' is not a number");
   EXPECT_EQ(error_of([] { parse_loads_csv("1,,2\n", "a.csv"); }), "a.csv:1 column 2: empty value");
-  EXPECT_EQ(error_of([] { parse_loads_csv("1,inf\n", "a.csv"); }), "a.csv:1 column 2: load 'inf' is not finite");
+  EXPECT_EQ(error_of([] { parse_loads_csv("1,inf\n", "a.csv"); }), "a.csv:1 column 2: load inf is not finite");
+  // Finite values whose sums overflow (balancedness came out NaN): counts above 2^53 are refused.
+  EXPECT_EQ(error_of([] { parse_loads_csv("1,1e308\n", "a.csv"); }),
+            "a.csv:1 column 2: load 1e+308 is above 2^53, the largest count a double holds exactly");
+  EXPECT_EQ(parse_loads_csv("1,9007199254740992\n", "a.csv").values[1], 9007199254740992.0);
+}
+
+TEST(Loads, AUtf8ByteOrderMarkIsSkipped) {
+  EXPECT_EQ(parse_loads_csv("\xEF\xBB\xBF" "1,2\n3,4\n", "bom.csv").values, (std::vector<double>{1, 2, 3, 4}));
+  const std::string path = ::testing::TempDir() + "fulcrum_bom_loads.json";
+  std::ofstream(path) << "\xEF\xBB\xBF" R"({"logical_count": [[1, 2]]})";
+  EXPECT_EQ(read_loads_file(path).values, (std::vector<double>{1, 2}));
+  std::remove(path.c_str());
 }
 
 TEST(Loads, JsonSingleWindowAndWindowsSummed) {
@@ -44,7 +59,9 @@ TEST(Loads, JsonErrorsNameFileAndPlace) {
   EXPECT_EQ(error_of([] { parse_loads_json(R"({"logical_count": [[1, 2], [3]]})", "a.json"); }),
             "a.json: logical_count[1]: ragged row of 1 values, expected 2");
   EXPECT_EQ(error_of([] { parse_loads_json(R"({"logical_count": [[1, -2]]})", "a.json"); }),
-            "a.json: logical_count[0][1]: load -2 is not a finite value >= 0");
+            "a.json: logical_count[0][1]: load -2 is negative");
+  EXPECT_EQ(error_of([] { parse_loads_json(R"({"logical_count": [[1, 1e300]]})", "a.json"); }),
+            "a.json: logical_count[0][1]: load 1e+300 is above 2^53, the largest count a double holds exactly");
   EXPECT_EQ(error_of([] { parse_loads_json(R"({"logical_count": []})", "a.json"); }),
             "a.json: logical_count: expected a non-empty array");
   EXPECT_EQ(error_of([] { parse_loads_json(R"({"counts": [[1]]})", "a.json"); }),

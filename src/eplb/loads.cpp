@@ -18,15 +18,24 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
+// Loads are token counts: above 2^53 a double no longer holds them exactly, and sums of values near the double
+// range overflow to inf (balancedness then came out as NaN instead of an error).
+constexpr double kMaxLoad = 9007199254740992.0;  // 2^53
+
+double checked_load(double value, const std::string& where) {
+  FULCRUM_CHECK(std::isfinite(value), "{}: load {} is not finite", where, value);
+  FULCRUM_CHECK(value >= 0.0, "{}: load {} is negative", where, value);
+  FULCRUM_CHECK(value <= kMaxLoad, "{}: load {} is above 2^53, the largest count a double holds exactly", where, value);
+  return value;
+}
+
 double parse_load_value(std::string_view field, const std::string& where) {
   field = trim(field);
   FULCRUM_CHECK(!field.empty(), "{}: empty value", where);
   double value = 0.0;
   auto [ptr, ec] = std::from_chars(field.data(), field.data() + field.size(), value);
   FULCRUM_CHECK(ec == std::errc() && ptr == field.data() + field.size(), "{}: '{}' is not a number", where, field);
-  FULCRUM_CHECK(std::isfinite(value), "{}: load '{}' is not finite", where, field);
-  FULCRUM_CHECK(value >= 0.0, "{}: load {} is negative", where, value);
-  return value;
+  return checked_load(value, where);
 }
 
 // One [L][E] JSON array into a matrix; `path` names it in errors.
@@ -44,17 +53,21 @@ LoadMatrix matrix_from_json(const nlohmann::json& rows, const std::string& where
     for (size_t e = 0; e < row.size(); ++e) {
       const auto& v = row[e];
       FULCRUM_CHECK(v.is_number(), "{}[{}]: expected a number, got {}", row_where, e, v.dump());
-      const double value = v.get<double>();
-      FULCRUM_CHECK(std::isfinite(value) && value >= 0.0, "{}[{}]: load {} is not a finite value >= 0", row_where,
-                    e, value);
-      m.values.push_back(value);
+      m.values.push_back(checked_load(v.get<double>(), fmt::format("{}[{}]", row_where, e)));
     }
   }
   return m;
 }
 
+// A UTF-8 byte order mark (spreadsheet exports write one) is not part of the first value.
+std::string_view without_bom(const std::string& text) {
+  std::string_view view(text);
+  if (view.starts_with("\xEF\xBB\xBF")) view.remove_prefix(3);
+  return view;
+}
+
 bool looks_like_json(const std::string& text) {
-  for (char c : text) {
+  for (char c : without_bom(text)) {
     if (c == ' ' || c == '\n' || c == '\t' || c == '\r') continue;
     return c == '{' || c == '[';
   }
@@ -65,7 +78,7 @@ bool looks_like_json(const std::string& text) {
 
 LoadMatrix parse_loads_csv(const std::string& text, const std::string& origin) {
   LoadMatrix m;
-  std::istringstream in(text);
+  std::istringstream in{std::string(without_bom(text))};
   std::string line;
   size_t line_no = 0;
   while (std::getline(in, line)) {
