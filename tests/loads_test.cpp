@@ -1,6 +1,7 @@
 // Load input: CSV and JSON parsing, summing, and one-line errors with file and line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -68,6 +69,13 @@ TEST(Loads, JsonErrorsNameFileAndPlace) {
             "a.json: expected an object with \"logical_count\"");
   EXPECT_EQ(error_of([] { parse_loads_json(R"({"logical_count": [[[1, 2]], [[1, 2, 3]]]})", "a.json"); }),
             "a.json: logical_count[1]: window is 1x3, the first is 1x2");
+}
+
+// A corrupt file's raw bytes, quoted by the parser, are shown as \xNN: the message stays one line of ASCII.
+TEST(Loads, ParseErrorsShowRawBytesEscaped) {
+  const std::string error = error_of([] { parse_loads_json("{\"logical\xde\x0a\": [[1]]}", "a.json"); });
+  EXPECT_NE(error.find("\\xde"), std::string::npos) << error;
+  EXPECT_TRUE(std::all_of(error.begin(), error.end(), [](char c) { return c >= 0x20 && c < 0x7f; })) << error;
 }
 
 TEST(Loads, SumRequiresSameShape) {
