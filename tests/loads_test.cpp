@@ -2,10 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <fstream>
 
 #include "eplb/loads.hpp"
+#include "model_test_util.hpp"
 #include "test_data.hpp"
 
 namespace fulcrum::eplb {
@@ -37,10 +37,9 @@ TEST(Loads, CsvErrorsNameFileAndLine) {
 
 TEST(Loads, AUtf8ByteOrderMarkIsSkipped) {
   EXPECT_EQ(parse_loads_csv("\xEF\xBB\xBF" "1,2\n3,4\n", "bom.csv").values, (std::vector<double>{1, 2, 3, 4}));
-  const std::string path = ::testing::TempDir() + "fulcrum_bom_loads.json";
-  std::ofstream(path) << "\xEF\xBB\xBF" R"({"logical_count": [[1, 2]]})";
-  EXPECT_EQ(read_loads_file(path).values, (std::vector<double>{1, 2}));
-  std::remove(path.c_str());
+  const test::TempDir dir("bom_loads");
+  std::ofstream(dir.file("loads.json")) << "\xEF\xBB\xBF" R"({"logical_count": [[1, 2]]})";
+  EXPECT_EQ(read_loads_file(dir.file("loads.json")).values, (std::vector<double>{1, 2}));
 }
 
 TEST(Loads, JsonSingleWindowAndWindowsSummed) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <thread>
 
@@ -41,10 +42,20 @@ bool listen_ends(Served& s, const std::function<void()>& stop_at) {
   return ended;
 }
 
-TEST(HttpServerStop, AStopBeforeListenMakesListenReturnAtOnce) {
-  Served s;
-  s.http.stop();
-  EXPECT_TRUE(listen_ends(s, [] {}));
+int open_fds() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+TEST(HttpServerStop, AStopBeforeListenMakesListenReturnAtOnceAndClosesTheSocket) {
+  const int fds_before = open_fds();
+  {
+    Served s;
+    s.http.stop();
+    EXPECT_TRUE(listen_ends(s, [] {}));
+  }
+  EXPECT_EQ(open_fds(), fds_before) << "the bound socket was left open";
 }
 
 TEST(HttpServerStop, AStopWhileTheListenerStartsEndsIt) {

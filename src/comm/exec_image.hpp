@@ -12,6 +12,12 @@ namespace fulcrum::comm {
 struct ExecImage {
   std::vector<std::string> strings;  // the arguments, then the environment entries
   std::vector<char*> argv, envp;     // null-terminated pointers into strings
+  // Movable (the strings keep their storage), not copyable (a copy would point into the original).
+  ExecImage() = default;
+  ExecImage(ExecImage&&) = default;
+  ExecImage& operator=(ExecImage&&) = default;
+  ExecImage(const ExecImage&) = delete;
+  ExecImage& operator=(const ExecImage&) = delete;
 };
 
 // `argv`, and this process's environment with each of `overrides` (NAME, VALUE) set, replacing any NAME there.

@@ -22,19 +22,23 @@ std::string_view trim(std::string_view s) {
 // range overflow to inf (balancedness then came out as NaN instead of an error).
 constexpr double kMaxLoad = 9007199254740992.0;  // 2^53
 
-double checked_load(double value, const std::string& where) {
-  FULCRUM_CHECK(std::isfinite(value), "{}: load {} is not finite", where, value);
-  FULCRUM_CHECK(value >= 0.0, "{}: load {} is negative", where, value);
-  FULCRUM_CHECK(value <= kMaxLoad, "{}: load {} is above 2^53, the largest count a double holds exactly", where, value);
+// `where()` names the value in an error; it is only called on one (no string built per valid value).
+template <typename Where>
+double checked_load(double value, const Where& where) {
+  FULCRUM_CHECK(std::isfinite(value), "{}: load {} is not finite", where(), value);
+  FULCRUM_CHECK(value >= 0.0, "{}: load {} is negative", where(), value);
+  FULCRUM_CHECK(value <= kMaxLoad, "{}: load {} is above 2^53, the largest count a double holds exactly", where(),
+                value);
   return value;
 }
 
-double parse_load_value(std::string_view field, const std::string& where) {
+template <typename Where>
+double parse_load_value(std::string_view field, const Where& where) {
   field = trim(field);
-  FULCRUM_CHECK(!field.empty(), "{}: empty value", where);
+  FULCRUM_CHECK(!field.empty(), "{}: empty value", where());
   double value = 0.0;
   auto [ptr, ec] = std::from_chars(field.data(), field.data() + field.size(), value);
-  FULCRUM_CHECK(ec == std::errc() && ptr == field.data() + field.size(), "{}: '{}' is not a number", where, field);
+  FULCRUM_CHECK(ec == std::errc() && ptr == field.data() + field.size(), "{}: '{}' is not a number", where(), field);
   return checked_load(value, where);
 }
 
@@ -53,7 +57,7 @@ LoadMatrix matrix_from_json(const nlohmann::json& rows, const std::string& where
     for (size_t e = 0; e < row.size(); ++e) {
       const auto& v = row[e];
       FULCRUM_CHECK(v.is_number(), "{}[{}]: expected a number, got {}", row_where, e, v.dump());
-      m.values.push_back(checked_load(v.get<double>(), fmt::format("{}[{}]", row_where, e)));
+      m.values.push_back(checked_load(v.get<double>(), [&] { return fmt::format("{}[{}]", row_where, e); }));
     }
   }
   return m;
@@ -85,20 +89,20 @@ LoadMatrix parse_loads_csv(const std::string& text, const std::string& origin) {
     ++line_no;
     std::string_view row = trim(line);
     if (row.empty() || row.front() == '#') continue;
-    const std::string where = fmt::format("{}:{}", origin, line_no);
+    const auto where = [&] { return fmt::format("{}:{}", origin, line_no); };
     size_t num_fields = 0;
     size_t start = 0;
     while (true) {
       const size_t comma = row.find(',', start);
       const std::string_view field = row.substr(start, comma == std::string_view::npos ? row.npos : comma - start);
-      m.values.push_back(parse_load_value(field, fmt::format("{} column {}", where, num_fields + 1)));
+      m.values.push_back(parse_load_value(field, [&] { return fmt::format("{} column {}", where(), num_fields + 1); }));
       ++num_fields;
       if (comma == std::string_view::npos) break;
       start = comma + 1;
     }
     if (m.num_layers == 0) m.num_logical_experts = static_cast<int>(num_fields);
     FULCRUM_CHECK(static_cast<int>(num_fields) == m.num_logical_experts, "{}: ragged row of {} values, expected {}",
-                  where, num_fields, m.num_logical_experts);
+                  where(), num_fields, m.num_logical_experts);
     ++m.num_layers;
   }
   FULCRUM_CHECK(m.num_layers > 0, "{}: no load rows", origin);

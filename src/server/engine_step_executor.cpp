@@ -56,7 +56,6 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
       }
     });
   } catch (const std::exception& e) {
-    run.on_layer_loaded = nullptr;
     throw Error(fmt::format("loading {} on {} rank(s) failed: {}", options_.model_dir, world_size, e.what()));
   }
   run.on_layer_loaded = nullptr;  // it refers to this constructor's locals

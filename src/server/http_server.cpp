@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <httplib.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "server/api_error.hpp"
 #include "server/connection_watch.hpp"
@@ -205,7 +206,12 @@ void HttpServer::listen() {
     std::atomic<bool>& flag;
     ~MarkReturned() { flag = true; }
   } mark{impl_->listen_returned};
-  if (!impl_->stop_requested) impl_->http.listen_after_bind();
+  if (!impl_->stop_requested) {
+    impl_->http.listen_after_bind();
+  } else if (impl_->listen_socket >= 0) {
+    ::close(impl_->listen_socket);  // httplib closes it only when its accept loop ends, which never started
+    impl_->listen_socket = -1;
+  }
 }
 
 void HttpServer::stop() {

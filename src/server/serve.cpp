@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
 #include "server/http_server.hpp"
 #include "server/engine_step_executor.hpp"
@@ -41,7 +42,8 @@ bool wait_idle(const Scheduler& scheduler, double seconds) {
 
 // While the model loads nothing is served yet, so SIGINT / SIGTERM end the process at once (one line,
 // exit status 128 + signal) instead of being noticed only once loading is over. Files written while
-// loading (the weight cache) are written atomically, so none is left half-written.
+// loading (the weight cache) are written atomically: none is left half-written, and the temporary files of
+// writes in progress are removed before the exit.
 class SignalsDuringLoad {
  public:
   explicit SignalsDuringLoad(const sigset_t& signals) : signals_(signals), thread_([this] { watch(); }) {}
@@ -56,6 +58,7 @@ class SignalsDuringLoad {
     while (loading_) {
       const int s = sigtimedwait(&signals_, nullptr, &tick);
       if (s == SIGINT || s == SIGTERM) {
+        abandon_atomic_writes();
         log(fmt::format("{} while loading: stopped", s == SIGINT ? "SIGINT" : "SIGTERM"));
         std::_Exit(128 + s);
       }

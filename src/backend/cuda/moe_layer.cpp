@@ -8,6 +8,7 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "backend/cuda/moe_kernels.hpp"
 #include "eplb/error.hpp"
+#include "model/random_weights.hpp"
 
 namespace fulcrum::backend {
 
@@ -206,17 +207,21 @@ void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<con
 }
 
 void GpuMoeLayer::randomize_weights(uint64_t seed) {
-  const float h = static_cast<float>(shape_.hidden_size), i = static_cast<float>(shape_.moe_intermediate_size);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(router_w_.as<uint16_t>(), router_w_.bytes() / 2, seed, 1.0f / std::sqrt(h), stream_));
+  using model::ExpertTensor;
+  const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  const float gate_up_scale = model::expert_weight_scale(ExpertTensor::kGateUp, h, i);  // 1/sqrt(H), the router's too
+  const float down_scale = model::expert_weight_scale(ExpertTensor::kDown, h, i);
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(router_w_.as<uint16_t>(), router_w_.bytes() / 2, seed, gate_up_scale, stream_));
   // Local slot l takes the values of global slot local_slot_begin + l in the global [P, ...] arrays.
   const int64_t slot_values = int64_t{shape_.hidden_size} * shape_.moe_intermediate_size, first = shape_.local_slot_begin;
   FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(gate_up_w_.as<uint16_t>(), gate_up_w_.bytes() / 2, seed + 1,
-                                                        1.0f / std::sqrt(h), stream_, first * 2 * slot_values));
+                                                        gate_up_scale, stream_, first * 2 * slot_values));
   FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(down_w_.as<uint16_t>(), down_w_.bytes() / 2, seed + 2,
-                                                        1.0f / std::sqrt(i), stream_, first * slot_values));
+                                                        down_scale, stream_, first * slot_values));
 }
 
 void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) {
+  has_spec_ = false;  // a failed call below leaves no half-set spec (route() then asks for one)
   FULCRUM_CHECK(spec.num_logical_experts == shape_.num_experts && spec.num_slots == shape_.num_slots,
                 "replica choice for {} experts / {} slots, the layer has {} / {}", spec.num_logical_experts,
                 spec.num_slots, shape_.num_experts, shape_.num_slots);
@@ -262,7 +267,8 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
 }
 
 void GpuMoeLayer::set_balanced_sources(int source_idx, CountGather gather) {
-  FULCRUM_CHECK(source_idx >= 0 && gather, "balanced sources: source {} needs a count gather", source_idx);
+  FULCRUM_CHECK(source_idx >= 0, "balanced sources: source {} must be >= 0", source_idx);
+  FULCRUM_CHECK(static_cast<bool>(gather), "balanced sources: a count gather is required");
   balanced_source_ = source_idx;
   gather_ = std::move(gather);
   has_spec_ = false;  // a balanced spec must be checked against the new source

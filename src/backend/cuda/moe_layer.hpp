@@ -44,8 +44,8 @@ struct MoeLayerShape {
 // How the expert GEMMs are issued: one cublasGemmGroupedBatchedEx per GEMM over all non-empty slots, or
 // one cublasGemmEx per non-empty slot, or (auto, the default) grouped below kPerSlotMinFlops of expert work
 // and per-slot above. Measured on an H200 (docs/benchmarks.md, bench/results/moe_layer_h200.json): grouped wins
-// while host launch overhead dominates (about 1.6-3 ms for 256 per-slot calls), per-slot wins on large problems
-// (its GEMMs run at about 0.42-0.69 of the bf16 roofline there, grouped at about 0.33); the crossover lies
+// at 256-1024 tokens (0.30-1.84 ms against 1.49-2.77 ms for the per-slot calls), per-slot wins on large problems
+// (its GEMMs run at 0.37-0.69 of the bf16 roofline where it wins, grouped at 0.31-0.35); the crossover lies
 // between 0.31 and 1.2 TFLOP per call at both Qwen3 shapes.
 enum class ExpertGemm { kGrouped, kPerSlot, kAuto };
 constexpr double kPerSlotMinFlops = 0.7e12;
