@@ -159,6 +159,7 @@ TEST_F(CliTest, BenchMoeChecksItsFlagsBeforeLookingForAGpu) {
   expect_one_line_error(run("bench moe --loads " + loads + " --json " + (dir_ / "no" / "r.json").string()),
                         "does not exist");
   expect_one_line_error(run("bench moe --loads " + loads + " --loads-layer 5"), "--loads-layer 5 but");
+  expect_one_line_error(run("bench moe --loads " + loads + " --loads-layer -5"), "--loads-layer -5: a layer index");
   expect_one_line_error(run("bench moe --loads " + loads + " --gpus 0"), "--gpus");
   expect_one_line_error(run("bench moe"), "--loads");
 }

@@ -50,7 +50,6 @@ using backend::MoeLayerShape;
 namespace moe = model::moe;
 
 constexpr float kWeightTolerance = 1e-6f;
-constexpr double kBf16Tolerance = 1e-3;
 constexpr double kCombineTolerance = 1e-5;
 constexpr double kModelTolerance = 1e-2;
 constexpr float kLogitTolerance = 1e-4f;

@@ -16,8 +16,7 @@
 //          reference's slot choice, forward (router GEMM) vs forward_from_logits on its logits, and
 //          set_slot_weights with the same values at other addresses (bitwise the same output; shifted
 //          pointers must change it)
-// Then a timing at the Qwen3-30B-A3B shape (H 2048, I 768, E 128, k 8), 4096 tokens per rank, uniform routing
-// (figures only, no threshold).
+// Timings: `fulcrum bench moe --gpus 2` (docs/benchmarks.md).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,7 +37,6 @@ namespace {
 using backend::DeviceBuffer;
 namespace moe = model::moe;
 
-constexpr double kBf16Tolerance = 1e-3;
 constexpr int kWorld = 2;
 
 struct EpCase {

@@ -83,21 +83,31 @@ double balancedness(const std::vector<double>& loads, const std::vector<int32_t>
   return eplb::balancedness(eplb::gpu_loads(loads, map, eplb::Topology{static_cast<int>(map.size()), ep, 1}));
 }
 
-std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, int ep) {
+LoadRouting load_routing(const MoeBenchOptions& opt, int ep) {
   const eplb::LoadMatrix loads = eplb::read_loads_file(opt.loads);
-  std::vector<int32_t> trivial(kExperts);
-  std::iota(trivial.begin(), trivial.end(), 0);
-  int layer_idx = opt.loads_layer;
-  if (layer_idx < 0) {
+  LoadRouting r;
+  r.trivial.resize(kExperts);
+  std::iota(r.trivial.begin(), r.trivial.end(), 0);
+  r.uniform.assign(kExperts, 1.0);
+  r.layer_idx = opt.loads_layer;
+  if (r.layer_idx < 0) {
     double worst = 2;
     for (int l = 0; l < loads.num_layers; ++l) {
       const auto row = loads.layer(l);
-      const double b = balancedness({row.begin(), row.end()}, trivial, ep);
-      if (b < worst) worst = b, layer_idx = l;
+      const double b = balancedness({row.begin(), row.end()}, r.trivial, ep);
+      if (b < worst) worst = b, r.layer_idx = l;
     }
   }
-  const auto row = loads.layer(layer_idx);
-  return {layer_idx, std::vector<double>(row.begin(), row.end())};
+  const auto row = loads.layer(r.layer_idx);
+  r.real.assign(row.begin(), row.end());
+  r.eplb_slots = kExperts + opt.redundant;
+  r.eplb_map = plan_map(r.real, r.eplb_slots, ep);
+  return r;
+}
+
+std::string LoadRouting::describe(const MoeBenchOptions& opt, int ep) const {
+  return fmt::format("loads {} layer {}: EP{} balancedness trivial {:.3f}, EPLB ({} slots) {:.3f}", opt.loads,
+                     layer_idx, ep, balancedness(real, trivial, ep), eplb_slots, balancedness(real, eplb_map, ep));
 }
 
 std::vector<uint64_t> dispatch_streams(eplb::DispatchAlgorithm algorithm, int num_sources) {

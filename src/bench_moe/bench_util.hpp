@@ -59,9 +59,18 @@ std::vector<float> logits_for(const std::vector<double>& loads, int64_t tokens, 
 // expert's load equally (what the planners assume).
 double balancedness(const std::vector<double>& loads, const std::vector<int32_t>& map, int ep);
 
-// The load row the benchmark routes by: --loads-layer, or the layer least balanced over `ep` ranks under
-// the trivial placement. Returns {layer index, loads}.
-std::pair<int, std::vector<double>> pick_load_layer(const MoeBenchOptions& opt, int ep);
+// What the benchmark routes by, over `ep` ranks: the load row (--loads-layer, or the layer least balanced under
+// the trivial placement), the trivial map of E slots, uniform loads, and the fulcrum planner's map of
+// E + --redundant slots for the row.
+struct LoadRouting {
+  int layer_idx = 0;
+  std::vector<double> real, uniform;
+  std::vector<int32_t> trivial, eplb_map;
+  int eplb_slots = 0;
+  // "loads FILE layer L: EPn balancedness trivial x, EPLB (P slots) y"
+  std::string describe(const MoeBenchOptions& opt, int ep) const;
+};
+LoadRouting load_routing(const MoeBenchOptions& opt, int ep);
 
 // The draw streams of dynamic replica choice, one per source (empty for the other algorithms).
 std::vector<uint64_t> dispatch_streams(eplb::DispatchAlgorithm algorithm, int num_sources);

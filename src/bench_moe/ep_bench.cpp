@@ -10,7 +10,6 @@
 
 #include <fmt/format.h>
 
-#include "backend/cuda/moe_kernels.hpp"
 #include "bench_moe/bench_util.hpp"
 #include "bench_moe/ep_bench.hpp"
 #include "comm/nccl_communicator.hpp"
@@ -107,18 +106,11 @@ json run_ep_scenario(const EpScenario& sc, int64_t tokens, const MoeBenchOptions
 void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::NcclCommunicator& migration) {
   const int world = ep.size(), rank = ep.rank();
   const bool printer = rank == 0;
-  const auto [layer_idx, real] = pick_load_layer(opt, world);
-  std::vector<int32_t> trivial(kExperts);
-  std::iota(trivial.begin(), trivial.end(), 0);
-  const std::vector<double> uniform(kExperts, 1.0);
-  const int p_eplb = kExperts + opt.redundant;
-  FULCRUM_CHECK(p_eplb % world == 0, "--redundant {}: 128 + redundant slots must divide over {} GPUs", opt.redundant, world);
-  const std::vector<int32_t> eplb_map = plan_map(real, p_eplb, world);
+  const LoadRouting routing = load_routing(opt, world);
   const json machine = machine_json(0);
   if (printer) {
     fmt::print("{} x {}: EP {} over NCCL\n", world, machine["gpu"].get<std::string>(), world);
-    fmt::print("loads {} layer {}: EP{} balancedness trivial {:.3f}, EPLB ({} slots) {:.3f}\n", opt.loads, layer_idx,
-               world, balancedness(real, trivial, world), p_eplb, balancedness(real, eplb_map, world));
+    fmt::print("{}\n", routing.describe(opt, world));
   }
   json results = json::array(), migrations = json::array();
   const int64_t max_tokens = *std::max_element(opt.tokens.begin(), opt.tokens.end());
@@ -126,12 +118,12 @@ void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::N
     const ModelShape m = model_shape(model_name);
     backend::MoeLayerShape shape{m.hidden, m.intermediate, kExperts, kTopK, true, kExperts, max_tokens};
     comm::NcclEpMoeLayer plain(shape, ep, 0);
-    shape.num_slots = p_eplb;
+    shape.num_slots = routing.eplb_slots;
     comm::NcclEpMoeLayer balanced(shape, ep, 0);
     plain.layer().randomize_weights(5);
     balanced.layer().randomize_weights(5);
     LayerInputs in(max_tokens, m.hidden, 9 + static_cast<uint64_t>(rank), plain.stream());
-    const auto scenarios = routing_scenarios(plain, balanced, trivial, eplb_map, uniform, real);
+    const auto scenarios = routing_scenarios(plain, balanced, routing.trivial, routing.eplb_map, routing.uniform, routing.real);
     for (const int64_t tokens : opt.tokens) {
       double uniform_ms = 0;
       for (const EpScenario& sc : scenarios) {
@@ -154,11 +146,11 @@ void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::N
         results.push_back(r);
       }
     }
-    migrations.push_back(run_migration_bench(opt, ep, migration, m, real, layer_idx));
+    migrations.push_back(run_migration_bench(opt, ep, migration, m, routing));
   }
   if (printer) {
-    write_json(opt, {{"mode", "expert_parallel"}, {"gpus", world}, {"machine", machine}, {"loads_layer", layer_idx},
-                     {"eplb_slots", p_eplb}, {"results", results}, {"migration", migrations}});
+    write_json(opt, {{"mode", "expert_parallel"}, {"gpus", world}, {"machine", machine}, {"loads_layer", routing.layer_idx},
+                     {"eplb_slots", routing.eplb_slots}, {"results", results}, {"migration", migrations}});
   }
 }
 

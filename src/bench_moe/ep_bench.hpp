@@ -32,6 +32,6 @@ double ep_step_ms(comm::NcclCommunicator& ep, comm::NcclEpMoeLayer& layer, const
 // Live migration on `migration` while forward passes run on `ep` (migration_bench.cpp); returns its figures.
 nlohmann::json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
                                    comm::NcclCommunicator& migration, const ModelShape& model,
-                                   const std::vector<double>& loads, int loads_layer);
+                                   const LoadRouting& routing);
 
 }  // namespace fulcrum::bench_moe

@@ -15,7 +15,6 @@
 #include <fmt/format.h>
 
 #include "backend/cuda/gpu_slot_pool.hpp"
-#include "backend/cuda/moe_kernels.hpp"
 #include "bench_moe/ep_bench.hpp"
 #include "comm/nccl_slot_pool_migration.hpp"
 #include "eplb/migration_plan.hpp"
@@ -46,14 +45,14 @@ std::vector<int64_t> pair_bytes(const std::vector<int32_t>& from, const std::vec
 }  // namespace
 
 json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::NcclCommunicator& migration,
-                         const ModelShape& m, const std::vector<double>& loads, int loads_layer) {
+                         const ModelShape& m, const LoadRouting& routing) {
   const int world = ep.size(), rank = ep.rank();
   int64_t tokens = *std::min_element(opt.tokens.begin(), opt.tokens.end());
   for (const int64_t t : opt.tokens) {
     if (t <= 4096) tokens = std::max(tokens, t);
   }
-  const int p = kExperts + opt.redundant, local = p / world;
-  const std::vector<int32_t> map_a = plan_map(loads, p, world);
+  const int p = routing.eplb_slots, local = p / world;
+  const std::vector<int32_t>& map_a = routing.eplb_map;
   std::vector<int32_t> map_b(map_a.size());
   for (int s = 0; s < p; ++s) map_b[static_cast<size_t>(s)] = map_a[static_cast<size_t>((s + local) % p)];
 
@@ -84,11 +83,11 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
   };
   const int layers_per_pass = opt.layers_per_pass > 0 ? opt.layers_per_pass : m.num_layers;
 
-  DeviceBuffer x(size_t(2) * tokens * m.hidden), out(sizeof(float) * tokens * m.hidden);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(x.as<uint16_t>(), tokens * m.hidden, 9 + rank, 1.0f, layer.stream()));
-  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(layer.stream()));
-  const EpRoutingInput input(loads, tokens, rank, 4242);
-  const auto forward = [&] { layer.forward_from_logits(x.as<uint16_t>(), input.logits.as<float>(), tokens, out.as<float>()); };
+  const LayerInputs in(tokens, m.hidden, 9 + rank, layer.stream());
+  const EpRoutingInput input(routing.real, tokens, rank, 4242);
+  const auto forward = [&] {
+    layer.forward_from_logits(in.x.as<uint16_t>(), input.logits.as<float>(), tokens, in.out.as<float>());
+  };
 
   // Raw P2P of the a -> b move's bytes per peer pair. With 2 GPUs the b -> a move mirrors it (the same counts
   // the other way); with more GPUs the raw figure follows the a -> b pattern only.
@@ -150,7 +149,7 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
     (migrating ? during : plain).push_back(now_ms() - start);
   }
   const double plain_ms = slowest_rank(ep, median(plain)), during_ms = slowest_rank(ep, median(during));
-  const json r{{"model", m.name}, {"tokens_per_rank", tokens}, {"num_slots", p}, {"loads_layer", loads_layer},
+  const json r{{"model", m.name}, {"tokens_per_rank", tokens}, {"num_slots", p}, {"loads_layer", routing.layer_idx},
                {"slot_bytes", slot_bytes}, {"busiest_gpu_bytes_per_direction", bytes},
                {"raw_p2p_ms", raw_ms}, {"raw_p2p_gb_per_s", bytes / (raw_ms * 1e-3) / 1e9},
                {"migration_ms", moved_ms}, {"migration_gb_per_s", bytes / (moved_ms * 1e-3) / 1e9},

@@ -37,6 +37,8 @@ void validate(const MoeBenchOptions& opt) {
   const eplb::LoadMatrix loads = eplb::read_loads_file(opt.loads);
   FULCRUM_CHECK(loads.num_logical_experts == kMoeBenchExperts, "{}: {} experts, the Qwen3 shapes have 128", opt.loads,
                 loads.num_logical_experts);
+  FULCRUM_CHECK(opt.loads_layer >= -1, "--loads-layer {}: a layer index, or -1 for the least balanced layer",
+                opt.loads_layer);
   FULCRUM_CHECK(opt.loads_layer < loads.num_layers, "--loads-layer {} but {} has {} layers", opt.loads_layer, opt.loads,
                 loads.num_layers);
 }

@@ -16,7 +16,6 @@
 
 #include <numeric>
 
-#include "backend/cuda/moe_kernels.hpp"
 #include "backend/cuda/moe_layer.hpp"
 #include "bench_moe/bench_util.hpp"
 #include "eplb/dispatch.hpp"
@@ -103,12 +102,7 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
 void run_single_gpu(const MoeBenchOptions& opt) {
   const int device = 0;
   FULCRUM_CUDA_CHECK(cudaSetDevice(device));
-  const auto [layer_idx, real] = pick_load_layer(opt, opt.ep);
-  std::vector<int32_t> trivial(kExperts);
-  std::iota(trivial.begin(), trivial.end(), 0);
-  const std::vector<double> uniform(kExperts, 1.0);
-  const int p_eplb = kExperts + opt.redundant;
-  const std::vector<int32_t> eplb_map = plan_map(real, p_eplb, opt.ep);
+  const LoadRouting routing = load_routing(opt, opt.ep);
 
   cudaStream_t stream;
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -116,8 +110,7 @@ void run_single_gpu(const MoeBenchOptions& opt) {
   const json machine = machine_json(device);
   fmt::print("{}: measured ceilings {:.0f} TFLOP/s bf16 GEMM, {:.2f} TB/s copy\n", machine["gpu"].get<std::string>(),
              peak_flops / 1e12, peak_bytes / 1e12);
-  fmt::print("loads {} layer {}: EP{} balancedness trivial {:.3f}, EPLB ({} slots) {:.3f}\n", opt.loads, layer_idx,
-             opt.ep, balancedness(real, trivial, opt.ep), p_eplb, balancedness(real, eplb_map, opt.ep));
+  fmt::print("{}\n", routing.describe(opt, opt.ep));
 
   json results = json::array();
   const int64_t max_tokens = *std::max_element(opt.tokens.begin(), opt.tokens.end());
@@ -125,12 +118,12 @@ void run_single_gpu(const MoeBenchOptions& opt) {
     const ModelShape m = model_shape(model_name);
     backend::MoeLayerShape shape{m.hidden, m.intermediate, kExperts, kTopK, true, kExperts, max_tokens};
     GpuMoeLayer plain(shape);
-    shape.num_slots = p_eplb;
+    shape.num_slots = routing.eplb_slots;
     GpuMoeLayer balanced(shape);
     plain.randomize_weights(5);
     balanced.randomize_weights(5);
     LayerInputs in(max_tokens, m.hidden, 9, stream);
-    const auto scenarios = routing_scenarios(plain, balanced, trivial, eplb_map, uniform, real);
+    const auto scenarios = routing_scenarios(plain, balanced, routing.trivial, routing.eplb_map, routing.uniform, routing.real);
     for (const int64_t tokens : opt.tokens) {
       const double router_gemm_ms = median_ms(plain.stream(), opt.warmup, opt.reps, [&] { plain.router_logits(in.x.as<uint16_t>(), tokens); });
       for (const LayerScenario& sc : scenarios) {
@@ -155,7 +148,7 @@ void run_single_gpu(const MoeBenchOptions& opt) {
   cudaStreamDestroy(stream);
   write_json(opt, {{"mode", "single_gpu"}, {"machine", machine},
                    {"measured_ceilings", {{"bf16_gemm_tflops", peak_flops / 1e12}, {"copy_tb_per_s", peak_bytes / 1e12}}},
-                   {"loads_layer", layer_idx}, {"ep_ranks", opt.ep}, {"eplb_slots", p_eplb}, {"results", results}});
+                   {"loads_layer", routing.layer_idx}, {"ep_ranks", opt.ep}, {"eplb_slots", routing.eplb_slots}, {"results", results}});
 }
 
 }  // namespace fulcrum::bench_moe

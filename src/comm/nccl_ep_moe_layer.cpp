@@ -96,7 +96,6 @@ void NcclEpMoeLayer::run(const uint16_t* x, const float* logits, int64_t num_tok
                 num_tokens, shape_.max_tokens);
   backend::GpuMoeLayer& layer = *layer_;
   stats_ = EpForwardStats{};
-  stats_.timed = timing_;
   double mark = timing_ ? now_ms() : 0.0;
   const auto lap = [&](double& field) {
     if (!timing_) return;
@@ -114,10 +113,10 @@ void NcclEpMoeLayer::run(const uint16_t* x, const float* logits, int64_t num_tok
   layer.permute(x, num_tokens);  // rows slot-sorted, so contiguous per destination rank; host slot counts
   lap(stats_.route_permute_ms);
 
-  // Every rank's per-slot counts [W][P] (small, over the host): what each rank sends to whom.
+  // Every rank's per-slot counts [W][P] (small host arrays; an NCCL all-gather staged through the device): what
+  // each rank sends to whom.
   const std::span<const int32_t> my_counts = layer.slot_counts();
   ep_.all_gather(std::as_bytes(my_counts), std::as_writable_bytes(std::span(all_counts_)));
-  if (timing_) stats_.count_exchange_ms = now_ms() - mark;
   const int p = shape_.num_slots, l = num_local_;
   const int64_t row_bytes = 2 * int64_t{shape_.hidden_size};
   for (int r = 0; r < world_; ++r) {

@@ -4,7 +4,7 @@
 // choice. forward, on every rank (a collective):
 //   route (router GEMM, fused router with rank r's row of the replica choice tables; recorder += this
 //   rank's tokens' counts) -> permute by global slot (rows then lie contiguous per destination rank)
-//   -> all-gather of the per-slot row counts (host, [W][P] int32) -> all_to_all_v_device of the bf16 rows
+//   -> all-gather of the per-slot row counts ([W][P] int32 host arrays, staged through the device) -> all_to_all_v_device of the bf16 rows
 //   -> expert GEMMs over the received rows (GpuMoeLayer::run_experts_on, one problem per (source, local
 //   slot)) -> all_to_all_v_device back into the positions the rows left from -> combine with the routing
 //   weights (fp32 out).
@@ -33,10 +33,8 @@ struct EpForwardStats {
   int64_t rows_sent = 0;      // entries of this rank's tokens sent to other ranks' slots
   int64_t rows_received = 0;  // entries of other ranks' tokens received for this rank's slots
   int64_t rows_local = 0;     // entries of this rank's tokens for its own slots (copied, not sent)
-  bool timed = false;
   double route_permute_ms = 0;     // router GEMM, router, permutation (with its count download)
   double dispatch_ms = 0;          // count all-gather + rows all_to_all
-  double count_exchange_ms = 0;    // of which the count all-gather
   double experts_ms = 0;           // expert GEMMs over the received rows
   double combine_exchange_ms = 0;  // rows all_to_all back
   double combine_ms = 0;           // weighted sum into out
@@ -68,7 +66,6 @@ class NcclEpMoeLayer {
   void set_timing(bool on) { timing_ = on; }
   const EpForwardStats& last_stats() const { return stats_; }
   // Rows the last forward received per (source rank, local slot) [W][L]: run_experts_on's segments.
-  std::span<const int32_t> received_counts() const { return recv_slot_counts_; }
 
  private:
   // forward with given logits, or (null) the router GEMM's.

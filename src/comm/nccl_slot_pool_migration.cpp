@@ -78,6 +78,12 @@ NcclSlotPoolMigration::~NcclSlotPoolMigration() {
     }
   }
   cudaStreamSynchronize(stream_);
+  if (in_flight()) {  // the pool outlives this migration: the layer's reserved buffers go back
+    try {
+      pool_.map().release_reserved(layer_in_flight_);
+    } catch (...) {
+    }
+  }
   for (const auto& [commit, event] : release_events_) cudaEventDestroy(event);
   cudaEventDestroy(copies_done_);
   cudaEventDestroy(readers_done_);
@@ -168,8 +174,6 @@ void NcclSlotPoolMigration::begin_layer(int layer_idx, std::span<const int32_t> 
     stats_.num_local_copies += num_local;
     stats_.num_sent += static_cast<int64_t>(sends.size());
     stats_.num_received += static_cast<int64_t>(recvs.size());
-    stats_.bytes_sent += static_cast<int64_t>(sends.size()) * pool_.slot_bytes();
-    stats_.bytes_received += static_cast<int64_t>(recvs.size()) * pool_.slot_bytes();
     stats_.num_nccl_ops += static_cast<int64_t>(ops.sends.size() + ops.recvs.size());
   } catch (...) {
     cudaStreamSynchronize(stream_);  // no local copy still writes a buffer that goes back to the free list

@@ -43,8 +43,6 @@ struct SlotPoolMigrationStats {
   int64_t num_local_copies = 0;  // slots this rank filled from its own slots
   int64_t num_received = 0;      // slots received from peers
   int64_t num_sent = 0;          // slots sent to peers
-  int64_t bytes_received = 0;
-  int64_t bytes_sent = 0;
   int64_t num_nccl_ops = 0;      // ncclSend + ncclRecv issued (after merging runs)
 };
 
