@@ -19,6 +19,12 @@ void validate_sampling_params(const SamplingParams& params) {
 
 int sample_token(std::span<const float> logits, const SamplingParams& params, Rng& rng) {
   validate_sampling_params(params);
+  return sample_token_from_uniform(logits, params, params.temperature == 0.0f ? 0.0 : rng.uniform());
+}
+
+int sample_token_from_uniform(std::span<const float> logits, const SamplingParams& params, double uniform) {
+  validate_sampling_params(params);
+  FULCRUM_CHECK(uniform >= 0.0 && uniform < 1.0, "sampling: uniform draw {} outside [0, 1)", uniform);
   FULCRUM_CHECK(!logits.empty(), "sampling: empty logits");
   bool any_finite = false;
   for (size_t i = 0; i < logits.size(); ++i) {
@@ -63,7 +69,7 @@ int sample_token(std::span<const float> logits, const SamplingParams& params, Rn
   double mass = 0.0;
   for (size_t i = 0; i < nucleus; ++i) mass += weights[i];
   // Inverse-CDF draw; zero-weight candidates are never chosen.
-  const double target = rng.uniform() * mass;
+  const double target = uniform * mass;
   double cumulative = 0.0;
   for (size_t i = 0; i < nucleus; ++i) {
     cumulative += weights[i];

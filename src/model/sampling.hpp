@@ -26,4 +26,10 @@ void validate_sampling_params(const SamplingParams& params);
 // and at least one must be finite.
 int sample_token(std::span<const float> logits, const SamplingParams& params, Rng& rng);
 
+// The same draw with the uniform value given: sample_token(logits, params, rng) is this function with
+// uniform = rng.uniform() when params.temperature > 0 (greedy draws nothing and ignores `uniform`). A caller
+// that samples elsewhere (the GPU engine's device sampler) takes the uniform from the sequence's Rng itself,
+// so every engine advances a sequence's Rng alike. uniform in [0, 1).
+int sample_token_from_uniform(std::span<const float> logits, const SamplingParams& params, double uniform);
+
 }  // namespace fulcrum::model
