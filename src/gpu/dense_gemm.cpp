@@ -1,0 +1,36 @@
+#include "gpu/dense_gemm.hpp"
+
+#include "backend/cuda/cuda_check.hpp"
+#include "eplb/error.hpp"
+
+namespace fulcrum::gpu {
+namespace {
+// cuBLAS's recommendation for Hopper is 32 MiB; a captured graph must not make cuBLAS allocate.
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+}  // namespace
+
+DenseGemm::DenseGemm(CUstream_st* stream, int device_idx) : stream_(stream) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
+  FULCRUM_CUBLAS_CHECK(cublasCreate(&handle_));
+  FULCRUM_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
+  FULCRUM_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  FULCRUM_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kWorkspaceBytes));
+}
+
+DenseGemm::~DenseGemm() {
+  if (handle_ != nullptr) cublasDestroy(handle_);
+  if (workspace_ != nullptr) cudaFree(workspace_);
+}
+
+void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, int64_t k, void* out, GemmOut out_type) {
+  if (m == 0) return;
+  FULCRUM_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "dense GEMM [{}, {}] x [{}, {}]^T too large", m, k, n, k);
+  // Row-major out [m, n] is column-major out^T [n, m] = W^T (op T on the column-major [k, n] view of W) x x^T.
+  const float alpha = 1.0f, beta = 0.0f;
+  FULCRUM_CUBLAS_CHECK(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                                    static_cast<int>(k), &alpha, w, CUDA_R_16BF, static_cast<int>(k), x, CUDA_R_16BF,
+                                    static_cast<int>(k), &beta, out, out_type == GemmOut::kF32 ? CUDA_R_32F : CUDA_R_16BF,
+                                    static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace fulcrum::gpu

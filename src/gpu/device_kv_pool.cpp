@@ -1,0 +1,68 @@
+#include "gpu/device_kv_pool.hpp"
+
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "eplb/error.hpp"
+
+namespace fulcrum::gpu {
+
+int64_t DeviceKvPool::bytes_for(int64_t num_pages, int page_size, int num_layers, int num_kv_heads, int head_dim) {
+  return 2 * int64_t{num_layers} * num_pages * page_size * num_kv_heads * head_dim * 2;  // K and V, bf16
+}
+
+DeviceKvPool::DeviceKvPool(int64_t num_pages, int page_size, int num_layers, int num_kv_heads, int head_dim, int device_idx)
+    : num_pages_(num_pages), page_size_(page_size), num_layers_(num_layers), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {
+  FULCRUM_CHECK(num_pages >= 1 && num_pages <= INT32_MAX / 2 && page_size >= 1, "KV pool: {} pages of {} positions",
+                num_pages, page_size);
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
+  size_t free_bytes = 0, total_bytes = 0;
+  FULCRUM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  FULCRUM_CHECK(bytes() <= static_cast<int64_t>(free_bytes),
+                "a KV pool of {} pages x {} positions needs {:.2f} GiB on GPU {}, which has {:.2f} GiB free", num_pages,
+                page_size, bytes() / gib, device_idx, free_bytes / gib);
+  FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(bytes())));
+  free_.reserve(static_cast<size_t>(num_pages));
+  for (int64_t p = num_pages; p-- > 0;) free_.push_back(static_cast<int32_t>(p));
+}
+
+DeviceKvPool::~DeviceKvPool() {
+  if (base_ != nullptr) cudaFree(base_);
+}
+
+uint16_t* DeviceKvPool::k(int layer_idx) const {
+  return base_ + 2 * int64_t{layer_idx} * num_pages_ * page_size_ * num_kv_heads_ * head_dim_;
+}
+
+uint16_t* DeviceKvPool::v(int layer_idx) const {
+  return k(layer_idx) + num_pages_ * page_size_ * num_kv_heads_ * head_dim_;
+}
+
+void DeviceKvPool::allocate(SequenceId id, int64_t capacity) {
+  FULCRUM_CHECK(!live(id), "sequence {} is already live", id);
+  FULCRUM_CHECK(capacity >= 1, "sequence {}: capacity {} must be positive", id, capacity);
+  const int64_t need = (capacity + page_size_ - 1) / page_size_;
+  FULCRUM_CHECK(need <= num_free_pages(), "KV pool exhausted: need {} pages, {} free", need, num_free_pages());
+  KvSequence seq;
+  seq.capacity = capacity;
+  seq.page_ids.assign(free_.end() - need, free_.end());
+  std::reverse(seq.page_ids.begin(), seq.page_ids.end());
+  free_.resize(free_.size() - static_cast<size_t>(need));
+  seqs_.emplace(id, std::move(seq));
+}
+
+void DeviceKvPool::release(SequenceId id) {
+  const auto it = seqs_.find(id);
+  if (it == seqs_.end()) return;
+  free_.insert(free_.end(), it->second.page_ids.rbegin(), it->second.page_ids.rend());
+  seqs_.erase(it);
+}
+
+KvSequence& DeviceKvPool::sequence(SequenceId id) {
+  const auto it = seqs_.find(id);
+  FULCRUM_CHECK(it != seqs_.end(), "sequence {} is not live", id);
+  return it->second;
+}
+
+}  // namespace fulcrum::gpu

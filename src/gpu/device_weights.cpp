@@ -1,0 +1,212 @@
+#include "gpu/device_weights.hpp"
+
+#include <cmath>
+#include <set>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "backend/cuda/moe_kernels.hpp"
+#include "eplb/error.hpp"
+#include "model/checkpoint_writer.hpp"
+#include "model/rng.hpp"
+#include "model/synthetic_model.hpp"
+
+namespace fulcrum::gpu {
+
+// One checkpoint tensor and where its bf16 values go. fill_scale: the random fill's bound (0: a norm, all ones).
+struct DeviceWeights::Entry {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint16_t* dst = nullptr;
+  float fill_scale = 0.0f;
+  int layer_idx = -1;  // -1: embedding, final norm, LM head
+};
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+int64_t qkv_rows(const model::Qwen3MoeConfig& c) {
+  return int64_t{c.num_attention_heads + 2 * c.num_key_value_heads} * c.head_dim;
+}
+
+// Elements of one decoder layer's non-expert tensors.
+int64_t layer_elems(const model::Qwen3MoeConfig& c, int layer_idx) {
+  const int64_t h = c.hidden_size, d = c.head_dim, q = int64_t{c.num_attention_heads} * d;
+  int64_t n = 2 * h + qkv_rows(c) * h + h * q + 2 * d;
+  n += c.is_moe_layer(layer_idx) ? int64_t{c.num_experts} * h : 3 * int64_t{c.intermediate_size} * h;
+  return n;
+}
+
+int64_t non_expert_elems(const model::Qwen3MoeConfig& c) {
+  int64_t n = int64_t{c.vocab_size} * c.hidden_size * (c.tie_word_embeddings ? 1 : 2) + c.hidden_size;
+  for (int l = 0; l < c.num_hidden_layers; ++l) n += layer_elems(c, l);
+  return n;
+}
+
+std::string layer_name(int layer_idx, const char* what) { return fmt::format("model.layers.{}.{}", layer_idx, what); }
+
+float fan_in_scale(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); }
+
+}  // namespace
+
+int64_t DeviceWeights::bytes_needed(const model::Qwen3MoeConfig& config, int num_slots) {
+  const int64_t moe_layers = static_cast<int64_t>(config.moe_layer_indices().size());
+  const int64_t expert_elems = 3 * int64_t{config.moe_intermediate_size} * config.hidden_size;
+  // The slot pool keeps one layer of spare buffers for migration staging.
+  return 2 * (non_expert_elems(config) + (moe_layers + (moe_layers > 0 ? 1 : 0)) * num_slots * expert_elems);
+}
+
+DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx)
+    : config_(config), placement_(placement), device_idx_(device_idx) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
+  const int num_slots = config.moe_layer_indices().empty() ? 0 : placement.num_physical_experts();
+  const int64_t needed = bytes_needed(config, num_slots);
+  size_t free_bytes = 0, total_bytes = 0;
+  FULCRUM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  FULCRUM_CHECK(needed <= static_cast<int64_t>(free_bytes),
+                "the model's bf16 weights need {:.2f} GiB on GPU {}, which has {:.2f} GiB free of {:.2f} GiB",
+                needed / kGiB, device_idx, free_bytes / kGiB, total_bytes / kGiB);
+  bytes_ = 2 * non_expert_elems(config);
+  FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(bytes_)));
+
+  const int64_t h = config.hidden_size, d = config.head_dim, q = int64_t{config.num_attention_heads} * d;
+  uint16_t* cursor = base_;
+  const auto take = [&](int64_t elems) { uint16_t* p = cursor; cursor += elems; return p; };
+  embed_ = take(int64_t{config.vocab_size} * h);
+  norm_ = take(h);
+  lm_head_ = config.tie_word_embeddings ? embed_ : take(int64_t{config.vocab_size} * h);
+  for (int l = 0; l < config.num_hidden_layers; ++l) {
+    LayerWeights w;
+    w.layer_idx = l;
+    w.moe_layer_idx = config.moe_layer_ordinal(l);
+    w.input_norm = take(h);
+    w.post_norm = take(h);
+    w.qkv = take(qkv_rows(config) * h);
+    w.o = take(h * q);
+    w.q_norm = take(d);
+    w.k_norm = take(d);
+    if (w.moe_layer_idx >= 0) {
+      w.router = take(int64_t{config.num_experts} * h);
+    } else {
+      w.mlp_gate_up = take(2 * int64_t{config.intermediate_size} * h);
+      w.mlp_down = take(h * config.intermediate_size);
+    }
+    layers_.push_back(w);
+  }
+  if (num_slots > 0) {
+    slots_ = std::make_unique<backend::GpuSlotPool>(
+        backend::SlotPoolShape{static_cast<int>(config.moe_layer_indices().size()), num_slots, config.hidden_size,
+                               config.moe_intermediate_size},
+        device_idx);
+  }
+}
+
+DeviceWeights::~DeviceWeights() {
+  if (base_ != nullptr) cudaFree(base_);
+}
+
+std::vector<DeviceWeights::Entry> DeviceWeights::entries() const {
+  const auto mut = [](const uint16_t* p) { return const_cast<uint16_t*>(p); };
+  const model::Qwen3MoeConfig& c = config_;
+  const int64_t h = c.hidden_size, d = c.head_dim, q = int64_t{c.num_attention_heads} * d;
+  const int64_t kv = int64_t{c.num_key_value_heads} * d;
+  std::vector<Entry> out;
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, h}, mut(embed_), fan_in_scale(h)});
+  out.push_back({"model.norm.weight", {h}, mut(norm_), 0.0f});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, h}, mut(lm_head_), fan_in_scale(h)});
+  for (const LayerWeights& w : layers_) {
+    const int l = w.layer_idx;
+    out.push_back({layer_name(l, "input_layernorm.weight"), {h}, mut(w.input_norm), 0.0f, l});
+    out.push_back({layer_name(l, "post_attention_layernorm.weight"), {h}, mut(w.post_norm), 0.0f, l});
+    out.push_back({layer_name(l, "self_attn.q_proj.weight"), {q, h}, mut(w.qkv), fan_in_scale(h), l});
+    out.push_back({layer_name(l, "self_attn.k_proj.weight"), {kv, h}, mut(w.qkv) + q * h, fan_in_scale(h), l});
+    out.push_back({layer_name(l, "self_attn.v_proj.weight"), {kv, h}, mut(w.qkv) + (q + kv) * h, fan_in_scale(h), l});
+    out.push_back({layer_name(l, "self_attn.o_proj.weight"), {h, q}, mut(w.o), fan_in_scale(q), l});
+    out.push_back({layer_name(l, "self_attn.q_norm.weight"), {d}, mut(w.q_norm), 0.0f, l});
+    out.push_back({layer_name(l, "self_attn.k_norm.weight"), {d}, mut(w.k_norm), 0.0f, l});
+    if (w.moe_layer_idx >= 0) {
+      out.push_back({layer_name(l, "mlp.gate.weight"), {c.num_experts, h}, mut(w.router), fan_in_scale(h), l});
+    } else {
+      const int64_t i = c.intermediate_size;
+      out.push_back({layer_name(l, "mlp.gate_proj.weight"), {i, h}, mut(w.mlp_gate_up), fan_in_scale(h), l});
+      out.push_back({layer_name(l, "mlp.up_proj.weight"), {i, h}, mut(w.mlp_gate_up) + i * h, fan_in_scale(h), l});
+      out.push_back({layer_name(l, "mlp.down_proj.weight"), {h, i}, mut(w.mlp_down), fan_in_scale(i), l});
+    }
+  }
+  return out;
+}
+
+void DeviceWeights::load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
+  std::set<std::string> expected;
+  for (const model::TensorSpec& spec : model::synthetic_tensor_specs(config_)) expected.insert(spec.name);
+  for (const std::string& name : checkpoint.names()) {
+    // A tied model's checkpoint may still store lm_head.weight; it is ignored, as the CPU loader does.
+    if (name == "lm_head.weight" && config_.tie_word_embeddings) continue;
+    FULCRUM_CHECK(expected.count(name) != 0, "{}: unexpected tensor '{}' (not part of a {}-layer Qwen3-MoE of this config)",
+                  checkpoint.file_of(name), name, config_.num_hidden_layers);
+  }
+  std::vector<float> host;
+  std::vector<uint16_t> bf16;
+  const auto read = [&](const std::string& name, const std::vector<int64_t>& shape, std::vector<uint16_t>& out, size_t at) {
+    FULCRUM_CHECK(checkpoint.contains(name), "{}: missing tensor '{}'", checkpoint.dir(), name);
+    int64_t n = 1;
+    for (const int64_t s : shape) n *= s;
+    host.resize(static_cast<size_t>(n));
+    checkpoint.read_f32_into(name, shape, host);
+    for (int64_t i = 0; i < n; ++i) out[at + static_cast<size_t>(i)] = model::f32_to_bf16_bits(host[static_cast<size_t>(i)]);
+  };
+  const std::vector<Entry> all = entries();
+  size_t next = 0;
+  const auto upload_until = [&](int layer_idx) {  // the entries of the embedding/head, or of one layer
+    for (; next < all.size() && all[next].layer_idx == layer_idx; ++next) {
+      const Entry& e = all[next];
+      int64_t n = 1;
+      for (const int64_t s : e.shape) n *= s;
+      bf16.resize(static_cast<size_t>(n));
+      read(e.name, e.shape, bf16, 0);
+      FULCRUM_CUDA_CHECK(cudaMemcpy(e.dst, bf16.data(), bf16.size() * 2, cudaMemcpyHostToDevice));
+    }
+  };
+  upload_until(-1);
+  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    upload_until(l);
+    const int moe = layers_[static_cast<size_t>(l)].moe_layer_idx;
+    if (moe >= 0) {
+      const std::span<const int32_t> map = placement_.layer(moe);
+      std::vector<uint16_t> gate_up(map.size() * static_cast<size_t>(2 * im * h)), down(map.size() * static_cast<size_t>(h * im));
+      for (size_t s = 0; s < map.size(); ++s) {
+        const auto expert = [&](const char* proj) {
+          return layer_name(l, fmt::format("mlp.experts.{}.{}.weight", map[s], proj).c_str());
+        };
+        read(expert("gate_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h));
+        read(expert("up_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h) + static_cast<size_t>(im * h));
+        read(expert("down_proj"), {h, im}, down, s * static_cast<size_t>(h * im));
+      }
+      slots_->upload_layer(moe, gate_up, down);
+    }
+    if (on_layer) on_layer(l + 1, config_.num_hidden_layers);
+  }
+}
+
+void DeviceWeights::fill_random(uint64_t seed) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
+  const uint16_t one = model::f32_to_bf16_bits(1.0f);
+  std::vector<uint16_t> ones;
+  uint64_t stream = seed;
+  for (const Entry& e : entries()) {
+    int64_t n = 1;
+    for (const int64_t s : e.shape) n *= s;
+    if (e.fill_scale == 0.0f) {
+      ones.assign(static_cast<size_t>(n), one);
+      FULCRUM_CUDA_CHECK(cudaMemcpy(e.dst, ones.data(), ones.size() * 2, cudaMemcpyHostToDevice));
+    } else {
+      FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(e.dst, n, model::splitmix64(stream), e.fill_scale, nullptr));
+    }
+  }
+  FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int moe = 0; slots_ && moe < placement_.num_layers; ++moe) slots_->fill_layer(moe, placement_.layer(moe), seed);
+}
+
+}  // namespace fulcrum::gpu

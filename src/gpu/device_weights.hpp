@@ -1,0 +1,83 @@
+#pragma once
+// Every weight of a Qwen3-MoE model resident on one GPU in bf16: the non-expert tensors in one allocation, the
+// routed experts in a backend::GpuSlotPool (so EPLB migrates them by remapping slot buffers). Filled from a
+// Hugging Face checkpoint (either config convention, sharded or not: model::Checkpoint) or, for benchmarks,
+// with pseudo-random values generated on the device (speed does not depend on the values).
+//
+// Layouts (row-major, bf16 bits):
+//   qkv [(Hq + 2 Hkv) * D, H]: q_proj rows, then k_proj, then v_proj (one GEMM for all three)
+//   o [H, Hq * D]; norms [H] / [D]; dense gate_up [2 I, H] (gate rows, then up rows), down [H, I]
+//   router [E, H]; experts per slot gate_up [2 I_moe, H], down [H, I_moe] (the slot pool's layout)
+// No CUDA header here.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/cuda/gpu_slot_pool.hpp"
+#include "eplb/placement.hpp"
+#include "model/qwen3_config.hpp"
+#include "model/safetensors.hpp"
+
+namespace fulcrum::gpu {
+
+struct LayerWeights {
+  int layer_idx = 0;
+  int moe_layer_idx = -1;  // -1: a dense MLP layer
+  const uint16_t* input_norm = nullptr;
+  const uint16_t* post_norm = nullptr;
+  const uint16_t* qkv = nullptr;
+  const uint16_t* o = nullptr;
+  const uint16_t* q_norm = nullptr;
+  const uint16_t* k_norm = nullptr;
+  const uint16_t* mlp_gate_up = nullptr;  // dense layers
+  const uint16_t* mlp_down = nullptr;
+  const uint16_t* router = nullptr;       // MoE layers; experts: slot_pool().gate_up_ptrs(moe_layer_idx)
+};
+
+class DeviceWeights {
+ public:
+  // Bytes the weights of `config` with `num_slots` expert slots per MoE layer take on the device.
+  static int64_t bytes_needed(const model::Qwen3MoeConfig& config, int num_slots);
+
+  // Allocates every tensor (contents undefined until a load or fill) for a placement of the MoE layers
+  // (num_physical_experts slots each, all on this GPU). Throws a one-line error when it does not fit.
+  DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx);
+  ~DeviceWeights();
+  DeviceWeights(const DeviceWeights&) = delete;
+  DeviceWeights& operator=(const DeviceWeights&) = delete;
+
+  // Reads every tensor of a checkpoint (the names and shapes the CPU model loads; an unexpected or missing
+  // tensor is an error), each expert slot from the logical expert the placement gives it. `on_layer(done,
+  // total)` after each decoder layer.
+  void load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer = {});
+  // Pseudo-random weights on the device: projections uniform in +-1/sqrt(fan_in), norms 1, experts the slot
+  // pool's generated weights (model::expert_weights_reference) of their logical expert.
+  void fill_random(uint64_t seed);
+
+  const model::Qwen3MoeConfig& config() const { return config_; }
+  const eplb::Placement& placement() const { return placement_; }
+  const LayerWeights& layer(int layer_idx) const { return layers_[static_cast<size_t>(layer_idx)]; }
+  const uint16_t* embedding() const { return embed_; }   // [V, H]
+  const uint16_t* final_norm() const { return norm_; }   // [H]
+  const uint16_t* lm_head() const { return lm_head_; }   // [V, H] (the embedding when tied)
+  backend::GpuSlotPool* slot_pool() { return slots_.get(); }  // null for a model without MoE layers
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  struct Entry;  // a checkpoint tensor -> a device region
+  std::vector<Entry> entries() const;
+
+  model::Qwen3MoeConfig config_;
+  eplb::Placement placement_;
+  int device_idx_ = 0;
+  uint16_t* base_ = nullptr;  // the non-expert tensors
+  int64_t bytes_ = 0;
+  std::vector<LayerWeights> layers_;
+  const uint16_t* embed_ = nullptr;
+  const uint16_t* norm_ = nullptr;
+  const uint16_t* lm_head_ = nullptr;
+  std::unique_ptr<backend::GpuSlotPool> slots_;
+};
+
+}  // namespace fulcrum::gpu

@@ -1,0 +1,450 @@
+// GpuEngine: construction, sequences, step packing and the forward's launch sequence.
+#include "gpu/gpu_engine.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "backend/cuda/moe_layer.hpp"
+#include "eplb/error.hpp"
+#include "gpu/attention_runner.hpp"
+#include "gpu/dense_gemm.hpp"
+#include "gpu/graph_cache.hpp"
+#include "gpu/kernels/step_ops.hpp"
+#include "model/backend.hpp"
+
+namespace fulcrum::gpu {
+
+namespace {
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+template <typename T>
+T* device_alloc(int64_t n, int64_t& total) {
+  void* p = nullptr;
+  const size_t bytes = sizeof(T) * static_cast<size_t>(std::max<int64_t>(n, 1));
+  FULCRUM_CUDA_CHECK(cudaMalloc(&p, bytes));
+  total += static_cast<int64_t>(bytes);
+  return static_cast<T*>(p);
+}
+
+void check_launch(cudaError_t status, const char* what) {
+  FULCRUM_CHECK(status == cudaSuccess, "GPU engine: {} failed: {}", what, cudaGetErrorString(status));
+}
+}  // namespace
+
+// Device buffers sized for the engine's capacities, allocated once.
+struct GpuEngine::Workspace {
+  std::vector<void*> owned;
+  float* residual = nullptr;   // [T, H] fp32 residual stream
+  float* delta = nullptr;      // [T, H] fp32 output of the last block, added by the next add + RMSNorm
+  uint16_t* x = nullptr;       // [T, H] bf16 normalized input of a block
+  float* qkv = nullptr;        // [T, (Hq + 2 Hkv) D]
+  uint16_t* q = nullptr;       // [T, Hq, D]
+  uint16_t* attn = nullptr;    // [T, Hq, D]
+  float* mlp = nullptr;        // [T, 2 I] dense layers
+  uint16_t* act = nullptr;     // [T, I]
+  uint16_t* head_x = nullptr;  // [logit_rows, H]
+  float* logits = nullptr;     // [logit_rows, V]
+  int32_t* tokens = nullptr;   // [S]
+  float* logprobs = nullptr;   // [S]
+  void* sampler_ws = nullptr;
+  size_t sampler_ws_bytes = 0;
+  float* inv_freq = nullptr;   // [D / 2]
+  unsigned long long* histogram = nullptr;  // [moe_layers, E]
+  void* step_dev = nullptr;    // StepLayout buffer on the device
+  void* step_host = nullptr;   // and its pinned host twin
+  int32_t* out_host = nullptr; // pinned [S] tokens, then [S] logprob bits
+  int logit_rows = 0;
+
+  ~Workspace() {
+    for (void* p : owned) cudaFree(p);
+    if (step_host != nullptr) cudaFreeHost(step_host);
+    if (out_host != nullptr) cudaFreeHost(out_host);
+  }
+};
+
+GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions options)
+    : config_(config),
+      options_(std::move(options)),
+      capacity_{options_.max_batch_tokens, options_.max_batch_seqs, 0},
+      layout_(StepCapacity{1, 1, 1}) {
+  int devices = 0;
+  const cudaError_t count_status = cudaGetDeviceCount(&devices);
+  FULCRUM_CHECK(count_status == cudaSuccess && devices > 0, "--device cuda: no CUDA device is visible ({})",
+                count_status == cudaSuccess ? "0 devices" : cudaGetErrorString(count_status));
+  FULCRUM_CHECK(options_.device >= 0 && options_.device < devices, "GPU {} does not exist ({} visible)", options_.device,
+                devices);
+  FULCRUM_CHECK(options_.max_batch_tokens >= 1 && options_.max_batch_seqs >= 1 &&
+                    options_.max_batch_seqs <= options_.max_batch_tokens,
+                "GPU engine: batch capacity {} tokens / {} sequences", options_.max_batch_tokens, options_.max_batch_seqs);
+  FULCRUM_CHECK(options_.page_size >= 1, "GPU engine: page size {} must be positive", options_.page_size);
+  FULCRUM_CHECK(config.head_dim % 2 == 0, "GPU engine: head_dim {} must be even", config.head_dim);
+  FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  const int num_moe = static_cast<int>(config.moe_layer_indices().size());
+  if (num_moe > 0 && options_.placement.num_layers == 0) {
+    options_.placement = eplb::trivial_placement(eplb::Topology{config.num_experts, 1, 1}, num_moe, config.num_experts);
+  }
+  if (num_moe > 0) {
+    FULCRUM_CHECK(options_.placement.num_layers == num_moe && options_.placement.num_logical_experts == config.num_experts,
+                  "placement covers {} MoE layers of {} experts, the model has {} MoE layers of {} experts",
+                  options_.placement.num_layers, options_.placement.num_logical_experts, num_moe, config.num_experts);
+    options_.placement.validate();
+  }
+  weights_ = std::make_unique<DeviceWeights>(config, options_.placement, options_.device);
+  gemm_ = std::make_unique<DenseGemm>(stream_, options_.device);
+
+  // Workspace.
+  ws_ = std::make_unique<Workspace>();
+  Workspace& w = *ws_;
+  const int64_t t = options_.max_batch_tokens, h = config.hidden_size, d = config.head_dim;
+  const int64_t q_width = int64_t{config.num_attention_heads} * d;
+  const int64_t qkv_width = q_width + 2 * int64_t{config.num_key_value_heads} * d;
+  const int s = options_.max_batch_seqs;
+  int64_t& bytes = workspace_bytes_;
+  const auto keep = [&](void* p) { w.owned.push_back(p); return p; };
+  w.residual = static_cast<float*>(keep(device_alloc<float>(t * h, bytes)));
+  w.delta = static_cast<float*>(keep(device_alloc<float>(t * h, bytes)));
+  w.x = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(t * h, bytes)));
+  w.qkv = static_cast<float*>(keep(device_alloc<float>(t * qkv_width, bytes)));
+  w.q = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(t * q_width, bytes)));
+  w.attn = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(t * q_width, bytes)));
+  if (num_moe < config.num_hidden_layers) {
+    w.mlp = static_cast<float*>(keep(device_alloc<float>(t * 2 * config.intermediate_size, bytes)));
+    w.act = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(t * config.intermediate_size, bytes)));
+  }
+  w.logit_rows = s;
+  w.head_x = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(int64_t{s} * h, bytes)));
+  w.logits = static_cast<float*>(keep(device_alloc<float>(int64_t{s} * config.vocab_size, bytes)));
+  w.tokens = static_cast<int32_t*>(keep(device_alloc<int32_t>(s, bytes)));
+  w.logprobs = static_cast<float*>(keep(device_alloc<float>(s, bytes)));
+  w.sampler_ws_bytes = sampler_workspace_bytes(s, config.vocab_size);
+  w.sampler_ws = keep(device_alloc<char>(static_cast<int64_t>(w.sampler_ws_bytes), bytes));
+  const std::vector<float> inv_freq = model::rope_inv_freq(d, config.rope_theta);
+  w.inv_freq = static_cast<float*>(keep(device_alloc<float>(d / 2, bytes)));
+  FULCRUM_CUDA_CHECK(cudaMemcpy(w.inv_freq, inv_freq.data(), inv_freq.size() * 4, cudaMemcpyHostToDevice));
+  w.histogram = static_cast<unsigned long long*>(
+      keep(device_alloc<unsigned long long>(int64_t{std::max(num_moe, 1)} * std::max(config.num_experts, 1), bytes)));
+  FULCRUM_CUDA_CHECK(cudaMemset(w.histogram, 0, sizeof(unsigned long long) * std::max(num_moe, 1) * std::max(config.num_experts, 1)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.out_host, sizeof(int32_t) * 2 * static_cast<size_t>(s)));
+
+  // MoE layers: one object per layer, all sharing one workspace and the engine's stream.
+  if (num_moe > 0) {
+    backend::MoeLayerShape shape;
+    shape.hidden_size = config.hidden_size;
+    shape.moe_intermediate_size = config.moe_intermediate_size;
+    shape.num_experts = config.num_experts;
+    shape.num_experts_per_tok = config.num_experts_per_tok;
+    shape.norm_topk_prob = config.norm_topk_prob;
+    shape.num_slots = options_.placement.num_physical_experts();
+    shape.max_tokens = t;
+    shape.external_weights = true;
+    const auto moe_ws = backend::GpuMoeLayer::make_workspace(shape, options_.device);
+    bytes += moe_ws_bytes(*moe_ws);
+    const eplb::Topology topo{shape.num_slots, 1, 1};
+    for (int m = 0; m < num_moe; ++m) {
+      auto layer = std::make_unique<backend::GpuMoeLayer>(shape, options_.device, stream_, moe_ws);
+      const LayerWeights& lw = weights_->layer(config.moe_layer_indices()[static_cast<size_t>(m)]);
+      layer->set_router_weights(lw.router);
+      const auto gate_up = weights_->slot_pool()->gate_up_ptrs(m);
+      const auto down = weights_->slot_pool()->down_ptrs(m);
+      layer->set_slot_weights(gate_up, down);
+      const std::span<const int32_t> map = options_.placement.layer(m);
+      std::vector<uint64_t> streams;
+      if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));
+      layer->set_replica_choice(model::moe::make_replica_choice(options_.dispatch, map, config.num_experts, topo, t, streams));
+      layer->set_recorder(w.histogram + int64_t{m} * config.num_experts);
+      moe_.push_back(std::move(layer));
+    }
+  }
+  attention_ = make_attention_runner(options_.attention, config, options_.page_size, t, s, options_.device);
+
+  // KV pool: what is asked, or a fraction of what is left.
+  const int64_t page_bytes = DeviceKvPool::bytes_for(1, options_.page_size, config.num_hidden_layers,
+                                                     config.num_key_value_heads, static_cast<int>(d));
+  int64_t pages = options_.kv_pages;
+  if (pages <= 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    FULCRUM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    pages = static_cast<int64_t>(static_cast<double>(free_bytes) * options_.kv_memory_fraction) / page_bytes;
+    FULCRUM_CHECK(pages >= 1, "GPU engine: no memory left for the KV cache ({:.2f} GiB free after {:.2f} GiB of weights "
+                  "and {:.2f} GiB of workspace)", free_bytes / kGiB, weights_->bytes() / kGiB, workspace_bytes_ / kGiB);
+  }
+  kv_ = std::make_unique<DeviceKvPool>(pages, options_.page_size, config.num_hidden_layers, config.num_key_value_heads,
+                                       static_cast<int>(d), options_.device);
+  capacity_.max_pages = pages;
+  layout_ = StepLayout(capacity_);
+  w.step_dev = keep(device_alloc<char>(static_cast<int64_t>(layout_.bytes), workspace_bytes_));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.step_host, layout_.bytes));
+  graphs_ = std::make_unique<GraphCache>();
+}
+
+GpuEngine::~GpuEngine() {
+  graphs_.reset();
+  moe_.clear();
+  attention_.reset();
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  ws_.reset();
+  gemm_.reset();
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void GpuEngine::load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer) {
+  weights_->load(checkpoint, on_layer);
+}
+
+void GpuEngine::fill_random(uint64_t seed) { weights_->fill_random(seed); }
+
+int64_t GpuEngine::max_sequence_length() const {
+  return std::min<int64_t>(config_.max_position_embeddings > 0 ? config_.max_position_embeddings : INT32_MAX,
+                           kv_->num_pages() * kv_->page_size());
+}
+
+void GpuEngine::allocate(model::SequenceId id, int64_t capacity) {
+  FULCRUM_CHECK(capacity <= max_sequence_length(), "sequence {}: capacity {} exceeds the longest sequence {}", id,
+                capacity, max_sequence_length());
+  kv_->allocate(id, capacity);
+}
+
+void GpuEngine::release(model::SequenceId id) { kv_->release(id); }
+
+std::string GpuEngine::attention_name() const { return attention_->name(); }
+
+StepShape GpuEngine::pack(std::span<const model::StepSequence> batch, bool sample_every_row) {
+  FULCRUM_CHECK(!batch.empty(), "GPU engine: empty step");
+  FULCRUM_CHECK(static_cast<int64_t>(batch.size()) <= capacity_.max_seqs, "GPU engine: {} sequences in one step, at most {}",
+                batch.size(), capacity_.max_seqs);
+  const StepArrays a = layout_.at(ws_->step_host);
+  const int ps = kv_->page_size();
+  StepShape shape;
+  shape.num_seqs = static_cast<int>(batch.size());
+  shape.decode_only = !sample_every_row;
+  std::set<model::SequenceId> seen;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const model::StepSequence& seq = batch[i];
+    FULCRUM_CHECK(seen.insert(seq.id).second, "GPU engine: sequence {} appears twice in one step", seq.id);
+    const KvSequence& kv = kv_->sequence(seq.id);
+    const auto n = static_cast<int64_t>(seq.token_ids.size());
+    FULCRUM_CHECK(n >= 1, "GPU engine: sequence {} has no new token", seq.id);
+    FULCRUM_CHECK(kv.num_tokens + n <= kv.capacity, "sequence {}: kv cache of capacity {} cannot take {} more tokens after {}",
+                  seq.id, kv.capacity, n, kv.num_tokens);
+    FULCRUM_CHECK(shape.num_tokens + n <= capacity_.max_tokens, "GPU engine: more than {} tokens in one step",
+                  capacity_.max_tokens);
+    a.q_indptr[i] = static_cast<int32_t>(shape.num_tokens);
+    a.kv_page_indptr[i] = static_cast<int32_t>(shape.num_pages);
+    for (int64_t j = 0; j < n; ++j) {
+      const int32_t token = seq.token_ids[static_cast<size_t>(j)];
+      FULCRUM_CHECK(token >= 0 && token < config_.vocab_size, "sequence {}: token id {} outside the vocabulary [0, {})",
+                    seq.id, token, config_.vocab_size);
+      const int64_t pos = kv.num_tokens + j, row = shape.num_tokens + j;
+      a.token_ids[row] = token;
+      a.positions[row] = static_cast<int32_t>(pos);
+      a.kv_rows[row] = kv.page_ids[static_cast<size_t>(pos / ps)] * ps + static_cast<int32_t>(pos % ps);
+    }
+    const int64_t len = kv.num_tokens + n, pages = (len + ps - 1) / ps;
+    std::copy_n(kv.page_ids.begin(), pages, a.page_ids + shape.num_pages);
+    a.kv_len[i] = static_cast<int32_t>(len);
+    shape.num_pages += pages;
+    shape.max_kv_len = std::max(shape.max_kv_len, len);
+    shape.num_tokens += n;
+    if (seq.sample) {
+      model::validate_sampling_params(seq.sampling);
+      a.sample_rows[shape.num_samples] = static_cast<int32_t>(shape.num_tokens - 1);
+      a.sampler[shape.num_samples] = SamplerRow{seq.sampling.temperature, seq.sampling.top_p, seq.sampling.top_k, 0,
+                                                seq.uniform};
+      ++shape.num_samples;
+    }
+    shape.decode_only = shape.decode_only && n == 1 && seq.sample;
+  }
+  a.q_indptr[batch.size()] = static_cast<int32_t>(shape.num_tokens);
+  a.kv_page_indptr[batch.size()] = static_cast<int32_t>(shape.num_pages);
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->step_dev, ws_->step_host, layout_.used_bytes(shape.num_pages),
+                                     cudaMemcpyHostToDevice, stream_));
+  return shape;
+}
+
+void GpuEngine::forward_layers(const StepShape& shape) {
+  Workspace& w = *ws_;
+  const StepArrays d = layout_.at(w.step_dev);
+  const auto t = shape.num_tokens;
+  const int h = config_.hidden_size, hd = config_.head_dim, hq = config_.num_attention_heads,
+            hkv = config_.num_key_value_heads;
+  const float eps = config_.rms_norm_eps;
+  check_launch(launch_embedding(weights_->embedding(), d.token_ids, t, h, w.residual, stream_), "embedding");
+  AttentionBatch batch;
+  batch.q = w.q;
+  batch.out = w.attn;
+  batch.q_indptr = d.q_indptr;
+  batch.kv_page_indptr = d.kv_page_indptr;
+  batch.page_ids = d.page_ids;
+  batch.kv_len = d.kv_len;
+  batch.num_seqs = shape.num_seqs;
+  batch.num_tokens = static_cast<int>(t);
+  batch.num_heads = hq;
+  batch.num_kv_heads = hkv;
+  batch.head_dim = hd;
+  batch.page_size = kv_->page_size();
+  batch.sm_scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t qkv_width = int64_t{hq + 2 * hkv} * hd;
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    const LayerWeights& lw = weights_->layer(l);
+    check_launch(launch_add_rms_norm(w.residual, l == 0 ? nullptr : w.delta, lw.input_norm, eps, nullptr, t, h, w.x, stream_),
+                 "input RMSNorm");
+    gemm_->run(w.x, lw.qkv, t, qkv_width, h, w.qkv, GemmOut::kF32);
+    check_launch(launch_qk_norm_rope_kv_append(w.qkv, lw.q_norm, lw.k_norm, eps, d.positions, w.inv_freq, d.kv_rows, t, hq,
+                                               hkv, hd, w.q, kv_->k(l), kv_->v(l), stream_),
+                 "q/k norm + RoPE + KV append");
+    batch.k_pool = kv_->k(l);
+    batch.v_pool = kv_->v(l);
+    attention_->run(batch, stream_);
+    gemm_->run(w.attn, lw.o, t, h, int64_t{hq} * hd, w.delta, GemmOut::kF32);
+    check_launch(launch_add_rms_norm(w.residual, w.delta, lw.post_norm, eps, nullptr, t, h, w.x, stream_), "post RMSNorm");
+    if (lw.moe_layer_idx >= 0) {
+      moe_[static_cast<size_t>(lw.moe_layer_idx)]->forward(w.x, t, w.delta);
+    } else {
+      const int64_t i = config_.intermediate_size;
+      gemm_->run(w.x, lw.mlp_gate_up, t, 2 * i, h, w.mlp, GemmOut::kF32);
+      check_launch(launch_silu_mul(w.mlp, t, static_cast<int>(i), w.act, stream_), "SwiGLU");
+      gemm_->run(w.act, lw.mlp_down, t, h, i, w.delta, GemmOut::kF32);
+    }
+  }
+}
+
+void GpuEngine::head(const int32_t* rows, int num_rows, float* logits) {
+  if (num_rows == 0) return;
+  check_launch(launch_add_rms_norm(ws_->residual, ws_->delta, weights_->final_norm(), config_.rms_norm_eps, rows, num_rows,
+                                   config_.hidden_size, ws_->head_x, stream_),
+               "final RMSNorm");
+  gemm_->run(ws_->head_x, weights_->lm_head(), num_rows, config_.vocab_size, config_.hidden_size, logits, GemmOut::kF32);
+}
+
+void GpuEngine::sample(const StepShape& shape) {
+  const StepArrays d = layout_.at(ws_->step_dev);
+  head(d.sample_rows, shape.num_samples, ws_->logits);
+  if (shape.num_samples == 0) return;
+  check_launch(launch_sample(ws_->logits, config_.vocab_size, shape.num_samples, config_.vocab_size, d.sampler, ws_->tokens,
+                             ws_->logprobs, ws_->sampler_ws, ws_->sampler_ws_bytes, stream_),
+               "sampler");
+}
+
+void GpuEngine::advance(std::span<const model::StepSequence> batch) {
+  for (const model::StepSequence& seq : batch) kv_->sequence(seq.id).num_tokens += static_cast<int64_t>(seq.token_ids.size());
+}
+
+model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  const StepShape shape = pack(batch, /*sample_every_row=*/false);
+  attention_->plan(layout_.at(ws_->step_host), shape, /*for_graph=*/shape.decode_only);
+  const bool graphs = options_.cuda_graphs && shape.decode_only &&
+                      std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->capture_safe(); });
+  if (graphs) {
+    run_decode_graph(shape);
+  } else {
+    forward_layers(shape);
+    sample(shape);
+    ++counters_.eager_steps;
+  }
+  const size_t r = static_cast<size_t>(shape.num_samples);
+  if (r > 0) {
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->out_host, ws_->tokens, 4 * r, cudaMemcpyDeviceToHost, stream_));
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->out_host + r, ws_->logprobs, 4 * r, cudaMemcpyDeviceToHost, stream_));
+  }
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  advance(batch);
+
+  model::StepOutput out;
+  out.tokens.assign(batch.size(), -1);
+  out.logprobs.assign(batch.size(), NAN);
+  out.errors.assign(batch.size(), std::string());
+  size_t k = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!batch[i].sample) continue;
+    const int32_t token = ws_->out_host[k];
+    float logprob = 0.0f;
+    std::memcpy(&logprob, ws_->out_host + r + k, 4);
+    ++k;
+    if (token < 0) {
+      out.errors[i] = "sampling: the logits hold a NaN or +inf, or are all -inf";
+      continue;
+    }
+    out.tokens[i] = token;
+    if (batch[i].want_logprob) out.logprobs[i] = logprob;
+  }
+  return out;
+}
+
+void GpuEngine::run_decode_graph(const StepShape& shape) {
+  const GraphKey key{shape.num_seqs, attention_->graph_bucket(shape)};
+  if (graphs_->contains(key)) {
+    if (graphs_->replay(key, stream_)) {
+      ++counters_.graph_replays;
+    } else {  // its capture failed: eager
+      forward_layers(shape);
+      sample(shape);
+      ++counters_.eager_steps;
+    }
+    return;
+  }
+  // First step of this shape: eager (it computes this step), then capture the same launches for the next ones.
+  forward_layers(shape);
+  sample(shape);
+  ++counters_.eager_steps;
+  if (graphs_->capture(key, stream_, [&] {
+        forward_layers(shape);
+        sample(shape);
+      })) {
+    ++counters_.graph_captures;
+  }
+}
+
+std::vector<model::HostTensor> GpuEngine::forward_logits(std::span<const model::StepSequence> batch) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  const StepShape shape = pack(batch, /*sample_every_row=*/true);
+  attention_->plan(layout_.at(ws_->step_host), shape, false);
+  forward_layers(shape);
+  // Every row through the head, a chunk of logit_rows rows at a time (row ids uploaded per chunk).
+  const int64_t v = config_.vocab_size;
+  std::vector<float> all(static_cast<size_t>(shape.num_tokens * v));
+  const StepArrays host = layout_.at(ws_->step_host), dev = layout_.at(ws_->step_dev);
+  for (int64_t first = 0; first < shape.num_tokens; first += ws_->logit_rows) {
+    const int n = static_cast<int>(std::min<int64_t>(ws_->logit_rows, shape.num_tokens - first));
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host rows buffer is rewritten below
+    for (int i = 0; i < n; ++i) host.sample_rows[i] = static_cast<int32_t>(first + i);
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(dev.sample_rows, host.sample_rows, 4 * static_cast<size_t>(n), cudaMemcpyHostToDevice, stream_));
+    head(dev.sample_rows, n, ws_->logits);
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(all.data() + first * v, ws_->logits, 4 * static_cast<size_t>(n * v),
+                                       cudaMemcpyDeviceToHost, stream_));
+  }
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  advance(batch);
+  std::vector<model::HostTensor> out;
+  int64_t row = 0;
+  for (const model::StepSequence& seq : batch) {
+    const auto n = static_cast<int64_t>(seq.token_ids.size());
+    model::HostTensor t;
+    t.shape = {n, v};
+    t.data.assign(all.begin() + row * v, all.begin() + (row + n) * v);
+    out.push_back(std::move(t));
+    row += n;
+  }
+  return out;
+}
+
+std::vector<int64_t> GpuEngine::expert_counts() {
+  const size_t n = moe_.size() * static_cast<size_t>(config_.num_experts);
+  std::vector<unsigned long long> raw(n);
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (n > 0) FULCRUM_CUDA_CHECK(cudaMemcpy(raw.data(), ws_->histogram, 8 * n, cudaMemcpyDeviceToHost));
+  return std::vector<int64_t>(raw.begin(), raw.end());
+}
+
+void GpuEngine::reset_expert_counts() {
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const size_t n = moe_.size() * static_cast<size_t>(config_.num_experts);
+  if (n > 0) FULCRUM_CUDA_CHECK(cudaMemset(ws_->histogram, 0, 8 * n));
+}
+
+}  // namespace fulcrum::gpu

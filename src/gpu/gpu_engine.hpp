@@ -1,0 +1,120 @@
+#pragma once
+// The GPU engine: the whole Qwen3-MoE step on one device, the fast implementation of model::StepModel (the CPU
+// reference is the parallel engine behind server::EngineStepExecutor). A step is a ragged batch of prefill
+// chunks and decode tokens in, sampled tokens out:
+//   host: validate, pack the step's inputs (token ids, positions, KV rows, page tables, sampling rows) into one
+//         pinned buffer -> one copy to the device
+//   device, no host synchronization inside: embedding -> per layer [add + RMSNorm -> QKV GEMM -> q/k RMSNorm +
+//         RoPE + paged KV append -> paged attention over the whole batch -> O GEMM -> add + RMSNorm -> MoE layer
+//         (router, recorder, replica choice, permutation, expert GEMMs, combine) or dense SwiGLU MLP] -> final
+//         add + RMSNorm of the rows that sample -> LM head -> sampler
+//   host: one copy of the sampled tokens (and logprobs) back, the only wait of the step.
+// Decode steps (every sequence one new token) replay a CUDA graph captured per (batch size, KV-length bucket);
+// prefill and mixed steps run eagerly. Weights are bf16, the residual stream fp32, KV pages bf16.
+// No CUDA header here.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "eplb/dispatch.hpp"
+#include "eplb/placement.hpp"
+#include "gpu/device_kv_pool.hpp"
+#include "gpu/device_weights.hpp"
+#include "gpu/step_inputs.hpp"
+#include "model/qwen3_config.hpp"
+#include "model/safetensors.hpp"
+#include "model/step_model.hpp"
+
+struct CUstream_st;
+
+namespace fulcrum::backend {
+class GpuMoeLayer;
+}
+
+namespace fulcrum::gpu {
+
+class AttentionRunner;
+class DenseGemm;
+struct GraphCache;
+
+struct GpuEngineOptions {
+  int device = 0;
+  int64_t max_batch_tokens = 8192;  // new tokens of one step, over all its sequences
+  int max_batch_seqs = 256;         // sequences of one step
+  int page_size = 16;
+  int64_t kv_pages = 0;             // 0: kv_memory_fraction of the memory free after weights and workspace
+  double kv_memory_fraction = 0.9;
+  bool cuda_graphs = true;          // decode steps replay captured graphs
+  std::string attention = "auto";   // auto | fulcrum | flashinfer (auto: FlashInfer where it applies)
+  eplb::Placement placement;        // expert slots of the MoE layers (all on this GPU); empty: trivial
+  eplb::DispatchAlgorithm dispatch = eplb::DispatchAlgorithm::kStatic;
+  uint64_t dispatch_seed = 0x5eed;
+};
+
+class GpuEngine final : public model::StepModel {
+ public:
+  // Allocates weights (contents undefined until load / fill_random), KV pool and workspaces; one-line errors
+  // when the GPU is missing or the model, the pool or the workspace do not fit.
+  GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions options);
+  ~GpuEngine() override;
+  GpuEngine(const GpuEngine&) = delete;
+  GpuEngine& operator=(const GpuEngine&) = delete;
+
+  void load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer = {});
+  void fill_random(uint64_t seed);
+
+  int vocab_size() const override { return config_.vocab_size; }
+  int64_t max_sequence_length() const override;
+  void allocate(model::SequenceId id, int64_t capacity) override;
+  void release(model::SequenceId id) override;
+  model::StepOutput step(std::span<const model::StepSequence> batch) override;
+
+  // Logits [new tokens, vocab] of every new token of every entry, fp32 on the host: an eager forward that
+  // samples nothing (tests, --dump-logits). Advances the caches like step().
+  std::vector<model::HostTensor> forward_logits(std::span<const model::StepSequence> batch);
+
+  // Routed tokens per (MoE layer, logical expert) since construction or the last reset: [moe_layers * E].
+  std::vector<int64_t> expert_counts();
+  void reset_expert_counts();
+
+  const model::Qwen3MoeConfig& config() const { return config_; }
+  const GpuEngineOptions& options() const { return options_; }
+  const DeviceWeights& weights() const { return *weights_; }
+  const DeviceKvPool& kv_pool() const { return *kv_; }
+  std::string attention_name() const;
+  int64_t workspace_bytes() const { return workspace_bytes_; }
+  struct Counters {
+    int64_t eager_steps = 0, graph_replays = 0, graph_captures = 0;
+  };
+  const Counters& counters() const { return counters_; }
+
+ private:
+  struct Workspace;
+  StepShape pack(std::span<const model::StepSequence> batch, bool sample_every_row);
+  void forward_layers(const StepShape& shape);
+  void head(const int32_t* rows, int num_rows, float* logits);
+  void sample(const StepShape& shape);
+  void run_decode_graph(const StepShape& shape);
+  void advance(std::span<const model::StepSequence> batch);
+
+  model::Qwen3MoeConfig config_;
+  GpuEngineOptions options_;
+  CUstream_st* stream_ = nullptr;
+  std::unique_ptr<DeviceWeights> weights_;
+  std::unique_ptr<DeviceKvPool> kv_;
+  std::unique_ptr<Workspace> ws_;
+  std::unique_ptr<DenseGemm> gemm_;
+  std::unique_ptr<AttentionRunner> attention_;
+  std::vector<std::unique_ptr<backend::GpuMoeLayer>> moe_;  // per MoE layer ordinal
+  std::unique_ptr<GraphCache> graphs_;
+  StepCapacity capacity_;
+  StepLayout layout_;
+  int64_t workspace_bytes_ = 0;
+  Counters counters_;
+};
+
+}  // namespace fulcrum::gpu

@@ -1,0 +1,111 @@
+#include "gpu/gpu_generate.hpp"
+
+#include <chrono>
+#include <string>
+
+#include "eplb/error.hpp"
+#include "model/rng.hpp"
+#include "model/sampling.hpp"
+
+namespace fulcrum::gpu {
+
+model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                   const model::DecodeOptions& options, bool prompt_logits, GpuGenerateStats* stats) {
+  using clock = std::chrono::steady_clock;
+  model::validate_sampling_params(options.sampling);
+  const size_t n = prompts.size();
+  std::vector<model::Rng> rngs;
+  for (size_t i = 0; i < n; ++i) rngs.emplace_back(options.seed, "sequence " + std::to_string(i));
+  const bool draws = options.sampling.temperature > 0.0f;
+  model::GenerateResult result;
+  result.new_tokens.assign(n, {});
+  if (prompt_logits) result.prompt_logits.assign(n, model::HostTensor{{0, engine.vocab_size()}, {}});
+  for (size_t i = 0; i < n; ++i) {
+    FULCRUM_CHECK(!prompts[i].empty(), "prompt {} is empty", i);
+    engine.allocate(static_cast<model::SequenceId>(i), static_cast<int64_t>(prompts[i].size()) + options.max_new_tokens);
+  }
+  struct Releaser {  // every sequence's pages go back, also when a step throws
+    GpuEngine& engine;
+    size_t n;
+    ~Releaser() {
+      for (size_t i = 0; i < n; ++i) engine.release(static_cast<model::SequenceId>(i));
+    }
+  } releaser{engine, n};
+
+  const auto entry = [&](size_t i, std::span<const int32_t> tokens, bool sample) {
+    model::StepSequence seq;
+    seq.id = static_cast<model::SequenceId>(i);
+    seq.token_ids = tokens;
+    seq.sample = sample;
+    seq.sampling = options.sampling;
+    if (sample && draws && !prompt_logits) seq.uniform = rngs[i].uniform();
+    return seq;
+  };
+  const auto take = [&](const model::StepOutput& out, const std::vector<size_t>& members,
+                        const std::vector<model::StepSequence>& batch) {
+    for (size_t k = 0; k < batch.size(); ++k) {
+      if (!batch[k].sample) continue;
+      FULCRUM_CHECK(out.errors[k].empty(), "sequence {}: {}", members[k], out.errors[k]);
+      result.new_tokens[members[k]].push_back(out.tokens[k]);
+    }
+  };
+
+  // Prefill: chunks of at most the step's token budget; a prompt's last chunk samples its first new token.
+  const auto t0 = clock::now();
+  const int64_t budget = engine.options().max_batch_tokens;
+  const bool sample_first = options.max_new_tokens > 0;
+  std::vector<size_t> cursor(n, 0);
+  for (size_t next = 0; next < n;) {
+    std::vector<model::StepSequence> batch;
+    std::vector<size_t> members;
+    int64_t used = 0;
+    for (size_t i = next; i < n && used < budget && static_cast<int>(batch.size()) < engine.options().max_batch_seqs; ++i) {
+      const size_t left = prompts[i].size() - cursor[i];
+      if (left == 0) continue;
+      const size_t take_n = std::min<size_t>(left, static_cast<size_t>(budget - used));
+      const bool last = take_n == left;
+      batch.push_back(entry(i, std::span<const int32_t>(prompts[i]).subspan(cursor[i], take_n), last && sample_first));
+      members.push_back(i);
+      used += static_cast<int64_t>(take_n);
+      cursor[i] += take_n;
+    }
+    while (next < n && cursor[next] == prompts[next].size()) ++next;
+    if (!prompt_logits) {
+      take(engine.step(batch), members, batch);
+      continue;
+    }
+    const std::vector<model::HostTensor> logits = engine.forward_logits(batch);
+    for (size_t k = 0; k < batch.size(); ++k) {
+      model::HostTensor& all = result.prompt_logits[members[k]];
+      all.shape[0] += logits[k].shape[0];
+      all.data.insert(all.data.end(), logits[k].data.begin(), logits[k].data.end());
+      if (!batch[k].sample) continue;
+      const std::span<const float> last(logits[k].data.data() + logits[k].data.size() - engine.vocab_size(),
+                                        static_cast<size_t>(engine.vocab_size()));
+      const double u = draws ? rngs[members[k]].uniform() : 0.0;
+      result.new_tokens[members[k]].push_back(model::sample_token_from_uniform(last, options.sampling, u));
+    }
+  }
+  const auto t1 = clock::now();
+
+  // Decode: every sequence one token a step.
+  int64_t steps = 0;
+  for (int step = 1; step < options.max_new_tokens; ++step) {
+    std::vector<model::StepSequence> batch;
+    std::vector<size_t> members;
+    for (size_t i = 0; i < n; ++i) {
+      batch.push_back(entry(i, std::span<const int32_t>(&result.new_tokens[i].back(), 1), true));
+      members.push_back(i);
+    }
+    take(engine.step(batch), members, batch);
+    ++steps;
+  }
+  if (stats != nullptr) {
+    stats->prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+    stats->decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+    stats->decode_steps = steps;
+  }
+  return result;
+}
+
+}  // namespace fulcrum::gpu

@@ -1,0 +1,25 @@
+#pragma once
+// `fulcrum generate --device cuda` on one GPU: the decode loop of model::generate over the GPU engine's step.
+// Prompts are prefilled in chunks of the engine's step capacity, then every sequence decodes one token a step
+// (CUDA-graph replays). Sequence i draws from Rng(seed, "sequence i"), one uniform per sampled token when
+// temperature > 0, as model::generate, so a seed gives the CPU engine's tokens up to the numerics.
+#include <cstdint>
+#include <vector>
+
+#include "gpu/gpu_engine.hpp"
+#include "model/generate.hpp"
+
+namespace fulcrum::gpu {
+
+struct GpuGenerateStats {
+  double prefill_seconds = 0;
+  double decode_seconds = 0;
+  int64_t decode_steps = 0;
+};
+
+// With `prompt_logits`, the prefill returns every prompt position's logits (result.prompt_logits) and the
+// first token is sampled on the host from them; otherwise the device samples and prompt_logits stay empty.
+model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                   const model::DecodeOptions& options, bool prompt_logits, GpuGenerateStats* stats = nullptr);
+
+}  // namespace fulcrum::gpu
