@@ -3,6 +3,7 @@
 
 #include "bench_moe/moe_bench.hpp"
 #include "cli/commands.hpp"
+#include "cli/gpu_commands.hpp"
 #include "eplb/error.hpp"
 #ifdef FULCRUM_WITH_NCCL
 #include "engine/multi_process_run.hpp"
@@ -65,6 +66,9 @@ void register_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks: the GPU MoE layer (moe), a running server (serve)");
   bench->require_subcommand(1);
   register_bench_moe_command(*bench);
+#ifdef FULCRUM_WITH_CUDA
+  register_bench_generate_command(*bench);
+#endif
 #ifdef FULCRUM_WITH_SERVER
   register_bench_serve_command(*bench);
 #endif

@@ -11,6 +11,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/engine_flags.hpp"
+#include "cli/gpu_commands.hpp"
 #include "cli/token_ids.hpp"
 #include "engine/multi_process_run.hpp"
 #include "engine/parallel_generate.hpp"
@@ -57,6 +58,13 @@ void run_generate(GenerateFlags& flags) {
   run.dump_file = flags.expert_distribution_dump;
   run.decode = {flags.max_new_tokens, flags.sampling, flags.seed};
 
+#ifdef FULCRUM_WITH_CUDA
+  // One GPU: the GPU engine runs the whole step on the device (src/gpu/); several ranks stay on the engine.
+  if (run.device == "cuda" && layout.world_size() == 1 && !me && flags.dist.nnodes == 1) {
+    generate_on_gpu(flags.model_dir, config, layout, run, prompts, flags.dump_logits_file);
+    return;
+  }
+#endif
   const auto start = std::chrono::steady_clock::now();
   if (as_processes && !me) {  // the launcher: its rank processes generate, world rank 0 prints
     engine::launch_rank_processes(flags.dist, layout.world_size(), run.device);

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "backend/cuda/cuda_check.hpp"
+#include "backend/cuda/moe_kernels.hpp"
 #include "backend/cuda/moe_layer.hpp"
 #include "eplb/error.hpp"
 #include "gpu/attention_runner.hpp"
@@ -330,6 +331,12 @@ void GpuEngine::sample(const StepShape& shape) {
                "sampler");
 }
 
+void GpuEngine::plan_attention(const StepShape& shape) {
+  const int64_t epoch = attention_->epoch();
+  attention_->plan(layout_.at(ws_->step_host), shape, /*for_graph=*/shape.decode_only);
+  if (attention_->epoch() != epoch) graphs_->clear();  // the graphs read buffers the plan replaced
+}
+
 void GpuEngine::advance(std::span<const model::StepSequence> batch) {
   for (const model::StepSequence& seq : batch) kv_->sequence(seq.id).num_tokens += static_cast<int64_t>(seq.token_ids.size());
 }
@@ -337,7 +344,7 @@ void GpuEngine::advance(std::span<const model::StepSequence> batch) {
 model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
-  attention_->plan(layout_.at(ws_->step_host), shape, /*for_graph=*/shape.decode_only);
+  plan_attention(shape);
   const bool graphs = options_.cuda_graphs && shape.decode_only &&
                       std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->capture_safe(); });
   if (graphs) {
@@ -403,7 +410,7 @@ void GpuEngine::run_decode_graph(const StepShape& shape) {
 std::vector<model::HostTensor> GpuEngine::forward_logits(std::span<const model::StepSequence> batch) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   const StepShape shape = pack(batch, /*sample_every_row=*/true);
-  attention_->plan(layout_.at(ws_->step_host), shape, false);
+  plan_attention(shape);
   forward_layers(shape);
   // Every row through the head, a chunk of logit_rows rows at a time (row ids uploaded per chunk).
   const int64_t v = config_.vocab_size;
@@ -431,6 +438,24 @@ std::vector<model::HostTensor> GpuEngine::forward_logits(std::span<const model::
     row += n;
   }
   return out;
+}
+
+void GpuEngine::fill_kv_random(uint64_t seed) {
+  const int64_t per_pool = kv_->num_pages() * kv_->page_size() * config_.num_key_value_heads * config_.head_dim;
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    check_launch(cuda::moe::launch_fill_random_bf16(kv_->k(l), per_pool, seed + 2 * static_cast<uint64_t>(l), 1.0f, stream_),
+                 "KV fill");
+    check_launch(cuda::moe::launch_fill_random_bf16(kv_->v(l), per_pool, seed + 2 * static_cast<uint64_t>(l) + 1, 1.0f, stream_),
+                 "KV fill");
+  }
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void GpuEngine::assume_prefilled(model::SequenceId id, int64_t num_tokens) {
+  KvSequence& seq = kv_->sequence(id);
+  FULCRUM_CHECK(num_tokens >= 0 && num_tokens <= seq.capacity, "sequence {}: {} positions do not fit its capacity {}", id,
+                num_tokens, seq.capacity);
+  seq.num_tokens = num_tokens;
 }
 
 std::vector<int64_t> GpuEngine::expert_counts() {

@@ -77,6 +77,12 @@ class GpuEngine final : public model::StepModel {
   // samples nothing (tests, --dump-logits). Advances the caches like step().
   std::vector<model::HostTensor> forward_logits(std::span<const model::StepSequence> batch);
 
+  // Benchmarks: pseudo-random bf16 values in every KV page, then `assume_prefilled` marks the first
+  // `num_tokens` positions of a live sequence as written without computing them, so a decode at a long
+  // context is timed without its prefill (attention's speed does not depend on the values).
+  void fill_kv_random(uint64_t seed);
+  void assume_prefilled(model::SequenceId id, int64_t num_tokens);
+
   // Routed tokens per (MoE layer, logical expert) since construction or the last reset: [moe_layers * E].
   std::vector<int64_t> expert_counts();
   void reset_expert_counts();
@@ -95,6 +101,7 @@ class GpuEngine final : public model::StepModel {
  private:
   struct Workspace;
   StepShape pack(std::span<const model::StepSequence> batch, bool sample_every_row);
+  void plan_attention(const StepShape& shape);
   void forward_layers(const StepShape& shape);
   void head(const int32_t* rows, int num_rows, float* logits);
   void sample(const StepShape& shape);

@@ -6,10 +6,13 @@
 
 namespace fulcrum::gpu {
 
-GraphCache::~GraphCache() {
+GraphCache::~GraphCache() { clear(); }
+
+void GraphCache::clear() {
   for (auto& [key, exec] : graphs_) {
     if (exec != nullptr) cudaGraphExecDestroy(exec);
   }
+  graphs_.clear();
 }
 
 bool GraphCache::capture(const GraphKey& key, CUstream_st* stream, const std::function<void()>& launches) {

@@ -28,6 +28,7 @@ struct GraphCache {
   // Launches the graph of `key` on `stream`; false when the key's capture had failed.
   bool replay(const GraphKey& key, CUstream_st* stream);
   size_t size() const { return graphs_.size(); }
+  void clear();
 
  private:
   std::map<GraphKey, CUgraphExec_st*> graphs_;  // null: capture failed

@@ -1,0 +1,87 @@
+#include "gpu/attention_runner.hpp"
+
+#include <algorithm>
+
+#include <cuda_runtime.h>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "eplb/error.hpp"
+#include "gpu/kernels/paged_attention.hpp"
+
+namespace fulcrum::gpu {
+
+int64_t AttentionRunner::decode_bucket(int64_t max_kv_len) {
+  int64_t bucket = 256;
+  while (bucket < max_kv_len) bucket *= 2;
+  return bucket;
+}
+
+namespace {
+
+// The engine's own kernels. The workspace grows (between steps, never inside a capture) to what a plan needs.
+class OwnAttention final : public AttentionRunner {
+ public:
+  OwnAttention(const model::Qwen3MoeConfig& config, int device_idx) : config_(config) {
+    cudaDeviceProp prop{};
+    FULCRUM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_idx));
+    num_sms_ = prop.multiProcessorCount;
+    FULCRUM_CHECK(paged_attention_supports_head_dim(config.head_dim) &&
+                      config.num_attention_heads % config.num_key_value_heads == 0 &&
+                      config.num_attention_heads / config.num_key_value_heads <= kPagedAttentionMaxGroup,
+                  "GPU attention: head_dim {} with {} q heads over {} kv heads is not supported (head_dim 16, 32, 64, "
+                  "128 or 256; at most {} q heads per kv head)",
+                  config.head_dim, config.num_attention_heads, config.num_key_value_heads, kPagedAttentionMaxGroup);
+  }
+  ~OwnAttention() override {
+    if (workspace_ != nullptr) cudaFree(workspace_);
+  }
+  std::string name() const override { return plan_.tensor_cores ? "fulcrum (tensor cores)" : "fulcrum (CUDA cores)"; }
+
+  void plan(const StepArrays& /*host*/, const StepShape& shape, bool for_graph) override {
+    PagedAttentionShape s;
+    s.num_seqs = shape.num_seqs;
+    s.num_tokens = static_cast<int>(shape.num_tokens);
+    s.num_heads = config_.num_attention_heads;
+    s.num_kv_heads = config_.num_key_value_heads;
+    s.head_dim = config_.head_dim;
+    // Decode steps plan for their bucket, graphs or not, so an eager decode step is the graph's twin bit for bit.
+    s.max_kv_len = static_cast<int>(shape.decode_only ? decode_bucket(shape.max_kv_len) : shape.max_kv_len);
+    s.max_q_len = shape.decode_only ? 1 : -1;
+    s.num_sms = num_sms_;
+    (void)for_graph;
+    plan_ = plan_paged_attention(s);
+    const size_t need = paged_attention_workspace_bytes(plan_);
+    if (need > workspace_bytes_) {
+      if (workspace_ != nullptr) FULCRUM_CUDA_CHECK(cudaFree(workspace_));  // waits for the device
+      FULCRUM_CUDA_CHECK(cudaMalloc(&workspace_, need));
+      workspace_bytes_ = need;
+      ++epoch_;
+    }
+  }
+
+  void run(const AttentionBatch& batch, CUstream_st* stream) override {
+    const cudaError_t status = launch_paged_attention(batch, plan_, workspace_, workspace_bytes_, stream);
+    FULCRUM_CHECK(status == cudaSuccess, "GPU attention: {}", cudaGetErrorString(status));
+  }
+
+ private:
+  model::Qwen3MoeConfig config_;
+  int num_sms_ = 0;
+  PagedAttentionPlan plan_;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionRunner> make_attention_runner(const std::string& which, const model::Qwen3MoeConfig& config,
+                                                       int page_size, int64_t max_tokens, int max_seqs, int device_idx) {
+  (void)page_size;
+  (void)max_tokens;
+  (void)max_seqs;
+  FULCRUM_CHECK(which == "auto" || which == "fulcrum" || which == "flashinfer",
+                "--attention must be auto, fulcrum or flashinfer, got '{}'", which);
+  return std::make_unique<OwnAttention>(config, device_idx);
+}
+
+}  // namespace fulcrum::gpu

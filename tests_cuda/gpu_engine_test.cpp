@@ -1,0 +1,316 @@
+// The GPU engine (src/gpu/gpu_engine.hpp) end to end:
+// - against Hugging Face transformers' fp32 outputs on the golden fixtures (bf16 engine vs fp32 oracle),
+// - against itself: chunked vs one-shot prefill, a sequence alone vs in a batch, CUDA-graph replay vs eager
+//   (bitwise), placements of the same experts (bitwise), page layouts,
+// - bad input: prompts longer than the pool, unknown sequences.
+//
+// Tolerances. The engine stores weights, GEMM inputs, KV and expert intermediates in bf16 (8 significant bits,
+// relative rounding 2^-9 = 0.2%) and accumulates in fp32; the golden outputs are fp32 throughout. Such
+// roundings are independent and partly cancel: over a few layers the norm-relative logit error stays a few
+// times 2^-9. We require ||engine - golden|| / ||golden|| <= kBf16LogitRelTolerance = 0.03 (about 15 x 2^-9:
+// room for an occasional top-k router flip in the 128-expert model, whose router margins can be below bf16's
+// resolution) and, where the golden top-1 margin exceeds 2 x the position's max error, the same argmax.
+// Between two engine runs that differ only in batching or chunking (cuBLAS may pick other kernels by M, split
+// attention differently), the same argument gives kBatchRelTolerance = 0.01 on logits. Graph replay and
+// placement changes run the same kernels on the same rows in the same order: bitwise.
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "backend/cuda/cuda_backend.hpp"
+#include "gpu/gpu_engine.hpp"
+#include "model/rng.hpp"
+#include "model/synthetic_model.hpp"
+#include "model_golden_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+constexpr double kBf16LogitRelTolerance = 0.03;
+constexpr double kBatchRelTolerance = 0.01;
+
+double rel_error(std::span<const float> a, std::span<const float> ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), ref.size()); ++i) {
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return a.size() == ref.size() ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
+}
+
+class GpuEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the GPU engine tests need a GPU";
+  }
+};
+
+model::StepSequence entry(model::SequenceId id, std::span<const int32_t> tokens, bool sample) {
+  model::StepSequence s;
+  s.id = id;
+  s.token_ids = tokens;
+  s.sample = sample;
+  return s;
+}
+
+// A small MoE config whose shapes suit every kernel path (multiples of 16), with random device weights.
+model::Qwen3MoeConfig small_config(int layers = 3) {
+  model::Qwen3MoeConfig c;
+  c.vocab_size = 512;
+  c.hidden_size = 256;
+  c.intermediate_size = 384;
+  c.moe_intermediate_size = 128;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.num_experts = 32;
+  c.num_experts_per_tok = 4;
+  c.mlp_only_layers = {1};
+  c.norm_topk_prob = true;
+  c.rms_norm_eps = 1e-6f;
+  c.rope_theta = 1e6;
+  c.max_position_embeddings = 40960;
+  return c;
+}
+
+std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
+  model::Rng rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& v : t) v = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(vocab));
+  return t;
+}
+
+class GpuGoldenTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the GPU engine tests need a GPU";
+  }
+};
+
+TEST_P(GpuGoldenTest, LogitsAndGreedyFollowTransformers) {
+  const std::string dir = golden_model_dir(GetParam());
+  const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(dir);
+  gpu::GpuEngineOptions options;
+  options.max_batch_tokens = 256;
+  options.max_batch_seqs = 8;
+  options.kv_pages = 64;
+  gpu::GpuEngine engine(config, options);
+  model::Checkpoint checkpoint(dir);
+  engine.load(checkpoint);
+  const std::vector<GoldenSequence> golden = read_golden(dir, static_cast<int>(config.moe_layer_indices().size()));
+  for (size_t i = 0; i < golden.size(); ++i) {
+    const GoldenSequence& g = golden[i];
+    engine.allocate(static_cast<int64_t>(i), static_cast<int64_t>(g.input_ids.size()) + 8);
+    const model::StepSequence prompt = entry(static_cast<int64_t>(i), g.input_ids, false);
+    const std::vector<model::HostTensor> logits = engine.forward_logits(std::span(&prompt, 1));
+    const double rel = rel_error(logits[0].data, g.logits.data);
+    EXPECT_LE(rel, kBf16LogitRelTolerance) << "sequence " << i;
+    const float worst = max_abs_diff(logits[0].data, g.logits.data);
+    const int v = config.vocab_size;
+    int compared = 0, agreed = 0;
+    for (size_t t = 0; t < g.input_ids.size(); ++t) {
+      const std::span<const float> mine(logits[0].data.data() + t * v, v), ref(g.logits.data.data() + t * v, v);
+      std::vector<float> sorted(ref.begin(), ref.end());
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+      if (sorted[0] - sorted[1] <= 2 * worst) continue;
+      ++compared;
+      agreed += model::argmax(mine) == model::argmax(ref);
+    }
+    EXPECT_EQ(agreed, compared) << "sequence " << i;
+    // Greedy decoding with the KV cache on the device sampler: the golden tokens while the margin is clear.
+    std::vector<int32_t> tokens;
+    int32_t last = model::argmax(std::span<const float>(logits[0].data).last(v));
+    tokens.push_back(last);
+    for (int s = 1; s < static_cast<int>(g.greedy_tokens.size()); ++s) {
+      const model::StepSequence next = entry(static_cast<int64_t>(i), std::span(&last, 1), true);
+      const model::StepOutput out = engine.step(std::span(&next, 1));
+      ASSERT_TRUE(out.errors[0].empty()) << out.errors[0];
+      last = out.tokens[0];
+      tokens.push_back(last);
+    }
+    if (g.last_top1_margin > 2 * worst) EXPECT_EQ(tokens[0], g.greedy_tokens[0]) << "sequence " << i;
+    std::cout << "[ gpu vs golden ] " << GetParam() << " seq " << i << ": rel " << rel << ", max abs " << worst
+              << ", argmax " << agreed << "/" << compared << ", greedy " << fmt::format("{}", fmt::join(tokens, " "))
+              << " (golden " << fmt::format("{}", fmt::join(g.greedy_tokens, " ")) << ")\n";
+    engine.release(static_cast<int64_t>(i));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GpuGoldenTest, ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// Runs prompts (one step each, unless `chunk` > 0: chunks of that many tokens) and returns each prompt's
+// last-position logits.
+std::vector<std::vector<float>> last_logits(gpu::GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                            int chunk, bool together) {
+  std::vector<std::vector<float>> out(prompts.size());
+  const int v = engine.vocab_size();
+  const auto run = [&](std::vector<size_t> members) {
+    std::vector<size_t> cursor(members.size(), 0);
+    bool more = true;
+    while (more) {
+      std::vector<model::StepSequence> batch;
+      std::vector<size_t> who;
+      for (size_t k = 0; k < members.size(); ++k) {
+        const auto& p = prompts[members[k]];
+        if (cursor[k] == p.size()) continue;
+        const size_t n = chunk > 0 ? std::min<size_t>(chunk, p.size() - cursor[k]) : p.size();
+        batch.push_back(entry(static_cast<int64_t>(members[k]), std::span(p).subspan(cursor[k], n), false));
+        who.push_back(members[k]);
+        cursor[k] += n;
+      }
+      more = !batch.empty();
+      if (!more) break;
+      const auto logits = engine.forward_logits(batch);
+      for (size_t k = 0; k < batch.size(); ++k) {
+        out[who[k]].assign(logits[k].data.end() - v, logits[k].data.end());
+      }
+    }
+  };
+  for (size_t i = 0; i < prompts.size(); ++i) engine.allocate(static_cast<int64_t>(i), static_cast<int64_t>(prompts[i].size()) + 4);
+  if (together) {
+    std::vector<size_t> all(prompts.size());
+    std::iota(all.begin(), all.end(), 0);
+    run(all);
+  } else {
+    for (size_t i = 0; i < prompts.size(); ++i) run({i});
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) engine.release(static_cast<int64_t>(i));
+  return out;
+}
+
+gpu::GpuEngineOptions small_options() {
+  gpu::GpuEngineOptions o;
+  o.max_batch_tokens = 2048;
+  o.max_batch_seqs = 16;
+  o.kv_pages = 512;
+  return o;
+}
+
+// Awkward lengths together, alone, and in chunks agree within the batching tolerance.
+TEST_F(GpuEngineTest, RaggedBatchesAloneTogetherAndChunkedAgree) {
+  const model::Qwen3MoeConfig config = small_config();
+  gpu::GpuEngine engine(config, small_options());
+  engine.fill_random(11);
+  std::vector<std::vector<int32_t>> prompts;
+  for (const int n : {1, 7, 33, 1030}) prompts.push_back(random_tokens(n, config.vocab_size, 100 + n));
+  const auto together = last_logits(engine, prompts, 0, true);
+  const auto alone = last_logits(engine, prompts, 0, false);
+  const auto chunked = last_logits(engine, prompts, 100, true);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_LE(rel_error(together[i], alone[i]), kBatchRelTolerance) << "prompt " << i << " together vs alone";
+    EXPECT_LE(rel_error(chunked[i], alone[i]), kBatchRelTolerance) << "prompt " << i << " chunked vs one shot";
+    std::cout << "[ batching ] prompt of " << prompts[i].size() << ": together " << rel_error(together[i], alone[i])
+              << ", chunked " << rel_error(chunked[i], alone[i]) << "\n";
+  }
+}
+
+// Greedy decoding of a batch: the tokens and logprobs of graph replays equal those of eager steps, bit for bit.
+std::vector<std::pair<int32_t, float>> decode_run(gpu::GpuEngineOptions options, int steps, gpu::GpuEngine::Counters* counters) {
+  const model::Qwen3MoeConfig config = small_config();
+  gpu::GpuEngine engine(config, options);
+  engine.fill_random(5);
+  const int batch = 5;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<model::StepSequence> first;
+  for (int i = 0; i < batch; ++i) {
+    prompts.push_back(random_tokens(3 + 40 * i, config.vocab_size, 7 + i));
+    engine.allocate(i, static_cast<int64_t>(prompts.back().size()) + steps + 1);
+  }
+  for (int i = 0; i < batch; ++i) first.push_back(entry(i, prompts[i], true));
+  model::StepOutput out = engine.step(first);
+  std::vector<std::pair<int32_t, float>> seen;
+  std::vector<int32_t> last = out.tokens;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<model::StepSequence> b;
+    for (int i = 0; i < batch; ++i) {
+      b.push_back(entry(i, std::span(&last[i], 1), true));
+      b.back().want_logprob = true;
+    }
+    out = engine.step(b);
+    for (int i = 0; i < batch; ++i) {
+      EXPECT_TRUE(out.errors[i].empty()) << out.errors[i];
+      seen.emplace_back(out.tokens[i], out.logprobs[i]);
+      last[i] = out.tokens[i];
+    }
+  }
+  if (counters != nullptr) *counters = engine.counters();
+  return seen;
+}
+
+TEST_F(GpuEngineTest, GraphReplayEqualsEagerBitwise) {
+  gpu::GpuEngineOptions eager = small_options(), graphs = small_options();
+  eager.cuda_graphs = false;
+  gpu::GpuEngine::Counters c;
+  const auto a = decode_run(eager, 12, nullptr);
+  const auto b = decode_run(graphs, 12, &c);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first) << i;
+    EXPECT_EQ(std::memcmp(&a[i].second, &b[i].second, 4), 0) << i << ": " << a[i].second << " vs " << b[i].second;
+  }
+  EXPECT_GE(c.graph_replays, 10) << "the decode steps should replay graphs";
+}
+
+// The same experts in other slots (permuted, a hot expert replicated, dynamic replica choice splitting its
+// tokens): the logits do not change by a bit.
+TEST_F(GpuEngineTest, PlacementDoesNotChangeLogits) {
+  const model::Qwen3MoeConfig config = small_config();
+  const std::vector<std::vector<int32_t>> prompts = {random_tokens(300, config.vocab_size, 1), random_tokens(17, config.vocab_size, 2)};
+  const int num_moe = static_cast<int>(config.moe_layer_indices().size());
+  const auto run = [&](const eplb::Placement& placement, eplb::DispatchAlgorithm dispatch) {
+    gpu::GpuEngineOptions o = small_options();
+    o.placement = placement;
+    o.dispatch = dispatch;
+    gpu::GpuEngine engine(config, o);
+    engine.fill_random(21);
+    return last_logits(engine, prompts, 0, true);
+  };
+  const eplb::Placement trivial = eplb::trivial_placement(eplb::Topology{config.num_experts, 1, 1}, num_moe, config.num_experts);
+  eplb::Placement moved(eplb::Topology{config.num_experts + 8, 1, 1}, num_moe, config.num_experts);
+  for (int l = 0; l < num_moe; ++l) {
+    std::vector<int32_t> map(static_cast<size_t>(config.num_experts + 8));
+    for (int s = 0; s < config.num_experts; ++s) map[s] = (s * 7 + l) % config.num_experts;  // a permutation
+    for (int s = 0; s < 8; ++s) map[config.num_experts + s] = s % 3;                         // replicas of 3 experts
+    std::copy(map.begin(), map.end(), moved.layer(l).begin());
+  }
+  const auto a = run(trivial, eplb::DispatchAlgorithm::kStatic);
+  const auto b = run(moved, eplb::DispatchAlgorithm::kStatic);
+  const auto c = run(moved, eplb::DispatchAlgorithm::kDynamic);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(a[i], b[i]) << "prompt " << i << " permuted + replicated, static";
+    EXPECT_EQ(a[i], c[i]) << "prompt " << i << " permuted + replicated, dynamic";
+  }
+}
+
+TEST_F(GpuEngineTest, BadRequestsAreOneLineErrors) {
+  const model::Qwen3MoeConfig config = small_config(1);
+  gpu::GpuEngineOptions o = small_options();
+  o.kv_pages = 4;
+  o.page_size = 16;
+  gpu::GpuEngine engine(config, o);
+  engine.fill_random(3);
+  EXPECT_THROW(engine.allocate(1, 1000), Error);  // 63 pages of 4
+  engine.allocate(1, 10);
+  const std::vector<int32_t> eleven = random_tokens(11, config.vocab_size, 4);
+  const model::StepSequence too_long = entry(1, eleven, true);
+  EXPECT_THROW(engine.step(std::span(&too_long, 1)), Error);
+  const model::StepSequence unknown = entry(2, std::span(eleven).first(2), true);
+  EXPECT_THROW(engine.step(std::span(&unknown, 1)), Error);
+  const std::vector<int32_t> bad_token = {config.vocab_size};
+  const model::StepSequence bad = entry(1, bad_token, true);
+  EXPECT_THROW(engine.step(std::span(&bad, 1)), Error);
+  engine.release(1);
+  engine.allocate(1, 64);  // every page is back
+}
+
+}  // namespace
+}  // namespace fulcrum::test
