@@ -1,10 +1,12 @@
 // Scheduler logic over a fake executor: admission control, page accounting, chunked prefill, batch
-// composition, stop conditions, cancellation.
+// composition, which entries sample and with which draws, stop conditions, cancellation.
 #include <map>
 #include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "model/sampling.hpp"
 #include "server/api_error.hpp"
 #include "server/scheduler.hpp"
 #include "server_test_util.hpp"
@@ -154,6 +156,93 @@ TEST(ServerScheduler, BatchCompositionChangesEveryStep) {
   s.step();
   EXPECT_TRUE(s.last_step().entries.empty());
   EXPECT_TRUE(s.idle());
+}
+
+// Every decode samples; a prompt chunk samples only when it completes its prompt.
+TEST(ServerScheduler, OnlyEntriesThatCompleteTheirPromptSample) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 5});
+  auto a = s.submit(request(iota_prompt(12), 3));  // chunks 5, 5, 2
+  auto b = s.submit(request(iota_prompt(1, 9), 2));  // one token: its only chunk is its last
+  run_until_idle(s);
+  EXPECT_EQ(a->wait_finished(), FakeExecutor::expected(iota_prompt(12), 3, 50));
+  EXPECT_EQ(b->wait_finished(), FakeExecutor::expected(iota_prompt(1, 9), 2, 50));
+  std::map<SequenceId, std::vector<std::pair<int, bool>>> seen;  // per sequence: (tokens, sample) per step
+  for (const auto& step : exec.steps_seen) {
+    for (const FakeExecutor::SeenEntry& e : step) seen[e.id].push_back({e.num_tokens, e.sample});
+  }
+  using Entries = std::vector<std::pair<int, bool>>;
+  EXPECT_EQ(seen[a->id()], (Entries{{5, false}, {5, false}, {2, true}, {1, true}, {1, true}}));
+  EXPECT_EQ(seen[b->id()], (Entries{{1, true}, {1, true}}));
+}
+
+// Uniforms come from each request's own Rng, one per sampled token, and only at temperature > 0: two
+// requests with the same seed, one greedy, one sampled through a chunked prompt, get the tokens of
+// sample_token run alone with that seed.
+TEST(ServerScheduler, UniformsAreDrawnOnlyForSampledTokensAtPositiveTemperature) {
+  constexpr uint64_t kSeed = 2024;
+  constexpr int kNew = 8;
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 4});
+  RequestParams greedy = request(iota_prompt(9), kNew);
+  greedy.seed = kSeed;
+  RequestParams sampled = greedy;
+  sampled.sampling = {.temperature = 1.0f, .top_p = 1.0f, .top_k = 0};
+  auto g = s.submit(greedy);
+  auto t = s.submit(sampled);
+  run_until_idle(s);
+
+  // The sampled request alone: the fake model's logits after its history, sample_token with Rng(kSeed).
+  std::vector<int32_t> expected;
+  std::vector<double> expected_uniforms;
+  {
+    model::Rng rng(kSeed), copy(kSeed);
+    std::vector<int32_t> history = sampled.prompt;
+    for (int i = 0; i < kNew; ++i) {
+      expected.push_back(model::sample_token(FakeExecutor::logits(history, 50), sampled.sampling, rng));
+      history.push_back(expected.back());
+      expected_uniforms.push_back(copy.uniform());
+    }
+  }
+  EXPECT_EQ(g->wait_finished(), FakeExecutor::expected(iota_prompt(9), kNew, 50));
+  EXPECT_EQ(t->wait_finished(), expected);
+  EXPECT_NE(expected, FakeExecutor::expected(iota_prompt(9), kNew, 50)) << "the draws show nothing";
+
+  std::vector<double> uniforms;  // of the sampled request's sampling entries, in order
+  for (const auto& step : exec.steps_seen) {
+    for (const FakeExecutor::SeenEntry& e : step) {
+      if (e.id == t->id() && e.sample) {
+        EXPECT_EQ(e.temperature, 1.0f);
+        uniforms.push_back(e.uniform);
+      } else {
+        EXPECT_EQ(e.uniform, 0.0) << "a draw for sequence " << e.id << " (sample " << e.sample << ")";
+      }
+    }
+  }
+  EXPECT_EQ(uniforms, expected_uniforms);
+}
+
+// A sampling failure of one entry (NaN logits) ends that request with "error" and a line on stderr; the
+// requests beside it in the batch go on.
+TEST(ServerScheduler, AnEntryThatCannotSampleEndsOnlyItsRequest) {
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  auto a = s.submit(request(iota_prompt(4), 5));
+  auto b = s.submit(request(iota_prompt(6, 2), 5));
+  auto c = s.submit(request(iota_prompt(3, 5), 5));
+  exec.nan_logits = {b->id()};
+  testing::internal::CaptureStderr();
+  s.step();  // the three prompts in one batch
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err, fmt::format("fulcrum serve: request {} failed: sampling: logit of token 3 is nan\n", b->id()));
+  EXPECT_EQ(b->finish_reason(), FinishReason::kError);
+  EXPECT_TRUE(b->wait_finished().empty());
+  EXPECT_FALSE(exec.live.contains(b->id()));
+  EXPECT_EQ(s.gauges().running, 2);
+  run_until_idle(s);
+  EXPECT_EQ(a->wait_finished(), FakeExecutor::expected(iota_prompt(4), 5, 50));
+  EXPECT_EQ(c->wait_finished(), FakeExecutor::expected(iota_prompt(3, 5), 5, 50));
+  EXPECT_EQ(s.gauges().kv_pages_used, 0);
 }
 
 TEST(ServerScheduler, StopTokenIdsEndWithoutTheToken) {

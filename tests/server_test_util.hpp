@@ -1,9 +1,11 @@
 #pragma once
 // Helpers of the server tests: a fake StepExecutor whose logits are a pure function of each sequence's
 // own history (for scheduler logic), and a tiny synthetic model with a tokenizer, made once per process.
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -17,9 +19,19 @@
 
 namespace fulcrum::test {
 
-// Next token = a hash of the sequence's tokens so far, mod vocab; every step is recorded.
+// Logits = one-hot on a hash of the sequence's tokens so far, mod vocab, sampled with model::sample_entry
+// (the host sampling every logits-producing executor uses); every step's entries are recorded.
 class FakeExecutor final : public server::StepExecutor {
  public:
+  // What step() saw of one entry (its token span does not outlive the step).
+  struct SeenEntry {
+    server::SequenceId id = 0;
+    int num_tokens = 0;
+    bool sample = false;
+    float temperature = 0.0f;
+    double uniform = 0.0;
+  };
+
   explicit FakeExecutor(int vocab = 50, int64_t max_len = 4096) : vocab_(vocab), max_len_(max_len) {}
 
   int vocab_size() const override { return vocab_; }
@@ -34,23 +46,32 @@ class FakeExecutor final : public server::StepExecutor {
     live.erase(id);
     capacity_.erase(id);
   }
-  std::vector<std::vector<float>> step(std::span<const server::StepInput> batch) override {
+  model::StepOutput step(std::span<const model::StepSequence> batch) override {
     if (fail_next_step) {
       fail_next_step = false;
       throw Error("injected step failure");
     }
     if (failed_for_good) throw server::ExecutorFailure("injected executor failure");
-    std::vector<std::vector<float>> out;
-    for (const server::StepInput& in : batch) {
+    model::StepOutput out = model::make_step_output(batch.size());
+    std::vector<SeenEntry>& seen = steps_seen.emplace_back();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const model::StepSequence& in = batch[i];
       std::vector<int32_t>& history = live.at(in.id);
       history.insert(history.end(), in.token_ids.begin(), in.token_ids.end());
       FULCRUM_CHECK(static_cast<int64_t>(history.size()) <= capacity_.at(in.id), "sequence {} over capacity", in.id);
-      std::vector<float> logits(static_cast<size_t>(vocab_), 0.0f);
-      logits[static_cast<size_t>(next_token(history, vocab_))] = 1.0f;
-      out.push_back(std::move(logits));
+      std::vector<float> row = logits(history, vocab_);  // [vocab]
+      if (nan_logits.contains(in.id)) row[3] = std::nanf("");
+      model::sample_entry(row, in, out, i);
+      seen.push_back({in.id, static_cast<int>(in.token_ids.size()), in.sample, in.sampling.temperature, in.uniform});
     }
     ++steps;
     return out;
+  }
+  // The fake model's logits after `history`: 1 at next_token(history), 0 elsewhere.
+  static std::vector<float> logits(const std::vector<int32_t>& history, int vocab) {
+    std::vector<float> row(static_cast<size_t>(vocab), 0.0f);
+    row[static_cast<size_t>(next_token(history, vocab))] = 1.0f;
+    return row;
   }
   // The greedy continuation of `prompt` by `n` tokens, computed without any scheduler.
   static std::vector<int32_t> expected(std::vector<int32_t> prompt, int n, int vocab) {
@@ -69,6 +90,8 @@ class FakeExecutor final : public server::StepExecutor {
 
   std::map<server::SequenceId, std::vector<int32_t>> live;
   int steps = 0;
+  std::vector<std::vector<SeenEntry>> steps_seen;  // per step, in batch order
+  std::set<server::SequenceId> nan_logits;         // these sequences' logits hold a NaN (token 3)
   bool fail_next_step = false;
   bool failed_for_good = false;  // every step throws ExecutorFailure
   std::function<void(server::SequenceId)> on_release;  // called before a sequence's KV is dropped

@@ -103,10 +103,10 @@ void EngineStepExecutor::release(SequenceId id) {
   if (live_.erase(id) > 0) pending_releases_.push_back(id);
 }
 
-std::vector<std::vector<float>> EngineStepExecutor::step(std::span<const StepInput> batch) {
+model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> batch) {
   std::vector<engine::SequenceTokens> entries;
   entries.reserve(batch.size());
-  for (const StepInput& in : batch) {
+  for (const model::StepSequence& in : batch) {
     const auto it = live_.find(in.id);
     FULCRUM_CHECK(it != live_.end(), "step: sequence {} is not allocated", in.id);
     FULCRUM_CHECK(!in.token_ids.empty(), "step: sequence {} has no new token", in.id);
@@ -123,8 +123,11 @@ std::vector<std::vector<float>> EngineStepExecutor::step(std::span<const StepInp
   } catch (const std::exception& e) {
     throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
   }
-  for (const StepInput& in : batch) live_.at(in.id).num_tokens += static_cast<int64_t>(in.token_ids.size());
-  return logits;
+  for (const model::StepSequence& in : batch) live_.at(in.id).num_tokens += static_cast<int64_t>(in.token_ids.size());
+  FULCRUM_CHECK(logits.size() == batch.size(), "step: {} logit rows for {} entries", logits.size(), batch.size());
+  model::StepOutput out = model::make_step_output(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) model::sample_entry(logits[i], batch[i], out, i);  // [vocab_size] each
+  return out;
 }
 
 void EngineStepExecutor::run_pass(const std::vector<engine::SequenceTokens>& batch, std::vector<SequenceId> releases,

@@ -5,8 +5,9 @@
 //
 //   allocate / release  add / drop the sequence on every rank (RankEngine::add_sequence picks its
 //                       attention-DP group for its life); releases travel with the next command.
-//   step                one collective forward pass (last-position logits, rank 0's are returned), then
-//                       the EPLB step on every rank. A sequence's logits depend only on its own tokens.
+//   step                one collective forward pass (last-position logits, rank 0's), then the EPLB step
+//                       on every rank; each entry that asks is sampled from rank 0's row on the caller's
+//                       thread (model::sample_entry). A sequence's logits depend only on its own tokens.
 //   EPLB                rebalance lines go to `log`; ServerMetrics gets rebalances, bytes migrated and the
 //                       balancedness of the live placement on the recorder's window (merged over ranks),
 //                       refreshed after every rebalance, every layer switch and every kRefreshPasses passes.
@@ -54,7 +55,7 @@ class EngineStepExecutor final : public StepExecutor {
   int64_t max_sequence_length() const override;
   void allocate(SequenceId id, int64_t capacity) override;
   void release(SequenceId id) override;
-  std::vector<std::vector<float>> step(std::span<const StepInput> batch) override;
+  model::StepOutput step(std::span<const model::StepSequence> batch) override;
 
   const model::Qwen3MoeConfig& config() const { return config_; }
   const engine::ParallelLayout& layout() const { return *layout_; }

@@ -141,15 +141,26 @@ bool Scheduler::step() {
   drop_cancelled();
   admit();
 
-  // Batch: decodes first (one token each), then prompt chunks within the prefill budget.
+  // Batch: decodes first (one token each), then prompt chunks within the prefill budget. An entry samples
+  // when its prompt is complete after it: every decode, and the chunk that ends a prompt.
   StepRecord record;
-  std::vector<StepInput> batch;
+  std::vector<model::StepSequence> batch;
   std::vector<Sequence*> members;
+  const auto add = [&](Sequence& seq, std::span<const int32_t> tokens, bool prefill) {
+    model::StepSequence& in = batch.emplace_back();
+    in.id = seq.handle->id();
+    in.token_ids = tokens;
+    in.sample = !prefill || seq.prefilled + static_cast<int64_t>(tokens.size()) ==
+                                static_cast<int64_t>(seq.params.prompt.size());
+    in.sampling = seq.params.sampling;
+    // The draws model::sample_token makes: one per sampled token, none when greedy.
+    if (in.sample && in.sampling.temperature > 0.0f) in.uniform = seq.rng.uniform();
+    members.push_back(&seq);
+    record.entries.push_back({in.id, static_cast<int>(tokens.size()), prefill});
+  };
   for (const auto& seq : running_) {
     if (seq->prefilled < static_cast<int64_t>(seq->params.prompt.size())) continue;
-    batch.push_back({seq->handle->id(), std::span<const int32_t>(&seq->generated.back(), 1)});
-    members.push_back(seq.get());
-    record.entries.push_back({seq->handle->id(), 1, false});
+    add(*seq, std::span<const int32_t>(&seq->generated.back(), 1), false);
   }
   int budget = options_.max_prefill_tokens;
   for (const auto& seq : running_) {
@@ -157,18 +168,19 @@ bool Scheduler::step() {
     if (left == 0 || budget == 0) continue;
     const int n = static_cast<int>(std::min<int64_t>(left, budget));
     budget -= n;
-    batch.push_back({seq->handle->id(), std::span<const int32_t>(seq->params.prompt).subspan(seq->prefilled, n)});
-    members.push_back(seq.get());
-    record.entries.push_back({seq->handle->id(), n, true});
+    add(*seq, std::span<const int32_t>(seq->params.prompt).subspan(seq->prefilled, n), true);
     record.prefill_tokens += n;
   }
   last_step_ = record;
   if (batch.empty()) return false;
 
   const auto start = std::chrono::steady_clock::now();
-  std::vector<std::vector<float>> logits;
+  model::StepOutput out;
   try {
-    logits = executor_.step(batch);
+    out = executor_.step(batch);
+    FULCRUM_CHECK(out.tokens.size() == batch.size() && out.errors.size() == batch.size(),
+                  "the executor returned {} tokens and {} errors for {} entries", out.tokens.size(),
+                  out.errors.size(), batch.size());
   } catch (const ExecutorFailure& e) {
     fmt::print(stderr, "fulcrum serve: {}; ending every request\n", e.what());
     fail_all();
@@ -181,25 +193,37 @@ bool Scheduler::step() {
     return true;
   }
   int64_t batch_tokens = 0;
-  for (const StepInput& in : batch) batch_tokens += static_cast<int64_t>(in.token_ids.size());
+  for (const model::StepSequence& in : batch) batch_tokens += static_cast<int64_t>(in.token_ids.size());
   if (metrics_) {
     metrics_->observe_step(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), batch_tokens);
   }
 
   std::vector<Ending> finished;
+  const int vocab = executor_.vocab_size();
   for (size_t i = 0; i < members.size(); ++i) {
     Sequence& seq = *members[i];
     if (record.entries[i].prefill) {
       seq.prefilled += record.entries[i].num_tokens;
       if (metrics_) metrics_->add_prompt_tokens(record.entries[i].num_tokens);
-      if (seq.prefilled < static_cast<int64_t>(seq.params.prompt.size())) continue;
+    }
+    if (!batch[i].sample) continue;
+    const auto fail = [&](const std::string& reason) {  // this request ends, the others go on
+      fmt::print(stderr, "fulcrum serve: request {} failed: {}\n", seq.handle->id(), reason);
+      finished.push_back({&seq, FinishReason::kError});
+    };
+    const int32_t token = out.tokens[i];
+    if (!out.errors[i].empty()) {  // e.g. non-finite logits
+      fail(out.errors[i]);
+      continue;
+    }
+    if (token < 0 || token >= vocab) {
+      fail(fmt::format("the executor sampled token {}, outside [0, {})", token, vocab));
+      continue;
     }
     try {
-      const int32_t token = model::sample_token(logits[i], seq.params.sampling, seq.rng);
       if (const std::optional<Ending> end = after_token(seq, token)) finished.push_back(*end);
-    } catch (const std::exception& e) {  // e.g. non-finite logits: this request ends, the others go on
-      fmt::print(stderr, "fulcrum serve: request {} failed: {}\n", seq.handle->id(), e.what());
-      finished.push_back({&seq, FinishReason::kError});
+    } catch (const std::exception& e) {
+      fail(e.what());
     }
   }
   retire(finished);

@@ -7,8 +7,10 @@
 //      overtaking, no starvation). Nothing is dropped for lack of room;
 //   3. builds the batch: every running request past its prompt contributes its last sampled token; the
 //      rest get prompt chunks, in admission order, within max_prefill_tokens per step (chunked prefill);
-//   4. runs the executor, samples a token for each request whose prompt is complete, checks stop token
-//      ids, stop strings and max_tokens, and frees the pages of finished requests.
+//   4. runs the executor, which samples a token for each entry that completes its prompt or decodes (the
+//      scheduler draws the entry's uniform from the request's Rng when its temperature is > 0: the draws
+//      model::sample_token would make), checks stop token ids, stop strings and max_tokens, and frees the
+//      pages of finished requests. An entry the executor could not sample ends its request with "error".
 // Requests join and leave the batch at every step. A request whose pages exceed the whole pool, or whose
 // length exceeds the model's, is refused at submit() with an ApiError (400). A step that fails ends its
 // batch's requests with reason "error" and the scheduler goes on; an ExecutorFailure (the executor can run
