@@ -143,8 +143,7 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
     shape.num_slots = options_.placement.num_physical_experts();
     shape.max_tokens = t;
     shape.external_weights = true;
-    const auto moe_ws = backend::GpuMoeLayer::make_workspace(shape, options_.device);
-    bytes += moe_ws_bytes(*moe_ws);
+    const auto moe_ws = std::make_shared<backend::MoeWorkspace>(shape, options_.device);
     const eplb::Topology topo{shape.num_slots, 1, 1};
     for (int m = 0; m < num_moe; ++m) {
       auto layer = std::make_unique<backend::GpuMoeLayer>(shape, options_.device, stream_, moe_ws);
@@ -326,8 +325,8 @@ void GpuEngine::sample(const StepShape& shape) {
   const StepArrays d = layout_.at(ws_->step_dev);
   head(d.sample_rows, shape.num_samples, ws_->logits);
   if (shape.num_samples == 0) return;
-  check_launch(launch_sample(ws_->logits, config_.vocab_size, shape.num_samples, config_.vocab_size, d.sampler, ws_->tokens,
-                             ws_->logprobs, ws_->sampler_ws, ws_->sampler_ws_bytes, stream_),
+  check_launch(static_cast<cudaError_t>(launch_sample(ws_->logits, config_.vocab_size, shape.num_samples, config_.vocab_size, d.sampler, ws_->tokens,
+                             ws_->logprobs, ws_->sampler_ws, ws_->sampler_ws_bytes, stream_)),
                "sampler");
 }
 
@@ -345,8 +344,10 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
   plan_attention(shape);
+  // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice.
   const bool graphs = options_.cuda_graphs && shape.decode_only &&
-                      std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->capture_safe(); });
+                      options_.dispatch != eplb::DispatchAlgorithm::kBalanced &&
+                      std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->uses_cutlass(); });
   if (graphs) {
     run_decode_graph(shape);
   } else {

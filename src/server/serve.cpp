@@ -18,6 +18,9 @@
 #include "eplb/error.hpp"
 #include "server/http_server.hpp"
 #include "server/engine_step_executor.hpp"
+#ifdef FULCRUM_WITH_GPU_SERVE
+#include "server/gpu_step_executor.hpp"
+#endif
 #include "server/progress_bar.hpp"
 
 namespace fulcrum::server {
@@ -84,23 +87,48 @@ void serve(const ServeOptions& options) {
   const auto load_start = Clock::now();
   log(fmt::format("loading {}", options.model_dir));
   ServerMetrics metrics;
-  EngineExecutorOptions engine_options;
-  engine_options.model_dir = options.model_dir;
-  engine_options.parallel = options.parallel;
-  engine_options.run = options.run;
-  engine_options.metrics = &metrics;
-  engine_options.kv_pages = options.scheduler.kv_pages;
-  engine_options.page_size = options.scheduler.page_size;
   // The bar counts layers loaded over every rank; it starts with the first one (when the total is known).
   std::unique_ptr<ProgressBar> progress;
-  engine_options.on_layers_loaded = [&progress](int done, int total) {
+  const auto on_layers_loaded = [&progress](int done, int total) {
     if (!progress) {
       progress = std::make_unique<ProgressBar>("fulcrum serve: loading weights", total, "layers");
       progress->tick_every_second();  // the clock moves while a large layer loads
     }
     progress->update(done);
   };
-  EngineStepExecutor executor(std::move(engine_options));
+  // One GPU: the GPU engine (the whole step on the device); otherwise the parallel engine's ranks.
+  std::unique_ptr<StepExecutor> executor_owner;
+  const model::Qwen3MoeConfig* config = nullptr;
+  ExpertDistributionRecorder* recorder = nullptr;
+  std::string where;
+  bool eplb_on = false;
+#ifdef FULCRUM_WITH_GPU_SERVE
+  if (serves_on_gpu(options.parallel, options.run)) {
+    GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded};
+    auto gpu = std::make_unique<GpuStepExecutor>(gpu_options);
+    config = &gpu->config();
+    recorder = gpu->recorder();
+    where = gpu->describe();
+    executor_owner = std::move(gpu);
+  }
+#endif
+  if (!executor_owner) {
+    EngineExecutorOptions engine_options;
+    engine_options.model_dir = options.model_dir;
+    engine_options.parallel = options.parallel;
+    engine_options.run = options.run;
+    engine_options.metrics = &metrics;
+    engine_options.kv_pages = options.scheduler.kv_pages;
+    engine_options.page_size = options.scheduler.page_size;
+    engine_options.on_layers_loaded = on_layers_loaded;
+    auto cpu = std::make_unique<EngineStepExecutor>(std::move(engine_options));
+    config = &cpu->config();
+    recorder = cpu->recorder();
+    where = cpu->layout().describe();
+    eplb_on = cpu->eplb_enabled();
+    executor_owner = std::move(cpu);
+  }
+  StepExecutor& executor = *executor_owner;
   progress.reset();
   std::unique_ptr<tokenizer::Tokenizer> tok;
   const fs::path tokenizer_file = fs::path(options.model_dir) / "tokenizer.json";
@@ -131,7 +159,7 @@ void serve(const ServeOptions& options) {
     detokenizer = [t = tok.get()](std::span<const int32_t> ids) { return t->decode({ids.begin(), ids.end()}); };
   }
   Scheduler scheduler(executor, options.scheduler, detokenizer, &metrics);
-  HttpServer http(scheduler, metrics, executor.recorder(), http_options);
+  HttpServer http(scheduler, metrics, recorder, http_options);
   const int port = http.bind(options.host, options.port);
   // A failure on either thread must not terminate the process: it is kept, the main thread is woken as by
   // SIGTERM, shuts down the other thread, and rethrows it (one-line error, non-zero exit).
@@ -154,9 +182,9 @@ void serve(const ServeOptions& options) {
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
   log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s on {}{}; {} KV pages of {} tokens, "
                   "up to {} running requests, {} prefill tokens per step",
-                  ctx.model_name, executor.config().num_hidden_layers, executor.config().num_experts,
+                  ctx.model_name, config->num_hidden_layers, config->num_experts,
                   executor.vocab_size(), tok ? ", tokenizer.json" : ", no tokenizer: token ids only", load_s,
-                  executor.layout().describe(), executor.eplb_enabled() ? ", EPLB on" : "",
+                  where, eplb_on ? ", EPLB on" : "",
                   options.scheduler.kv_pages, options.scheduler.page_size, options.scheduler.max_running_requests,
                   options.scheduler.max_prefill_tokens));
   log(fmt::format("listening on http://{}:{}", options.host, port));

@@ -1,0 +1,54 @@
+#pragma once
+// StepExecutor over the GPU engine (src/gpu/gpu_engine.hpp) for `serve --device cuda` on one GPU: the model's
+// whole step on the device, sampling included; the expert-distribution endpoints read the engine's device
+// recorder (once per request, not per step). Built with CUDA only (src/cuda/CMakeLists.txt adds it).
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "engine/parallel_generate.hpp"
+#include "server/expert_distribution.hpp"
+#include "server/scheduler.hpp"
+#include "server/step_executor.hpp"
+
+namespace fulcrum::gpu {
+class GpuEngine;
+}
+
+namespace fulcrum::server {
+
+struct GpuExecutorOptions {
+  std::string model_dir;
+  engine::ParallelFlags parallel;  // must be one rank
+  engine::InProcessRun run;        // initial placement, replica choice (EPLB needs several ranks)
+  SchedulerOptions scheduler;      // KV pages and page size, step capacity
+  std::function<void(int done, int total)> on_layers_loaded;
+};
+
+class GpuStepExecutor final : public StepExecutor {
+ public:
+  explicit GpuStepExecutor(const GpuExecutorOptions& options);
+  ~GpuStepExecutor() override;
+
+  int vocab_size() const override;
+  int64_t max_sequence_length() const override;
+  void allocate(SequenceId id, int64_t capacity) override;
+  void release(SequenceId id) override;
+  model::StepOutput step(std::span<const model::StepSequence> batch) override;
+
+  const model::Qwen3MoeConfig& config() const;
+  std::string describe() const;  // for the server's start line
+  ExpertDistributionRecorder* recorder() { return recorder_.get(); }
+
+ private:
+  class Recorder;
+  std::mutex mutex_;  // the scheduler's steps and the endpoints' counter reads
+  std::unique_ptr<gpu::GpuEngine> engine_;
+  std::unique_ptr<Recorder> recorder_;
+};
+
+// Whether `serve` runs on the GPU engine: --device cuda on one rank.
+bool serves_on_gpu(const engine::ParallelFlags& parallel, const engine::InProcessRun& run);
+
+}  // namespace fulcrum::server
