@@ -121,7 +121,8 @@ TEST_F(StepOpsReferenceTest, QkNormRopeIsTheModelsNormThenRopeRoundedToBf16) {
   EXPECT_EQ(q_out, to_bf16(cpu.download(q)));
   const Tensor k = cpu.rms_norm(heads(kHeads, kKvHeads), make({kHeadDim}, widen(k_norm)), kEps);
   cpu.rope_inplace(k, positions, kTheta);
-  const std::vector<uint16_t> k_rows = to_bf16(cpu.download(k)), v_rows = to_bf16(cpu.download(heads(kHeads + kKvHeads, kKvHeads)));
+  const std::vector<uint16_t> k_rows = to_bf16(cpu.download(k)),
+                              v_rows = to_bf16(cpu.download(heads(kHeads + kKvHeads, kKvHeads)));
 
   std::vector<uint16_t> k_expected(k_pool.size(), kOld), v_expected = k_expected;
   constexpr int kRowValues = kKvHeads * kHeadDim;

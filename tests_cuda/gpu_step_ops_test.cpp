@@ -35,6 +35,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
+#include "cuda_test_util.hpp"
 #include "gpu/kernels/step_ops.hpp"
 #include "gpu/reference/step_ops_reference.hpp"
 #include "model/backend.hpp"
@@ -59,14 +60,9 @@ class StepOpsTest : public ::testing::Test {
   }
 };
 
-std::vector<float> uniform(int64_t n, uint32_t seed, float lo, float hi) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = dist(rng);
-  return v;
+std::vector<uint16_t> random_bf16(int64_t n, uint32_t seed, float lo, float hi) {
+  return to_bits(random_values(n, seed, lo, hi));
 }
-std::vector<uint16_t> uniform_bf16(int64_t n, uint32_t seed, float lo, float hi) { return to_bits(uniform(n, seed, lo, hi)); }
 
 // A device copy of `host`; with `misaligned`, one element of padding in front, so that the pointer (`ptr`) is
 // 2 or 4 bytes past a 16-byte boundary and the launchers take their scalar paths.
@@ -94,7 +90,8 @@ float bf16_spacing_above(float magnitude) {
 }
 
 // Every value within one bf16 step of the reference, or within slack[i] (absolute, empty: none) plus one step.
-::testing::AssertionResult within_one_bf16_step(const std::vector<uint16_t>& actual, const std::vector<uint16_t>& expected,
+::testing::AssertionResult within_one_bf16_step(const std::vector<uint16_t>& actual,
+                                                const std::vector<uint16_t>& expected,
                                                 const std::vector<float>& slack = {}) {
   if (actual.size() != expected.size()) {
     return ::testing::AssertionFailure() << actual.size() << " values, expected " << expected.size();
@@ -115,8 +112,9 @@ float bf16_spacing_above(float magnitude) {
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << bad << " of " << actual.size() << " values off by more than allowed ("
-                                       << one_step << " one step off, " << by_slack << " within the rotation slack); first at "
-                                       << first_bad << ": " << model::bf16_bits_to_f32(actual[first_bad]) << " vs "
+                                       << one_step << " one step off, " << by_slack
+                                       << " within the rotation slack); first at " << first_bad << ": "
+                                       << model::bf16_bits_to_f32(actual[first_bad]) << " vs "
                                        << model::bf16_bits_to_f32(expected[first_bad]);
 }
 
@@ -175,7 +173,7 @@ TEST_F(StepOpsTest, EmbeddingMatchesReference) {
   uint32_t seed = 100;
   for (const Case& c : cases) {
     SCOPED_TRACE(fmt::format("H{} T{}{}", c.hidden, c.tokens, c.misaligned ? " misaligned" : ""));
-    const std::vector<uint16_t> table = uniform_bf16(int64_t{kVocab} * c.hidden, ++seed, -1.0f, 1.0f);
+    const std::vector<uint16_t> table = random_bf16(int64_t{kVocab} * c.hidden, ++seed, -1.0f, 1.0f);
     std::mt19937 rng(++seed);
     std::vector<int32_t> ids(static_cast<size_t>(c.tokens));
     for (int32_t& id : ids) id = static_cast<int32_t>(rng() % kVocab);
@@ -217,9 +215,9 @@ TEST_F(StepOpsTest, AddRmsNormMatchesReference) {
     SCOPED_TRACE(fmt::format("H{} T{}{}{}{}", c.hidden, c.tokens, c.gathered ? " gathered" : "",
                              c.with_delta ? " delta" : "", c.misaligned ? " misaligned" : ""));
     const int64_t n = c.tokens * c.hidden;
-    const std::vector<float> residual = uniform(n, ++seed, -3.0f, 3.0f);
-    const std::vector<float> delta = c.with_delta ? uniform(n, ++seed, -1.0f, 1.0f) : std::vector<float>{};
-    const std::vector<uint16_t> weight = uniform_bf16(c.hidden, ++seed, 0.25f, 2.0f);
+    const std::vector<float> residual = random_values(n, ++seed, -3.0f, 3.0f);
+    const std::vector<float> delta = c.with_delta ? random_values(n, ++seed, -1.0f, 1.0f) : std::vector<float>{};
+    const std::vector<uint16_t> weight = random_bf16(c.hidden, ++seed, 0.25f, 2.0f);
     std::vector<int32_t> rows;
     if (c.gathered) {  // about half the rows, shuffled (e.g. the last token of each sequence)
       rows.resize(static_cast<size_t>(c.tokens));
@@ -271,9 +269,9 @@ QkProblem make_qk_problem(const QkCase& c, uint32_t seed) {
   const int64_t width = int64_t{c.num_heads + 2 * c.num_kv_heads} * c.head_dim;
   p.kv_row_values = int64_t{c.num_kv_heads} * c.head_dim;
   p.pool_rows = 2 * c.tokens + 3;
-  p.qkv = uniform(c.tokens * width, seed, -2.0f, 2.0f);
-  p.q_norm = uniform_bf16(c.head_dim, seed + 1, 0.25f, 2.0f);
-  p.k_norm = uniform_bf16(c.head_dim, seed + 2, 0.25f, 2.0f);
+  p.qkv = random_values(c.tokens * width, seed, -2.0f, 2.0f);
+  p.q_norm = random_bf16(c.head_dim, seed + 1, 0.25f, 2.0f);
+  p.k_norm = random_bf16(c.head_dim, seed + 2, 0.25f, 2.0f);
   p.inv_freq = model::rope_inv_freq(c.head_dim, kRopeTheta);
   std::mt19937 rng(seed + 3);
   p.positions.resize(static_cast<size_t>(c.tokens));
@@ -287,18 +285,20 @@ QkProblem make_qk_problem(const QkCase& c, uint32_t seed) {
   p.kv_rows.assign(rows.begin(), rows.begin() + c.tokens);
   p.is_target.assign(static_cast<size_t>(p.pool_rows), false);
   for (int64_t t = 0; t < c.tokens; ++t) {
-    if (c.all_padding || t % 4 == 2) p.kv_rows[t] = -1;
-    else p.is_target[p.kv_rows[t]] = true;
+    if (c.all_padding || t % 4 == 2)
+      p.kv_rows[t] = -1;
+    else
+      p.is_target[p.kv_rows[t]] = true;
   }
   // Old pool contents; targeted rows poisoned (an unwritten value fails the comparison).
-  p.k_pool_before = uniform_bf16(p.pool_rows * p.kv_row_values, seed + 4, -1.0f, 1.0f);
-  p.v_pool_before = uniform_bf16(p.pool_rows * p.kv_row_values, seed + 5, -1.0f, 1.0f);
+  p.k_pool_before = random_bf16(p.pool_rows * p.kv_row_values, seed + 4, -1.0f, 1.0f);
+  p.v_pool_before = random_bf16(p.pool_rows * p.kv_row_values, seed + 5, -1.0f, 1.0f);
   for (int64_t r = 0; r < p.pool_rows; ++r) {
     if (!p.is_target[r]) continue;
     std::fill_n(p.k_pool_before.begin() + r * p.kv_row_values, p.kv_row_values, kPoisonBf16);
     std::fill_n(p.v_pool_before.begin() + r * p.kv_row_values, p.kv_row_values, kPoisonBf16);
   }
-  p.guard_row = uniform_bf16(p.kv_row_values, seed + 6, -1.0f, 1.0f);
+  p.guard_row = random_bf16(p.kv_row_values, seed + 6, -1.0f, 1.0f);
 
   p.q_expected.resize(static_cast<size_t>(c.tokens * c.num_heads * c.head_dim));
   p.k_expected = p.k_pool_before;
@@ -318,24 +318,25 @@ DeviceArray<uint16_t> device_pool(const std::vector<uint16_t>& guard_row, const 
 }
 
 // The kernel's q_out and pools (guard row first) against the problem's reference.
-void expect_qk_outputs(const QkProblem& p, const std::vector<uint16_t>& q_out, const std::vector<uint16_t>& k_with_guard,
-                       const std::vector<uint16_t>& v_with_guard) {
+void expect_qk_outputs(const QkProblem& p, const std::vector<uint16_t>& q_out,
+                       const std::vector<uint16_t>& k_with_guard, const std::vector<uint16_t>& v_with_guard) {
   const int64_t g = p.kv_row_values;
   EXPECT_TRUE(within_one_bf16_step(q_out, p.q_expected, rotation_slack(p.q_expected, p.shape.head_dim))) << "q";
   EXPECT_TRUE(bits_equal({k_with_guard.begin(), k_with_guard.begin() + g}, p.guard_row)) << "k guard row";
   EXPECT_TRUE(bits_equal({v_with_guard.begin(), v_with_guard.begin() + g}, p.guard_row)) << "v guard row";
   const PoolRows k = split_rows({k_with_guard.begin() + g, k_with_guard.end()}, g, p.is_target);
   const PoolRows k_ref = split_rows(p.k_expected, g, p.is_target);
-  EXPECT_TRUE(within_one_bf16_step(k.targeted, k_ref.targeted, rotation_slack(k_ref.targeted, p.shape.head_dim))) << "k";
+  EXPECT_TRUE(within_one_bf16_step(k.targeted, k_ref.targeted, rotation_slack(k_ref.targeted, p.shape.head_dim)))
+      << "k";
   EXPECT_TRUE(bits_equal(k.untouched, k_ref.untouched)) << "k rows no token targets";
   EXPECT_TRUE(bits_equal({v_with_guard.begin() + g, v_with_guard.end()}, p.v_expected)) << "v";
 }
 
 TEST_F(StepOpsTest, QkNormRopeKvAppendMatchesReference) {
-  const std::vector<QkCase> cases = {
-      {4, 2, 16, 7},   {4, 2, 16, 33},   {4, 2, 32, 7},     {4, 2, 64, 1},    {4, 2, 64, 33},
-      {32, 4, 128, 1}, {32, 4, 128, 33}, {64, 4, 128, 1},   {64, 4, 128, 7},  {64, 4, 128, 1000},
-      {32, 4, 64, 1000}, {8, 2, 256, 7}, {4, 2, 64, 3, true}};
+  const std::vector<QkCase> cases = {{4, 2, 16, 7},      {4, 2, 16, 33},     {4, 2, 32, 7},     {4, 2, 64, 1},
+                                     {4, 2, 64, 33},     {32, 4, 128, 1},    {32, 4, 128, 33},  {64, 4, 128, 1},
+                                     {64, 4, 128, 7},    {64, 4, 128, 1000}, {32, 4, 64, 1000}, {8, 2, 256, 7},
+                                     {4, 2, 64, 3, true}};
   uint32_t seed = 300;
   for (const QkCase& c : cases) {
     SCOPED_TRACE(fmt::format("Hq{} Hkv{} D{} T{}{}", c.num_heads, c.num_kv_heads, c.head_dim, c.tokens,
@@ -358,7 +359,8 @@ TEST_F(StepOpsTest, QkNormRopeKvAppendMatchesReference) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const int64_t pool_values = (p.pool_rows + 1) * p.kv_row_values;
     expect_qk_outputs(p, to_host(d_q_out.ptr, static_cast<int64_t>(p.q_expected.size())),
-                      to_host(d_k_pool.buffer.as<uint16_t>(), pool_values), to_host(d_v_pool.buffer.as<uint16_t>(), pool_values));
+                      to_host(d_k_pool.buffer.as<uint16_t>(), pool_values),
+                      to_host(d_v_pool.buffer.as<uint16_t>(), pool_values));
   }
 }
 
@@ -379,7 +381,7 @@ TEST_F(StepOpsTest, SiluMulMatchesReference) {
   uint32_t seed = 400;
   for (const Case& c : cases) {
     SCOPED_TRACE(fmt::format("I{} T{}{}", c.width, c.tokens, c.misaligned ? " misaligned" : ""));
-    const std::vector<float> gate_up = uniform(c.tokens * 2 * c.width, ++seed, -8.0f, 8.0f);
+    const std::vector<float> gate_up = random_values(c.tokens * 2 * c.width, ++seed, -8.0f, 8.0f);
     std::vector<uint16_t> expected(static_cast<size_t>(c.tokens * c.width));
     ref::silu_mul(gate_up, c.tokens, c.width, expected);
 
@@ -396,8 +398,8 @@ TEST_F(StepOpsTest, SiluMulMatchesReference) {
 TEST_F(StepOpsTest, ZeroTokensLaunchNothingAndBadHeadDimIsRefused) {
   EXPECT_EQ(gpu::launch_embedding(nullptr, nullptr, 0, 2048, nullptr, nullptr), cudaSuccess);
   EXPECT_EQ(gpu::launch_add_rms_norm(nullptr, nullptr, nullptr, kEps, nullptr, 0, 2048, nullptr, nullptr), cudaSuccess);
-  EXPECT_EQ(gpu::launch_qk_norm_rope_kv_append(nullptr, nullptr, nullptr, kEps, nullptr, nullptr, nullptr, 0, 32, 4, 128,
-                                               nullptr, nullptr, nullptr, nullptr),
+  EXPECT_EQ(gpu::launch_qk_norm_rope_kv_append(nullptr, nullptr, nullptr, kEps, nullptr, nullptr, nullptr, 0, 32, 4,
+                                               128, nullptr, nullptr, nullptr, nullptr),
             cudaSuccess);
   EXPECT_EQ(gpu::launch_silu_mul(nullptr, 0, 768, nullptr, nullptr), cudaSuccess);
   EXPECT_EQ(gpu::launch_qk_norm_rope_kv_append(nullptr, nullptr, nullptr, kEps, nullptr, nullptr, nullptr, 1, 32, 4, 96,
@@ -414,10 +416,10 @@ TEST_F(StepOpsTest, CapturedGraphReadsItsInputsFromDeviceMemory) {
   constexpr int kVocab = 512, kHidden = 256, kIntermediate = 96;
   const QkCase shape{4, 2, 64, 7};
   const int64_t tokens = shape.tokens;
-  const std::vector<uint16_t> table = uniform_bf16(int64_t{kVocab} * kHidden, 501, -1.0f, 1.0f);
-  const std::vector<float> delta = uniform(tokens * kHidden, 502, -1.0f, 1.0f);
-  const std::vector<uint16_t> norm_weight = uniform_bf16(kHidden, 503, 0.25f, 2.0f);
-  const std::vector<float> gate_up = uniform(tokens * 2 * kIntermediate, 504, -8.0f, 8.0f);
+  const std::vector<uint16_t> table = random_bf16(int64_t{kVocab} * kHidden, 501, -1.0f, 1.0f);
+  const std::vector<float> delta = random_values(tokens * kHidden, 502, -1.0f, 1.0f);
+  const std::vector<uint16_t> norm_weight = random_bf16(kHidden, 503, 0.25f, 2.0f);
+  const std::vector<float> gate_up = random_values(tokens * 2 * kIntermediate, 504, -8.0f, 8.0f);
   QkProblem qk = make_qk_problem(shape, 505);  // qkv, norms, inv_freq fixed; positions and kv_rows change below
 
   const auto d_table = device_array(table);
@@ -428,7 +430,8 @@ TEST_F(StepOpsTest, CapturedGraphReadsItsInputsFromDeviceMemory) {
   const auto d_q_norm = device_array(qk.q_norm);
   const auto d_k_norm = device_array(qk.k_norm);
   const auto d_inv_freq = device_array(qk.inv_freq);
-  DeviceBuffer d_ids(sizeof(int32_t) * tokens), d_positions(sizeof(int32_t) * tokens), d_kv_rows(sizeof(int32_t) * tokens);
+  DeviceBuffer d_ids(sizeof(int32_t) * tokens), d_positions(sizeof(int32_t) * tokens),
+      d_kv_rows(sizeof(int32_t) * tokens);
   DeviceBuffer d_residual(sizeof(float) * tokens * kHidden), d_normed(sizeof(uint16_t) * tokens * kHidden);
   DeviceBuffer d_q_out(sizeof(uint16_t) * qk.q_expected.size()), d_act(sizeof(uint16_t) * tokens * kIntermediate);
   const int64_t pool_values = (qk.pool_rows + 1) * qk.kv_row_values;  // guard row + pool
@@ -438,7 +441,8 @@ TEST_F(StepOpsTest, CapturedGraphReadsItsInputsFromDeviceMemory) {
 
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  const std::unique_ptr<std::remove_pointer_t<cudaStream_t>, decltype(&cudaStreamDestroy)> stream_owner(stream, cudaStreamDestroy);
+  const std::unique_ptr<std::remove_pointer_t<cudaStream_t>, decltype(&cudaStreamDestroy)> stream_owner(
+      stream, cudaStreamDestroy);
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   const cudaError_t launched[4] = {
       gpu::launch_embedding(d_table.ptr, d_ids.as<int32_t>(), tokens, kHidden, d_residual.as<float>(), stream),
@@ -451,11 +455,13 @@ TEST_F(StepOpsTest, CapturedGraphReadsItsInputsFromDeviceMemory) {
       gpu::launch_silu_mul(d_gate_up.ptr, tokens, kIntermediate, d_act.as<uint16_t>(), stream)};
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  const std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph_owner(graph, cudaGraphDestroy);
+  const std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph_owner(graph,
+                                                                                                     cudaGraphDestroy);
   for (const cudaError_t status : launched) ASSERT_EQ(status, cudaSuccess);
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  const std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, decltype(&cudaGraphExecDestroy)> exec_owner(exec, cudaGraphExecDestroy);
+  const std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, decltype(&cudaGraphExecDestroy)> exec_owner(
+      exec, cudaGraphExecDestroy);
 
   std::vector<uint16_t> act_expected(static_cast<size_t>(tokens * kIntermediate));
   ref::silu_mul(gate_up, tokens, kIntermediate, act_expected);

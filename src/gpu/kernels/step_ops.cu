@@ -16,7 +16,9 @@ constexpr int kMaxVectorHidden = 8192;  // add_rms_norm's fast path: one 8-value
 constexpr int kScalarThreads = 256;
 constexpr int kQkWarps = 8;  // heads per block of the attention prologue (one warp each)
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+__device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
 __device__ __forceinline__ uint16_t f32_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
 // Value 2k of 8 bf16 is the low half of word k (little endian).
@@ -65,9 +67,9 @@ __global__ void embedding_kernel(const uint16_t* table, const int32_t* token_ids
 
 // ---- add + RMSNorm, fast path: one block per output row, thread v holds values [8v, 8v + 8) of the row in
 // registers from the add through the scaling (blockDim.x = hidden / 8 rounded up to a warp).
-__global__ void __launch_bounds__(1024) add_rms_norm_vector_kernel(float* residual, const float* delta,
-                                                                   const uint16_t* weight, float eps,
-                                                                   const int32_t* rows, int hidden, uint16_t* out) {
+__global__ void __launch_bounds__(1024)
+    add_rms_norm_vector_kernel(float* residual, const float* delta, const uint16_t* weight, float eps,
+                               const int32_t* rows, int hidden, uint16_t* out) {
   __shared__ double scratch[32];
   const int64_t i = blockIdx.x;
   const int64_t r = rows ? rows[i] : i;
@@ -120,7 +122,8 @@ __global__ void add_rms_norm_scalar_kernel(float* residual, const float* delta, 
   sum_sq = cuda::block_sum(sum_sq, scratch);
   const float inv_rms = inv_rms_of(sum_sq, hidden, eps);
   uint16_t* o = out + i * hidden;
-  for (int j = threadIdx.x; j < hidden; j += blockDim.x) o[j] = f32_to_bf16(norm_scale(bf16_to_f32(weight[j]), x[j], inv_rms));
+  for (int j = threadIdx.x; j < hidden; j += blockDim.x)
+    o[j] = f32_to_bf16(norm_scale(bf16_to_f32(weight[j]), x[j], inv_rms));
 }
 
 // ---- q/k norm + RoPE + KV append. Block = kQkWarps heads of one token (blocks head_blocks * t + hb); heads are
@@ -128,10 +131,11 @@ __global__ void add_rms_norm_scalar_kernel(float* residual, const float* delta, 
 // token's cos / sin [D / 2] in shared memory; then lane l of a head's warp holds the rotation pairs
 // (i, i + D / 2) for i = l + 32 p < D / 2, p < kPairs.
 template <int kPairs>
-__global__ void __launch_bounds__(kQkWarps * 32) qk_norm_rope_kv_append_kernel(
-    const float* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float eps, const int32_t* positions,
-    const float* inv_freq, const int32_t* kv_rows, int num_heads, int num_kv_heads, int head_dim, int head_blocks,
-    uint16_t* q_out, uint16_t* k_pool, uint16_t* v_pool) {
+__global__ void __launch_bounds__(kQkWarps * 32)
+    qk_norm_rope_kv_append_kernel(const float* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float eps,
+                                  const int32_t* positions, const float* inv_freq, const int32_t* kv_rows,
+                                  int num_heads, int num_kv_heads, int head_dim, int head_blocks, uint16_t* q_out,
+                                  uint16_t* k_pool, uint16_t* v_pool) {
   __shared__ float s_cos[kPairs * 32], s_sin[kPairs * 32];
   const int64_t t = blockIdx.x / head_blocks;
   const int head = static_cast<int>(blockIdx.x % head_blocks) * kQkWarps + static_cast<int>(threadIdx.x) / 32;
@@ -252,7 +256,7 @@ cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint1
                       (delta == nullptr || aligned(delta, 16)) && aligned(weight, 16) && aligned(out, 16);
   if (vector) {
     add_rms_norm_vector_kernel<<<blocks, warps_for(hidden / 8), 0, stream>>>(residual, delta, weight, eps, rows, hidden,
-                                                                              out);
+                                                                             out);
   } else {
     add_rms_norm_scalar_kernel<<<blocks, kScalarThreads, 0, stream>>>(residual, delta, weight, eps, rows, hidden, out);
   }
@@ -272,10 +276,10 @@ cudaError_t launch_qk_norm_rope_kv_append(const float* qkv, const uint16_t* q_no
   if (num_tokens * head_blocks > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x limit
   const auto blocks = static_cast<unsigned int>(num_tokens * head_blocks);
   const unsigned int threads = kQkWarps * 32;
-#define FULCRUM_QK_LAUNCH(pairs)                                                                                  \
-  qk_norm_rope_kv_append_kernel<pairs><<<blocks, threads, 0, stream>>>(qkv, q_norm, k_norm, eps, positions,     \
-                                                                       inv_freq, kv_rows, num_heads, num_kv_heads, \
-                                                                       head_dim, head_blocks, q_out, k_pool, v_pool)
+#define FULCRUM_QK_LAUNCH(pairs)                                                                                      \
+  qk_norm_rope_kv_append_kernel<pairs><<<blocks, threads, 0, stream>>>(qkv, q_norm, k_norm, eps, positions, inv_freq, \
+                                                                       kv_rows, num_heads, num_kv_heads, head_dim,    \
+                                                                       head_blocks, q_out, k_pool, v_pool)
   if (head_dim <= 64) {
     FULCRUM_QK_LAUNCH(1);
   } else if (head_dim == 128) {
@@ -291,11 +295,11 @@ cudaError_t launch_silu_mul(const float* gate_up, int64_t num_rows, int width, u
   if (num_rows < 0 || width < 0) return cudaErrorInvalidValue;
   if (num_rows == 0 || width == 0) return cudaSuccess;
   if (width % 4 == 0 && aligned(gate_up, 16) && aligned(act, 8)) {
-    silu_mul_kernel<true><<<cuda::grid_for(num_rows * (width / 4)), cuda::kThreadsPerBlock, 0, stream>>>(
-        gate_up, num_rows, width, act);
+    silu_mul_kernel<true>
+        <<<cuda::grid_for(num_rows * (width / 4)), cuda::kThreadsPerBlock, 0, stream>>>(gate_up, num_rows, width, act);
   } else {
-    silu_mul_kernel<false><<<cuda::grid_for(num_rows * width), cuda::kThreadsPerBlock, 0, stream>>>(gate_up, num_rows,
-                                                                                                  width, act);
+    silu_mul_kernel<false>
+        <<<cuda::grid_for(num_rows * width), cuda::kThreadsPerBlock, 0, stream>>>(gate_up, num_rows, width, act);
   }
   return cudaGetLastError();
 }

@@ -53,6 +53,7 @@ void qk_norm_rope_kv_append(std::span<const float> qkv, std::span<const uint16_t
   const int half = head_dim / 2;
   const size_t width = static_cast<size_t>(num_heads + 2 * num_kv_heads) * head_dim;
   const size_t kv_row_values = static_cast<size_t>(num_kv_heads) * head_dim;
+  const size_t pool_values = std::min(k_pool.size(), v_pool.size());
   FULCRUM_CHECK(qkv.size() == positions.size() * width && kv_rows.size() == positions.size() &&
                     q_out.size() == positions.size() * num_heads * head_dim,
                 "qk_norm_rope_kv_append: {} tokens do not match the qkv, kv_rows or q_out sizes", positions.size());
@@ -65,7 +66,7 @@ void qk_norm_rope_kv_append(std::span<const float> qkv, std::span<const uint16_t
     }
     const float* row = qkv.data() + t * width;
     const bool append_kv = kv_rows[t] >= 0;
-    FULCRUM_CHECK(!append_kv || (static_cast<size_t>(kv_rows[t]) + 1) * kv_row_values <= std::min(k_pool.size(), v_pool.size()),
+    FULCRUM_CHECK(!append_kv || (static_cast<size_t>(kv_rows[t]) + 1) * kv_row_values <= pool_values,
                   "qk_norm_rope_kv_append: kv row {} outside the pools", kv_rows[t]);
     // Heads 0..Hq-1 are q, Hq..Hq+Hkv-1 are k: normalized and rotated; then v copied. Padding tokens stop after q.
     const int normed_heads = append_kv ? num_heads + num_kv_heads : num_heads;
