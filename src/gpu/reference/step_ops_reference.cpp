@@ -1,5 +1,6 @@
 #include "gpu/reference/step_ops_reference.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +52,11 @@ void qk_norm_rope_kv_append(std::span<const float> qkv, std::span<const uint16_t
                             std::span<uint16_t> q_out, std::span<uint16_t> k_pool, std::span<uint16_t> v_pool) {
   const int half = head_dim / 2;
   const size_t width = static_cast<size_t>(num_heads + 2 * num_kv_heads) * head_dim;
+  const size_t kv_row_values = static_cast<size_t>(num_kv_heads) * head_dim;
+  const size_t pool_values = std::min(k_pool.size(), v_pool.size());
+  FULCRUM_CHECK(qkv.size() == positions.size() * width && kv_rows.size() == positions.size() &&
+                    q_out.size() == positions.size() * num_heads * head_dim,
+                "qk_norm_rope_kv_append: {} tokens do not match the qkv, kv_rows or q_out sizes", positions.size());
   std::vector<float> head(static_cast<size_t>(head_dim)), cos_v(half), sin_v(half);
   for (size_t t = 0; t < positions.size(); ++t) {
     for (int i = 0; i < half; ++i) {
@@ -59,8 +65,12 @@ void qk_norm_rope_kv_append(std::span<const float> qkv, std::span<const uint16_t
       sin_v[i] = std::sin(angle);
     }
     const float* row = qkv.data() + t * width;
-    // Heads 0..Hq-1 are q, Hq..Hq+Hkv-1 are k: normalized and rotated; then v copied.
-    for (int h = 0; h < num_heads + num_kv_heads; ++h) {
+    const bool append_kv = kv_rows[t] >= 0;
+    FULCRUM_CHECK(!append_kv || (static_cast<size_t>(kv_rows[t]) + 1) * kv_row_values <= pool_values,
+                  "qk_norm_rope_kv_append: kv row {} outside the pools", kv_rows[t]);
+    // Heads 0..Hq-1 are q, Hq..Hq+Hkv-1 are k: normalized and rotated; then v copied. Padding tokens stop after q.
+    const int normed_heads = append_kv ? num_heads + num_kv_heads : num_heads;
+    for (int h = 0; h < normed_heads; ++h) {
       const bool is_q = h < num_heads;
       const float* src = row + static_cast<size_t>(h) * head_dim;
       const std::span<const uint16_t> w = is_q ? q_norm : k_norm;
@@ -74,6 +84,7 @@ void qk_norm_rope_kv_append(std::span<const float> qkv, std::span<const uint16_t
         dst[i + half] = f32_to_bf16_bits(b * cos_v[i] + a * sin_v[i]);
       }
     }
+    if (!append_kv) continue;
     for (int h = 0; h < num_kv_heads; ++h) {
       const float* src = row + static_cast<size_t>(num_heads + num_kv_heads + h) * head_dim;
       uint16_t* dst = v_pool.data() + (static_cast<size_t>(kv_rows[t]) * num_kv_heads + h) * head_dim;

@@ -21,6 +21,7 @@ void add_rms_norm(std::span<float> residual, std::span<const float> delta, std::
 // positions[t] (HF rotate_half; angle = float(position) * inv_freq[i] in fp32, cos / sin of it, as
 // CpuBackend::rope_inplace), then rounded to bf16: q -> q_out [T, Hq, D]; k -> k_pool row kv_rows[t], v (bf16 of the
 // raw values) -> v_pool row kv_rows[t]; pools are [rows, Hkv, D]. inv_freq: model::rope_inv_freq [D / 2].
+// A token with kv_rows[t] < 0 (a padding row of a CUDA-graph batch bucket) writes q_out but no K / V.
 void qk_norm_rope_kv_append(std::span<const float> qkv, std::span<const uint16_t> q_norm, std::span<const uint16_t> k_norm,
                             float eps, std::span<const int32_t> positions, std::span<const float> inv_freq,
                             std::span<const int32_t> kv_rows, int num_heads, int num_kv_heads, int head_dim,
