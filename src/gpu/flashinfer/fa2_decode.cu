@@ -20,29 +20,12 @@ using Params = flashinfer::BatchPrefillPagedParams<Bf16, Bf16, Bf16, int32_t>;
 using Variant = flashinfer::DefaultAttention</*custom_mask=*/false, /*sliding_window=*/false,
                                              /*logits_soft_cap=*/false, /*alibi=*/false>;
 
-__global__ void last_page_len_kernel(const int32_t* kv_page_indptr, const int32_t* kv_len, int num_seqs,
-                                     int page_size, int32_t* last_page_len) {
-  for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < num_seqs; s += gridDim.x * blockDim.x) {
-    const int32_t num_pages = kv_page_indptr[s + 1] - kv_page_indptr[s];
-    last_page_len[s] = kv_len[s] - (num_pages - 1) * page_size;
-  }
-}
-
 template <typename T>
 T* mutable_ptr(const T* p) {
   return const_cast<T*>(p);  // FlashInfer's params hold non-const pointers; it only reads q, k and v
 }
 
 }  // namespace
-
-cudaError_t launch_last_page_len(const int32_t* kv_page_indptr, const int32_t* kv_len, int num_seqs, int page_size,
-                                 int32_t* last_page_len, cudaStream_t stream) {
-  if (num_seqs <= 0) return cudaSuccess;
-  constexpr int kThreads = 256;
-  const int blocks = (num_seqs + kThreads - 1) / kThreads;
-  last_page_len_kernel<<<blocks, kThreads, 0, stream>>>(kv_page_indptr, kv_len, num_seqs, page_size, last_page_len);
-  return cudaGetLastError();
-}
 
 cudaError_t plan_decode(const Workspace& ws, int32_t* q_indptr_h, int32_t* kv_page_count_indptr_h, int num_seqs,
                         int num_heads, int num_kv_heads, int page_size, bool cuda_graph, cudaStream_t stream,
@@ -71,19 +54,15 @@ cudaError_t plan_decode(const Workspace& ws, int32_t* q_indptr_h, int32_t* kv_pa
 }
 
 cudaError_t run_decode(const Workspace& ws, const std::vector<int64_t>& plan, const AttentionBatch& batch,
-                       int32_t* last_page_len, cudaStream_t stream, std::string* error) {
+                       const int32_t* last_page_len, cudaStream_t stream, std::string* error) {
   try {
     flashinfer::PrefillPlanInfo info;
     info.FromVector(plan);
-    cudaError_t status = launch_last_page_len(batch.kv_page_indptr, batch.kv_len, batch.num_seqs, batch.page_size,
-                                              last_page_len, stream);
-    if (status != cudaSuccess) return status;
-
     // NHD pages: [num_pages, page_size, num_kv_heads, head_dim], i.e. pool row page * page_size + offset.
     flashinfer::paged_kv_t<Bf16, int32_t> paged_kv(
         batch.num_kv_heads, batch.page_size, kHeadDim, batch.num_seqs, flashinfer::QKVLayout::kNHD,
         reinterpret_cast<Bf16*>(mutable_ptr(batch.k_pool)), reinterpret_cast<Bf16*>(mutable_ptr(batch.v_pool)),
-        mutable_ptr(batch.page_ids), mutable_ptr(batch.kv_page_indptr), last_page_len);
+        mutable_ptr(batch.page_ids), mutable_ptr(batch.kv_page_indptr), mutable_ptr(last_page_len));
     Params params(reinterpret_cast<Bf16*>(mutable_ptr(batch.q)), paged_kv, /*custom_mask=*/nullptr,
                   mutable_ptr(batch.q_indptr), /*mask_indptr=*/nullptr, /*q_rope_offset=*/nullptr,
                   reinterpret_cast<Bf16*>(batch.out), /*lse=*/nullptr, /*alibi_slopes=*/nullptr, batch.num_heads,
@@ -116,7 +95,7 @@ cudaError_t run_decode(const Workspace& ws, const std::vector<int64_t>& plan, co
     params.partition_kv = false;  // the dispatcher sets it from tmp_v
 
     if (info.cta_tile_q != kDecodeCtaTileQ) return cudaErrorNotSupported;
-    status = flashinfer::BatchPrefillWithPagedKVCacheDispatched<
+    const cudaError_t status = flashinfer::BatchPrefillWithPagedKVCacheDispatched<
         /*SAME_KV_STRIDES=*/true, kDecodeCtaTileQ, kHeadDim, kHeadDim, flashinfer::PosEncodingMode::kNone,
         /*USE_FP16_QK_REDUCTION=*/false, flashinfer::MaskMode::kNone, Variant, Params>(params, tmp_v, tmp_s,
                                                                                      /*enable_pdl=*/false, stream);

@@ -8,7 +8,7 @@
 // Instantiations (each costs minutes of build on 2 cores, so exactly these):
 //   fa2_decode.cu    FA2 batch prefill over paged KV, CTA_TILE_Q 16, head_dim 128, MaskMode::kNone, bf16, int32
 //                    ids: FlashInfer's "tensor-core decode" (one query per sequence, the GQA group's heads packed
-//                    into the query tile), plus its split-KV merge; and the last-page-length kernel.
+//                    into the query tile), plus its split-KV merge.
 //   sm90_prefill.cu  SM90 (TMA / wgmma) batch prefill over paged KV, head_dim 128, causal, bf16, int32 ids,
 //                    per-head schedule (SAME_SCHEDULE_FOR_ALL_HEADS = false).
 #include <cstddef>
@@ -45,14 +45,11 @@ struct Workspace {
 cudaError_t plan_decode(const Workspace& ws, int32_t* q_indptr_h, int32_t* kv_page_count_indptr_h, int num_seqs,
                         int num_heads, int num_kv_heads, int page_size, bool cuda_graph, cudaStream_t stream,
                         std::vector<int64_t>* plan, std::string* error);
-// Enqueues last_page_len (from batch.kv_len and batch.kv_page_indptr) and the FA2 kernel (+ merge when split).
+// Enqueues the FA2 kernel (+ the split-KV merge when the plan split). FlashInfer's paged_kv_t reads a sequence's
+// pages from batch.kv_page_indptr / page_ids and its length as (pages - 1) * page_size + last_page_len[s]
+// (device [num_seqs], written by the caller's plan).
 cudaError_t run_decode(const Workspace& ws, const std::vector<int64_t>& plan, const AttentionBatch& batch,
-                       int32_t* last_page_len, cudaStream_t stream, std::string* error);
-
-// last_page_len[s] = kv_len[s] - (kv_page_indptr[s + 1] - kv_page_indptr[s] - 1) * page_size, so that FlashInfer's
-// length (pages - 1) * page_size + last_page_len is kv_len[s] (CPU reference: reference::flashinfer_last_page_len).
-cudaError_t launch_last_page_len(const int32_t* kv_page_indptr, const int32_t* kv_len, int num_seqs, int page_size,
-                                 int32_t* last_page_len, cudaStream_t stream);
+                       const int32_t* last_page_len, cudaStream_t stream, std::string* error);
 
 // SM90 causal prefill plan over the batch's own host metadata (num_seqs + 1 / num_seqs values). Enqueues the upload.
 cudaError_t plan_prefill(const Workspace& ws, int32_t* q_indptr_h, int32_t* kv_page_indptr_h, int32_t* kv_len_h,
