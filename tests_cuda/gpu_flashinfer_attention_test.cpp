@@ -539,6 +539,7 @@ TEST_P(FlashInferAttentionTest, CapturedLayoutIsEnforced) {
 
   // Same sizes, other lengths: fine. A sequence with 2 queries (prefill kernel, 5 tokens): refused. 3 sequences:
   // refused. A plain plan is always allowed.
+  // (planned only, never run: its page ids may lie beyond this test's pool)
   const HostBatch longer = make_batch({{1, 500}, {1, 1}, {1, 70}, {1, 300}}, num_heads(), pool.num_pages + 40, 53);
   EXPECT_NO_THROW(attn.plan(longer.q_indptr, longer.kv_page_indptr, longer.kv_len, true, stream_));
   const HostBatch two_queries = make_batch({{2, 50}, {1, 60}, {1, 70}, {1, 80}}, num_heads(), pool.num_pages, 54);
@@ -548,6 +549,10 @@ TEST_P(FlashInferAttentionTest, CapturedLayoutIsEnforced) {
   EXPECT_NO_THROW(attn.plan(three.q_indptr, three.kv_page_indptr, three.kv_len, false, stream_));
   EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  // With the graph gone, a graph plan of other sizes is allowed again.
+  attn.release_captured_graph();
+  EXPECT_NO_THROW(attn.plan(three.q_indptr, three.kv_page_indptr, three.kv_len, true, stream_));
+  EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
 }
 
 // Host validation: each bad batch throws a one-line fulcrum::Error; run() must match the plan.

@@ -78,6 +78,10 @@ struct FlashInferAttention::Impl {
 
   ~Impl() {
     // Best effort: a destructor must not throw. Wait for this object's uploads and kernels to be done first.
+    if (ws.float_buffer == nullptr && ws.int_buffer == nullptr && ws.int_pinned == nullptr && last_page_len == nullptr &&
+        last_page_len_pinned == nullptr && upload_done == nullptr) {
+      return;  // the constructor refused before touching the device
+    }
     int previous = 0;
     if (cudaGetDevice(&previous) != cudaSuccess) return;
     cudaSetDevice(device_idx);
@@ -166,6 +170,8 @@ FlashInferAttention::FlashInferAttention(int num_heads, int num_kv_heads, int he
 }
 
 FlashInferAttention::~FlashInferAttention() = default;
+
+void FlashInferAttention::release_captured_graph() { impl_->captured.reset(); }
 
 FlashInferAttention::Kernel FlashInferAttention::planned_kernel() const { return impl_->layout.kernel; }
 
@@ -257,10 +263,12 @@ void FlashInferAttention::plan(std::span<const int32_t> q_indptr, std::span<cons
                                 next.num_tokens, m.num_heads, m.num_kv_heads, m.page_size, for_cuda_graph, stream,
                                 &next.plan, &error);
     }
+    // Recorded even after a failure: an upload FlashInfer enqueued may still read the pinned buffer.
+    const cudaError_t recorded = cudaEventRecord(m.upload_done, stream);
     FULCRUM_CHECK(status == cudaSuccess, "FlashInferAttention::plan ({} kernel, {} sequences, {} tokens) failed: {}{}",
                   kernel_name(next.kernel), num_seqs, num_tokens, cudaGetErrorName(status),
                   error.empty() ? std::string() : ": " + one_line(error));
-    FULCRUM_CUDA_CHECK(cudaEventRecord(m.upload_done, stream));
+    FULCRUM_CUDA_CHECK(recorded);
   }
 
   FULCRUM_CHECK(!for_cuda_graph || !m.captured.has_value() || next.plan == m.captured->plan,

@@ -60,6 +60,10 @@ class FlashInferAttention {
   // shape; its device metadata equal to the host copies given to plan()).
   void run(const AttentionBatch& batch, CUstream_st* stream);
 
+  // After the graph that captured run() is destroyed: the next for_cuda_graph plan may have other sizes (until a
+  // run() under capture records them again). One object serves one captured graph at a time.
+  void release_captured_graph();
+
   Kernel planned_kernel() const;
   size_t device_workspace_bytes() const;  // float + int + last-page-length buffers
   size_t pinned_bytes() const;
