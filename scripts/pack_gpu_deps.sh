@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Packs what a build on the GPU machine needs and cannot install there (it has no registry): static PCRE2 and
-# utf8proc with their headers and pkg-config files, from this machine's Debian packages, into .devdeps/
-# (ignored by git; carry it). scripts/cuda_tests.sh puts .devdeps/lib/pkgconfig first on PKG_CONFIG_PATH.
+# utf8proc with their headers and pkg-config files, and cpp-httplib (Debian builds it as a shared library, with
+# its OpenSSL / zlib / brotli headers; the GPU machine's own libssl.so.3 and libz.so.1 serve it at run time,
+# brotli's libraries travel along), from this machine's Debian packages, into .devdeps/ (ignored by git; carry
+# it). scripts/cuda_tests.sh and scripts/gpu_machine_run.sh put .devdeps/lib/pkgconfig on PKG_CONFIG_PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
@@ -19,4 +21,20 @@ for pc in libpcre2-8 libutf8proc; do
 done
 # Link the archives, not a shared library of the same name that the GPU machine may lack.
 sed -i 's|-lpcre2-8|${libdir}/libpcre2-8.a|; s|-lutf8proc|${libdir}/libutf8proc.a|' "$out"/lib/pkgconfig/*.pc
+# cpp-httplib: its header, the headers it includes with Debian's build flags, the library and brotli's.
+cp -r /usr/include/httplib.h /usr/include/openssl /usr/include/zlib.h /usr/include/zconf.h /usr/include/brotli "$out/include/"
+cp -a "$lib"/x86_64-linux-gnu/openssl/. "$out/include/openssl/" 2>/dev/null || true
+cp /usr/include/x86_64-linux-gnu/openssl/*.h "$out/include/openssl/" 2>/dev/null || true
+cp -a "$lib"/libcpp-httplib.so* "$lib"/libbrotlidec.so.1* "$lib"/libbrotlienc.so.1* "$lib"/libbrotlicommon.so.1* "$out/lib/"
+cat > "$out/lib/pkgconfig/cpp-httplib.pc" <<PC
+prefix=$root
+libdir=\${prefix}/lib
+includedir=\${prefix}/include
+
+Name: cpp-httplib
+Description: cpp-httplib $(pkg-config --modversion cpp-httplib) as Debian builds it (carried to the GPU machine)
+Version: $(pkg-config --modversion cpp-httplib)
+Libs: -L\${libdir} -lcpp-httplib -Wl,-rpath,\${libdir} -Wl,-rpath-link,\${libdir} -pthread
+Cflags: -I\${includedir} -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT
+PC
 du -sh "$out"

@@ -6,6 +6,7 @@
 
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
+#include "gpu/flashinfer/flashinfer_attention.hpp"
 #include "gpu/kernels/paged_attention.hpp"
 
 namespace fulcrum::gpu {
@@ -37,7 +38,9 @@ class OwnAttention final : public AttentionRunner {
   }
   std::string name() const override { return plan_.tensor_cores ? "fulcrum (tensor cores)" : "fulcrum (CUDA cores)"; }
 
-  void plan(const StepArrays& /*host*/, const StepShape& shape, bool for_graph) override {
+  bool graph_safe() const override { return true; }
+
+  void plan(const StepArrays& /*host*/, const StepShape& shape, bool for_graph, CUstream_st* /*stream*/) override {
     PagedAttentionShape s;
     s.num_seqs = shape.num_seqs;
     s.num_tokens = static_cast<int>(shape.num_tokens);
@@ -72,16 +75,65 @@ class OwnAttention final : public AttentionRunner {
   size_t workspace_bytes_ = 0;
 };
 
+// FlashInfer (head_dim 128): its SM90 kernel for steps with prefill chunks, its tensor-core decode otherwise.
+// A FlashInfer plan is the step's own (its kernel's schedule is rebuilt per step), so its steps run eagerly;
+// in "auto" it takes only the steps with prefill chunks and decode steps go to the engine's kernels (graphs).
+class FlashInferRunner final : public AttentionRunner {
+ public:
+  FlashInferRunner(const model::Qwen3MoeConfig& config, int page_size, int64_t max_tokens, int max_seqs, int device_idx,
+                   bool decode_too)
+      : own_(config, device_idx),
+        fi_(config.num_attention_heads, config.num_key_value_heads, config.head_dim, page_size,
+            static_cast<int>(max_tokens), max_seqs, device_idx),
+        decode_too_(decode_too) {}
+  std::string name() const override { return decode_too_ ? "flashinfer" : "flashinfer prefill + " + own_.name() + " decode"; }
+  bool graph_safe() const override { return !use_fi_; }
+  void plan(const StepArrays& host, const StepShape& shape, bool for_graph, CUstream_st* stream) override {
+    use_fi_ = decode_too_ || !shape.decode_only;
+    if (!use_fi_) {
+      own_.plan(host, shape, for_graph, stream);
+      epoch_ = own_.epoch();
+      return;
+    }
+    const auto s = static_cast<size_t>(shape.num_seqs);
+    fi_.plan({host.q_indptr, s + 1}, {host.kv_page_indptr, s + 1}, {host.kv_len, s}, false, stream);
+  }
+  void run(const AttentionBatch& batch, CUstream_st* stream) override {
+    if (use_fi_) {
+      fi_.run(batch, stream);
+    } else {
+      own_.run(batch, stream);
+    }
+  }
+
+ private:
+  OwnAttention own_;
+  FlashInferAttention fi_;
+  bool decode_too_ = false;
+  bool use_fi_ = false;
+};
+
+bool flashinfer_applies(const model::Qwen3MoeConfig& config, int device_idx) {
+  cudaDeviceProp prop{};
+  FULCRUM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_idx));
+  return prop.major == 9 &&
+         FlashInferAttention::supports(config.head_dim, config.num_attention_heads, config.num_key_value_heads);
+}
+
 }  // namespace
 
 std::unique_ptr<AttentionRunner> make_attention_runner(const std::string& which, const model::Qwen3MoeConfig& config,
                                                        int page_size, int64_t max_tokens, int max_seqs, int device_idx) {
-  (void)page_size;
-  (void)max_tokens;
-  (void)max_seqs;
   FULCRUM_CHECK(which == "auto" || which == "fulcrum" || which == "flashinfer",
                 "--attention must be auto, fulcrum or flashinfer, got '{}'", which);
-  return std::make_unique<OwnAttention>(config, device_idx);
+  if (which == "fulcrum" || (which == "auto" && !flashinfer_applies(config, device_idx))) {
+    return std::make_unique<OwnAttention>(config, device_idx);
+  }
+  FULCRUM_CHECK(flashinfer_applies(config, device_idx),
+                "--attention flashinfer: FlashInfer's kernels here need head_dim 128, at most 16 q heads per kv head and "
+                "an sm_90 GPU (head_dim {}, {} q / {} kv heads)",
+                config.head_dim, config.num_attention_heads, config.num_key_value_heads);
+  return std::make_unique<FlashInferRunner>(config, page_size, max_tokens, max_seqs, device_idx, which == "flashinfer");
 }
 
 }  // namespace fulcrum::gpu

@@ -24,7 +24,9 @@ class AttentionRunner {
   int64_t graph_bucket(const StepShape& shape) const { return decode_bucket(shape.max_kv_len); }
   // Host side, before the step's launches (and before each replay of a graph): `host` are the step's inputs as
   // packed on the host. for_graph: the plan must be the bucket's (the same for every step of the bucket).
-  virtual void plan(const StepArrays& host, const StepShape& shape, bool for_graph) = 0;
+  virtual void plan(const StepArrays& host, const StepShape& shape, bool for_graph, CUstream_st* stream) = 0;
+  // Whether the planned step's launches may be captured in a CUDA graph and replayed across steps of its bucket.
+  virtual bool graph_safe() const = 0;
   // Changes whenever plan() moved a buffer the launches read: graphs captured before are stale then.
   int64_t epoch() const { return epoch_; }
   // Enqueues attention for one layer of the planned step.

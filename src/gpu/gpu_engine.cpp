@@ -332,7 +332,7 @@ void GpuEngine::sample(const StepShape& shape) {
 
 void GpuEngine::plan_attention(const StepShape& shape) {
   const int64_t epoch = attention_->epoch();
-  attention_->plan(layout_.at(ws_->step_host), shape, /*for_graph=*/shape.decode_only);
+  attention_->plan(layout_.at(ws_->step_host), shape, /*for_graph=*/shape.decode_only, stream_);
   if (attention_->epoch() != epoch) graphs_->clear();  // the graphs read buffers the plan replaced
 }
 
@@ -345,7 +345,7 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
   plan_attention(shape);
   // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice.
-  const bool graphs = options_.cuda_graphs && shape.decode_only &&
+  const bool graphs = options_.cuda_graphs && shape.decode_only && attention_->graph_safe() &&
                       options_.dispatch != eplb::DispatchAlgorithm::kBalanced &&
                       std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->uses_cutlass(); });
   if (graphs) {

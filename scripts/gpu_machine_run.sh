@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the GPU machine (the device tool), with the ignored folders carried: third_party/kernel_headers.tar.xz
+# (scripts/fetch_kernel_headers.sh), .devdeps (scripts/pack_gpu_deps.sh) and .devshared (a copy of what the
+# tests read from ../shared). Unpacks them, builds build-cuda/ (16 cores) and runs "$@" there; logs in $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -d third_party/flashinfer ] || tar -C third_party -xJf third_party/kernel_headers.tar.xz
+[ -e ../shared ] || ln -s "$PWD/.devshared" ../shared
+export PKG_CONFIG_PATH="$PWD/.devdeps/lib/pkgconfig"
+server=ON
+pkg-config --exists cpp-httplib || server=OFF
+start=$(date +%s)
+cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DFULCRUM_ENABLE_CUDA=ON -DFULCRUM_BUILD_SERVER=$server \
+  -DFULCRUM_BUILD_BENCH=OFF > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build-cuda -j "$(nproc)" --target fulcrum fulcrum_cuda_tests > "$OUT/build.log" 2>&1 ||
+  { grep -E "error|Error" -A3 "$OUT/build.log" | head -80; exit 1; }
+echo "# built in $(( $(date +%s) - start )) s (server $server)"
+"$@"
