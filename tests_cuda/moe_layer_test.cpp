@@ -5,7 +5,9 @@
 // hidden 64 / 48, and the real shapes hidden 2048 / intermediate 768 (Qwen3-30B-A3B) and 4096 / 1536
 // (Qwen3-235B-A22B). The router runs 128 experts top-8 at small hidden sizes; the real hidden sizes run
 // with 16 experts top-4 (+4 replicas) so that the CPU reference's weights stay small. Replicas hold the
-// weights of their logical expert, as after an EPLB migration.
+// weights of their logical expert, as after an EPLB migration. Expert GEMMs run as cuBLAS grouped, cuBLAS
+// per-slot and CUTLASS grouped (kCutlass; hidden 50 / intermediate 22 falls back to cuBLAS), the default
+// (kAuto: CUTLASS on one GPU) where a test sets none; moe_layer_cutlass_test.cpp tests what is CUTLASS-only.
 //
 // Tolerances and why:
 //   exact      expert ids, physical slots (static table lookup; dynamic SplitMix64 draws; balanced split

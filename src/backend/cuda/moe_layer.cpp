@@ -55,6 +55,7 @@ DeviceBuffer upload_array(const std::vector<T>& host, cudaStream_t stream) {
 // cuBLAS's scratch for the router GEMM and the cuBLAS expert GEMMs: set explicitly so that a captured call
 // uses the same workspace (and so the same algorithm) as an eager one; 32 MiB as cuBLAS asks on Hopper.
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+constexpr int64_t kMinGroupedGemmGroups = 1024;
 
 void check_grouped_gemm(const gpu::GroupedGemmStatus& status, const char* which) {
   FULCRUM_CHECK(status.ok(), "CUTLASS grouped GEMM ({}): {} ({})", which, status.failed,
@@ -109,7 +110,9 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
                                        major, minor);
     return;
   }
-  const gpu::GroupedGemmStatus status = gpu::prepare_grouped_gemm(device_idx, static_cast<int>(p), &gemm_limits_);
+  // Groups: the P slots, or run_experts_on's (segment, local slot) pairs; a group costs ~60 bytes of arrays.
+  const int max_groups = static_cast<int>(std::max<int64_t>(p, kMinGroupedGemmGroups));
+  const gpu::GroupedGemmStatus status = gpu::prepare_grouped_gemm(device_idx, max_groups, &gemm_limits_);
   if (!status.ok()) {
     cutlass_unavailable_ = fmt::format("prepare_grouped_gemm: {} ({})", status.failed,
                                        cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
@@ -145,6 +148,13 @@ void MoeWorkspace::reserve_expert_rows(int64_t rows) {
 
 void MoeWorkspace::reserve_entry_ranks() {
   if (entry_rank.bytes() == 0) entry_rank = device_array<int32_t>(shape_.max_tokens * shape_.num_experts_per_tok);
+}
+
+void MoeWorkspace::release_stream(CUstream_st* stream) noexcept {
+  if (!cublas_bound_ || cublas_stream_ != stream) return;
+  cublasSetStream(cublas_, nullptr);
+  cublas_bound_ = false;
+  cublas_stream_ = nullptr;
 }
 
 cublasContext* MoeWorkspace::cublas_on(CUstream_st* stream) {
@@ -288,7 +298,10 @@ GpuMoeLayer::~GpuMoeLayer() {
   recv_problems_.reset();
   recv_offsets_.reset();
   if (host_counts_ != nullptr) cudaFreeHost(host_counts_);
-  if (owns_stream_) cudaStreamDestroy(stream_);
+  if (owns_stream_) {
+    workspace_->release_stream(stream_);  // the shared cuBLAS handle must not keep a destroyed stream
+    cudaStreamDestroy(stream_);
+  }
 }
 
 void GpuMoeLayer::synchronize() { FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }

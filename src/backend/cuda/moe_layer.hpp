@@ -113,7 +113,10 @@ class MoeWorkspace {
   void reserve_entry_ranks();
   // The cuBLAS handle on `stream` with this workspace's cuBLAS scratch (set again only when the stream changes).
   cublasContext* cublas_on(CUstream_st* stream);
-  // CUTLASS grouped GEMM: limits (max_groups = P) and workspace; empty reason when it can run on this device.
+  // Unbinds the cuBLAS handle from `stream` if bound to it (a layer destroying its own stream). No throw.
+  void release_stream(CUstream_st* stream) noexcept;
+  // CUTLASS grouped GEMM: limits (max_groups = max(P, 1024)) and workspace; cutlass_unavailable() is empty
+  // when it can run on this device, else why not.
   const gpu::GroupedGemmLimits& grouped_gemm_limits() const { return gemm_limits_; }
   void* grouped_gemm_workspace() const { return gemm_workspace_.as<void>(); }
   const std::string& cutlass_unavailable() const { return cutlass_unavailable_; }
