@@ -5,7 +5,9 @@
 // hidden 64 / 48, and the real shapes hidden 2048 / intermediate 768 (Qwen3-30B-A3B) and 4096 / 1536
 // (Qwen3-235B-A22B). The router runs 128 experts top-8 at small hidden sizes; the real hidden sizes run
 // with 16 experts top-4 (+4 replicas) so that the CPU reference's weights stay small. Replicas hold the
-// weights of their logical expert, as after an EPLB migration.
+// weights of their logical expert, as after an EPLB migration. Expert GEMMs run as cuBLAS grouped, cuBLAS
+// per-slot and CUTLASS grouped (kCutlass; hidden 50 / intermediate 22 falls back to cuBLAS), the default
+// (kAuto: CUTLASS on one GPU) where a test sets none; moe_layer_cutlass_test.cpp tests what is CUTLASS-only.
 //
 // Tolerances and why:
 //   exact      expert ids, physical slots (static table lookup; dynamic SplitMix64 draws; balanced split
@@ -59,6 +61,12 @@ struct Case {
   int64_t tokens;
   int sources;  // virtual EP ranks the tokens come from (also the topology's GPUs)
 };
+
+constexpr backend::ExpertGemm kAllGemms[] = {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot,
+                                             backend::ExpertGemm::kCutlass};
+const char* gemm_name(backend::ExpertGemm gemm) {
+  return gemm == backend::ExpertGemm::kGrouped ? " grouped" : gemm == backend::ExpertGemm::kPerSlot ? " per-slot" : " cutlass";
+}
 
 std::string name_of(const Case& c) {
   return fmt::format("H{}_I{}_E{}_k{}_P+{}_T{}_src{}", c.hidden, c.intermediate, c.experts, c.top_k, c.extra_slots,
@@ -159,7 +167,7 @@ TEST_P(MoeLayerTest, ChoiceWithIdleSourcesAndShrinkingBatches) {
     const std::vector<int32_t> expected = moe::choose_slots_reference(ref, spec);
     const std::vector<int32_t> slots = to_host(layer->entry_slots(), tokens * c.top_k);
     EXPECT_EQ(slots, expected);
-    EXPECT_EQ(std::vector<int32_t>(layer->slot_counts().begin(), layer->slot_counts().end()),
+    EXPECT_EQ(std::vector<int32_t>(layer->fetch_slot_counts().begin(), layer->fetch_slot_counts().end()),
               moe::slot_layout_reference(expected, p).counts);
     if (GetParam() != eplb::DispatchAlgorithm::kBalanced) continue;
     const auto max_gpu_load = [&](const std::vector<int32_t>& entry_slots) {
@@ -191,7 +199,7 @@ TEST_P(MoeLayerTest, PermutationMatchesReference) {
     const int64_t n = c.tokens * c.top_k;
     const std::vector<int32_t> slots = to_host(layer->entry_slots(), n);
     const moe::SlotLayout ref = moe::slot_layout_reference(slots, p);
-    EXPECT_EQ(std::vector<int32_t>(layer->slot_counts().begin(), layer->slot_counts().end()), ref.counts);
+    EXPECT_EQ(std::vector<int32_t>(layer->fetch_slot_counts().begin(), layer->fetch_slot_counts().end()), ref.counts);
     EXPECT_EQ(to_host(layer->slot_offsets(), p + 1), ref.offsets);
     for (int s = 0; s < p; ++s) {
       if (map[s] == 3) {
@@ -223,8 +231,8 @@ TEST_P(MoeLayerTest, ExpertsAndCombineMatchReference) {
     const std::vector<int32_t> map = layer_map_for(c.experts, c.extra_slots, 9);
     auto layer = make_layer(c, map, 13);
     layer->set_replica_choice(spec_for(c, map));
-    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
-      SCOPED_TRACE(name_of(c) + (gemm == backend::ExpertGemm::kGrouped ? " grouped" : " per-slot"));
+    for (const auto gemm : kAllGemms) {
+      SCOPED_TRACE(name_of(c) + gemm_name(gemm));
       layer->set_expert_gemm(gemm);
       const std::vector<float> logits = random_logits(c.tokens, c.experts, 24);
       const std::vector<float> x = random_bf16_values(c.tokens * c.hidden, 25, 1.0f);
@@ -354,8 +362,8 @@ TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
       layer->synchronize();
       return to_host(d_out.as<float>(), c.tokens * c.hidden);
     };
-    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
-      SCOPED_TRACE(name_of(c) + (gemm == backend::ExpertGemm::kGrouped ? " grouped" : " per-slot"));
+    for (const auto gemm : kAllGemms) {
+      SCOPED_TRACE(name_of(c) + gemm_name(gemm));
       layer->set_expert_gemm(gemm);
       layer->set_slot_weights({}, {});
       const std::vector<float> own = run();
@@ -402,8 +410,8 @@ TEST(MoeLayerLocalSlots, RunExpertsOnMatchesReferenceAndTheWholeLayer) {
     const MoeWeights w = random_moe_weights(hidden, intermediate, experts, map, 20);
     local.upload_weights(to_bits(w.router), to_bits(slot_range(w.gate_up, local_begin, l, 2 * i * h)),
                          to_bits(slot_range(w.down, local_begin, l, h * i)));
-    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
-      SCOPED_TRACE(fmt::format("H{} I{} {}", hidden, intermediate, gemm == backend::ExpertGemm::kGrouped ? "grouped" : "per-slot"));
+    for (const auto gemm : kAllGemms) {
+      SCOPED_TRACE(fmt::format("H{} I{}{}", hidden, intermediate, gemm_name(gemm)));
       local.set_expert_gemm(gemm);
       local.run_experts_on(d_rows.as<uint16_t>(), counts, d_out.as<uint16_t>());
       local.synchronize();
@@ -429,7 +437,7 @@ TEST(MoeLayerLocalSlots, RunExpertsOnMatchesReferenceAndTheWholeLayer) {
     local.randomize_weights(77);
     std::vector<int32_t> whole_counts(static_cast<size_t>(segments * p), 0);  // [segment][slot]
     for (size_t q = 0; q < counts.size(); ++q) whole_counts[(q / l) * p + local_begin + q % l] = counts[q];
-    for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+    for (const auto gemm : kAllGemms) {
       local.set_expert_gemm(gemm);
       whole.set_expert_gemm(gemm);
       local.run_experts_on(d_rows.as<uint16_t>(), counts, d_out.as<uint16_t>());

@@ -3,7 +3,8 @@
 // every rank from the same seeds as one global batch: source 0's T_0 tokens padded to max(T_r), then source
 // 1's T_1 tokens. Padding tokens come after source 0's real ones, so they change neither the static lookup
 // nor its dynamic draws; balanced, whose split counts them, runs only without padding (T_0 >= T_1).
-// Checked per rank, for static, dynamic and balanced replica choice, grouped and per-slot GEMMs, with awkward sizes
+// Checked per rank, for static, dynamic and balanced replica choice, cuBLAS grouped and per-slot GEMMs and CUTLASS
+// (kCutlass: run_experts_on as one grouped GEMM over the (source, slot) groups), with awkward sizes
 // (37 + 19 tokens, a rank with 0 tokens either side, 4099 + 1000, P with replicas, slots with no rows, the
 // Qwen3-30B-A3B hidden/intermediate sizes, hidden 50 / intermediate 22 for the scalar kernel paths):
 //   1e-3   the output vs model::moe::moe_layer_reference over the global batch, ||gpu - ref|| / ||ref||: both
@@ -47,7 +48,9 @@ struct EpCase {
 std::string name_of(const EpCase& c, eplb::DispatchAlgorithm algorithm, backend::ExpertGemm gemm) {
   return fmt::format("H{}_I{}_E{}_k{}_P+{}_T{}+{} {} {}", c.hidden, c.intermediate, c.experts, c.top_k, c.extra_slots,
                      c.tokens[0], c.tokens[1], eplb::to_string(algorithm),
-                     gemm == backend::ExpertGemm::kGrouped ? "grouped" : "per-slot");
+                     gemm == backend::ExpertGemm::kGrouped   ? "grouped"
+                     : gemm == backend::ExpertGemm::kPerSlot ? "per-slot"
+                                                             : "cutlass");
 }
 
 std::vector<float> download_out(comm::NcclEpMoeLayer& ep, const DeviceBuffer& out, int64_t n) {
@@ -194,7 +197,7 @@ TEST(NcclRank, EpMoeMatchesReference) {
     for (const auto algorithm : {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic,
                                  eplb::DispatchAlgorithm::kBalanced}) {
       if (algorithm == eplb::DispatchAlgorithm::kBalanced && c.tokens[0] < c.tokens[1]) continue;  // padded
-      for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot}) {
+      for (const auto gemm : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot, backend::ExpertGemm::kCutlass}) {
         check_case(*world, device, c, algorithm, gemm);
       }
     }

@@ -1,11 +1,12 @@
 // `fulcrum bench moe` on one GPU: every physical slot of the layer on this GPU. Per model and batch it times
 // (CUDA events, warm-up, median of --reps):
-//   layer      forward_from_logits (router kernel, permutation with its one host sync, expert GEMMs,
-//              combine) with the recorder on and off, the two interleaved rep by rep; the router GEMM
-//              [T, H] x [H, E] is timed on its own (it does not depend on routing)
+//   layer      forward_from_logits (router kernel, permutation, expert GEMMs as kAuto picks them: CUTLASS
+//              without a host sync where it can run, combine) with the recorder on and off, the two
+//              interleaved rep by rep; the router GEMM [T, H] x [H, E] is timed on its own (it does not
+//              depend on routing)
 //   router     the router kernel alone, recorder on and off
 //   experts    the expert stage (gate_up GEMM, SwiGLU, down GEMM) over all slots, cuBLAS grouped,
-//              per-slot and auto (the layer's default), with FLOPs and minimum bytes against the ceilings
+//              per-slot, auto (the layer's default) and CUTLASS, with FLOPs and minimum bytes against the ceilings
 //              measured at start
 //   EP ranks   the expert stage over each simulated EP rank's slot subset (--ep ranks, P/ep contiguous
 //              slots each), one at a time on this GPU; max and mean over ranks
@@ -60,12 +61,17 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
   const double route_off = median_ms(stream, opt.warmup, opt.reps, [&] { layer.route(lp, tokens); });
   layer.route(lp, tokens);
   layer.permute(xp, tokens);
+  const std::span<const int32_t> slot_counts = layer.fetch_slot_counts();  // the CUTLASS path reads none back
   const int p = shape.num_slots;
   json gemm;
   const auto variant_name = [](backend::ExpertGemm v) {
-    return v == backend::ExpertGemm::kGrouped ? "grouped" : v == backend::ExpertGemm::kPerSlot ? "per_slot" : "auto";
+    return v == backend::ExpertGemm::kGrouped   ? "grouped"
+           : v == backend::ExpertGemm::kPerSlot ? "per_slot"
+           : v == backend::ExpertGemm::kCutlass ? "cutlass"
+                                                : "auto";
   };
-  for (const auto variant : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot, backend::ExpertGemm::kAuto}) {
+  for (const auto variant : {backend::ExpertGemm::kGrouped, backend::ExpertGemm::kPerSlot, backend::ExpertGemm::kAuto,
+                             backend::ExpertGemm::kCutlass}) {
     layer.set_expert_gemm(variant);
     const double ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, p); });
     const double flops = layer.expert_flops(0, p), bytes = layer.expert_min_bytes(0, p);
@@ -81,7 +87,7 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
     const int b = r * p / opt.ep, e = (r + 1) * p / opt.ep;
     rank_ms.push_back(median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(b, e); }));
     int64_t rows = 0;
-    for (int s = b; s < e; ++s) rows += layer.slot_counts()[s];
+    for (int s = b; s < e; ++s) rows += slot_counts[s];
     rank_tokens.push_back(rows);
   }
   const double rank_max = *std::max_element(rank_ms.begin(), rank_ms.end());
@@ -132,13 +138,13 @@ void run_single_gpu(const MoeBenchOptions& opt) {
         r["router_gemm_ms"] = router_gemm_ms;
         const json& g = r["expert_gemm"];
         fmt::print("{:16} T={:6} {:19} P={:3} layer {:8.3f} ms ({:9.0f} tok/s) rec-off {:8.3f} ms ({:+.2f}%) | router "
-                   "{:.3f}/{:.3f} ms | experts grouped {:.3f} / per-slot {:.3f} / auto {:.3f} ms, auto {:.2f} of {} roofline | EP{} max "
+                   "{:.3f}/{:.3f} ms | experts grouped {:.3f} / per-slot {:.3f} / auto {:.3f} / cutlass {:.3f} ms, auto {:.2f} of {} roofline | EP{} max "
                    "rank {:.3f} ms, time bal {:.3f}, token bal {:.3f}\n",
                    m.name, tokens, sc.name, sc.map.size(), r["layer_ms_recorder_on"].get<double>(),
                    r["tokens_per_s"].get<double>(), r["layer_ms_recorder_off"].get<double>(),
                    100 * r["recorder_overhead_fraction"].get<double>(), r["router_kernel_ms_recorder_on"].get<double>(),
                    r["router_kernel_ms_recorder_off"].get<double>(), g["grouped"]["ms"].get<double>(),
-                   g["per_slot"]["ms"].get<double>(), g["auto"]["ms"].get<double>(),
+                   g["per_slot"]["ms"].get<double>(), g["auto"]["ms"].get<double>(), g["cutlass"]["ms"].get<double>(),
                    g["auto"]["roofline_fraction"].get<double>(), g["auto"]["bound"].get<std::string>(), opt.ep, r["ep_max_rank_expert_ms"].get<double>(),
                    r["ep_time_balancedness"].get<double>(), r["ep_token_balancedness"].get<double>());
         results.push_back(r);

@@ -221,6 +221,20 @@ __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int in
   }
 }
 
+__global__ void silu_mul_bf16_rows_kernel(const uint16_t* h, const int32_t* row_begin, const int32_t* row_end,
+                                          int64_t max_rows, int intermediate_size, uint16_t* act) {
+  const int64_t first = *row_begin;
+  const int64_t rows = min(static_cast<int64_t>(*row_end) - first, max_rows);
+  const int64_t n = rows * intermediate_size;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = first + idx / intermediate_size, i = idx % intermediate_size;
+    const float gate = bf16_to_f32(h[r * 2 * intermediate_size + i]);
+    const float up = bf16_to_f32(h[r * 2 * intermediate_size + intermediate_size + i]);
+    act[r * intermediate_size + i] = f32_to_bf16(gate / (1.0f + expf(-gate)) * up);
+  }
+}
+
 // One block per token: its k rows and weights in shared memory, columns spread over the threads.
 __global__ void combine_kernel(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
                                int top_k, int hidden_size, float* out) {
@@ -422,6 +436,15 @@ cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int interm
   const int64_t n = num_rows * intermediate_size;
   if (n == 0) return cudaSuccess;
   silu_mul_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(h, num_rows, intermediate_size, act);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_silu_mul_bf16_rows(const uint16_t* h, const int32_t* row_begin, const int32_t* row_end,
+                                      int64_t max_rows, int intermediate_size, uint16_t* act, cudaStream_t stream) {
+  const int64_t n = max_rows * intermediate_size;
+  if (n == 0) return cudaSuccess;
+  silu_mul_bf16_rows_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(h, row_begin, row_end, max_rows, intermediate_size,
+                                                                     act);
   return cudaGetLastError();
 }
 

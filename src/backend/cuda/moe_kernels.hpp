@@ -79,6 +79,10 @@ cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k
 // act [n, I] = bf16(silu(gate) * up) from h [n, 2I] (gate | up), fp32 math.
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
                                  cudaStream_t stream);
+// The same over rows [*row_begin, *row_end) read on the device (the CUTLASS path knows no counts on the host),
+// rows indexing h and act alike; max_rows (host) bounds the grid and the rows done.
+cudaError_t launch_silu_mul_bf16_rows(const uint16_t* h, const int32_t* row_begin, const int32_t* row_end,
+                                      int64_t max_rows, int intermediate_size, uint16_t* act, cudaStream_t stream);
 
 // out [T, H] = sum_j weights[t*k+j] * rows[entry_row[t*k+j]] (bf16 rows, fp32 sum in j order).
 cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,

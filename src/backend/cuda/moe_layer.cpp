@@ -1,8 +1,10 @@
-// GPU MoE layer: buffers, cuBLAS calls and the launch sequence (kernels in moe_kernels.cu).
+// GPU MoE layer: the shared workspace, buffers, cuBLAS / CUTLASS calls and the launch sequence (kernels in
+// moe_kernels.cu, the grouped GEMM in src/gpu/cutlass/).
 #include "backend/cuda/moe_layer.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <utility>
 
 #include "backend/cuda/cuda_check.hpp"
@@ -50,7 +52,121 @@ DeviceBuffer upload_array(const std::vector<T>& host, cudaStream_t stream) {
   return buffer;
 }
 
+// cuBLAS's scratch for the router GEMM and the cuBLAS expert GEMMs: set explicitly so that a captured call
+// uses the same workspace (and so the same algorithm) as an eager one; 32 MiB as cuBLAS asks on Hopper.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+constexpr int64_t kMinGroupedGemmGroups = 1024;
+
+void check_grouped_gemm(const gpu::GroupedGemmStatus& status, const char* which) {
+  FULCRUM_CHECK(status.ok(), "CUTLASS grouped GEMM ({}): {} ({})", which, status.failed,
+                cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
+}
+
+void check_moe_shape(const MoeLayerShape& shape, const char* what) {
+  FULCRUM_CHECK(shape.hidden_size > 0 && shape.moe_intermediate_size > 0 && shape.max_tokens > 0,
+                "{}: hidden {} / intermediate {} / max tokens {} must be positive", what, shape.hidden_size,
+                shape.moe_intermediate_size, shape.max_tokens);
+  FULCRUM_CHECK(shape.num_experts > 0 && shape.num_experts <= cuda::moe::kMaxRouterExperts,
+                "{}: {} experts, the GPU router takes 1..{}", what, shape.num_experts, cuda::moe::kMaxRouterExperts);
+  FULCRUM_CHECK(shape.num_experts_per_tok > 0 && shape.num_experts_per_tok <= cuda::moe::kMaxTopK &&
+                    shape.num_experts_per_tok <= shape.num_experts,
+                "{}: top-k {} outside 1..min({}, {})", what, shape.num_experts_per_tok, cuda::moe::kMaxTopK,
+                shape.num_experts);
+  FULCRUM_CHECK(shape.num_slots >= shape.num_experts, "{}: {} slots for {} experts", what, shape.num_slots,
+                shape.num_experts);
+}
+
 }  // namespace
+
+MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(shape), device_idx_(device_idx) {
+  check_moe_shape(shape, "MoE workspace");
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
+  const int64_t h = shape.hidden_size, e = shape.num_experts, p = shape.num_slots;
+  const int64_t t = shape.max_tokens, n = t * shape.num_experts_per_tok;
+  logits = device_array<float>(t * e);
+  expert_ids = device_array<int32_t>(n);
+  weights = device_array<float>(n);
+  slots = device_array<int32_t>(n);
+  multi_draws = device_array<int32_t>(t);
+  draw_base = device_array<int32_t>(t + 1);
+  counts = device_array<int32_t>(p);
+  offsets = device_array<int32_t>(p + 1);
+  cursor = device_array<int32_t>(p);
+  entry_row = device_array<int32_t>(n);
+  permuted = device_array<uint16_t>(n * h);
+  expert_out = device_array<uint16_t>(n * h);
+  reserve_expert_rows(n);
+  cublasHandle_t handle = nullptr;
+  FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
+  cublas_ = handle;
+  cublas_workspace_ = DeviceBuffer(kCublasWorkspaceBytes);
+
+  // The CUTLASS kernels are compiled for sm_90a only; elsewhere the layers use cuBLAS.
+  int major = 0, minor = 0;
+  FULCRUM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_idx));
+  FULCRUM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_idx));
+  if (major != 9 || minor != 0) {
+    cutlass_unavailable_ = fmt::format("the CUTLASS grouped GEMM is built for sm_90a, device {} is sm_{}{}", device_idx,
+                                       major, minor);
+    return;
+  }
+  // Groups: the P slots, or run_experts_on's (segment, local slot) pairs; a group costs ~60 bytes of arrays.
+  const int max_groups = static_cast<int>(std::max<int64_t>(p, kMinGroupedGemmGroups));
+  const gpu::GroupedGemmStatus status = gpu::prepare_grouped_gemm(device_idx, max_groups, &gemm_limits_);
+  if (!status.ok()) {
+    cutlass_unavailable_ = fmt::format("prepare_grouped_gemm: {} ({})", status.failed,
+                                       cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
+    (void)cudaGetLastError();
+    return;
+  }
+  gemm_workspace_ = DeviceBuffer(gemm_limits_.workspace_bytes);
+}
+
+MoeWorkspace::~MoeWorkspace() {
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+}
+
+void MoeWorkspace::check_fits(const MoeLayerShape& layer) const {
+  FULCRUM_CHECK(layer.hidden_size == shape_.hidden_size && layer.moe_intermediate_size == shape_.moe_intermediate_size &&
+                    layer.num_experts == shape_.num_experts && layer.num_experts_per_tok == shape_.num_experts_per_tok,
+                "MoE workspace for H {} / I {} / E {} / k {}, the layer has {} / {} / {} / {}", shape_.hidden_size,
+                shape_.moe_intermediate_size, shape_.num_experts, shape_.num_experts_per_tok, layer.hidden_size,
+                layer.moe_intermediate_size, layer.num_experts, layer.num_experts_per_tok);
+  FULCRUM_CHECK(layer.num_slots <= shape_.num_slots && layer.max_tokens <= shape_.max_tokens,
+                "MoE workspace for {} slots / {} tokens, the layer has {} / {}", shape_.num_slots, shape_.max_tokens,
+                layer.num_slots, layer.max_tokens);
+}
+
+void MoeWorkspace::reserve_expert_rows(int64_t rows) {
+  if (rows <= expert_rows_) return;
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
+  FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());  // any layer's stream may still use the old scratch
+  h = device_array<uint16_t>(rows * 2 * shape_.moe_intermediate_size);
+  act = device_array<uint16_t>(rows * shape_.moe_intermediate_size);
+  expert_rows_ = rows;
+}
+
+void MoeWorkspace::reserve_entry_ranks() {
+  if (entry_rank.bytes() == 0) entry_rank = device_array<int32_t>(shape_.max_tokens * shape_.num_experts_per_tok);
+}
+
+void MoeWorkspace::release_stream(CUstream_st* stream) noexcept {
+  if (!cublas_bound_ || cublas_stream_ != stream) return;
+  cublasSetStream(cublas_, nullptr);
+  cublas_bound_ = false;
+  cublas_stream_ = nullptr;
+}
+
+cublasContext* MoeWorkspace::cublas_on(CUstream_st* stream) {
+  if (!cublas_bound_ || stream != cublas_stream_) {
+    FULCRUM_CUBLAS_CHECK(cublasSetStream(cublas_, stream));
+    // cublasSetStream resets the workspace to cuBLAS's pool: set ours again.
+    FULCRUM_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_.as<void>(), cublas_workspace_.bytes()));
+    cublas_stream_ = stream;
+    cublas_bound_ = true;
+  }
+  return cublas_;
+}
 
 // Pointer arrays [2 GEMMs][A, B, C][capacity] in pinned host memory and on the device (cuBLAS's grouped GEMM
 // reads them there), one entry per problem. `uploaded` follows the last upload; the host array is rewritten
@@ -98,73 +214,99 @@ struct GpuMoeLayer::GemmProblems {
   }
 };
 
-GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx) : shape_(shape), device_idx_(device_idx) {
-  FULCRUM_CHECK(shape.hidden_size > 0 && shape.moe_intermediate_size > 0 && shape.max_tokens > 0,
-                "MoE layer: hidden {} / intermediate {} / max tokens {} must be positive", shape.hidden_size,
-                shape.moe_intermediate_size, shape.max_tokens);
-  FULCRUM_CHECK(shape.num_experts > 0 && shape.num_experts <= cuda::moe::kMaxRouterExperts,
-                "MoE layer: {} experts, the GPU router takes 1..{}", shape.num_experts, cuda::moe::kMaxRouterExperts);
-  FULCRUM_CHECK(shape.num_experts_per_tok > 0 && shape.num_experts_per_tok <= cuda::moe::kMaxTopK &&
-                    shape.num_experts_per_tok <= shape.num_experts,
-                "MoE layer: top-k {} outside 1..min({}, {})", shape.num_experts_per_tok, cuda::moe::kMaxTopK,
-                shape.num_experts);
-  FULCRUM_CHECK(shape.num_slots >= shape.num_experts, "MoE layer: {} slots for {} experts", shape.num_slots,
-                shape.num_experts);
+// Host offsets [n] in pinned memory and on the device (run_experts_on's CUTLASS groups); the host array is
+// rewritten only after its last upload finished (begin waits).
+struct GpuMoeLayer::OffsetsUpload {
+  int capacity = 0;
+  int32_t* host = nullptr;
+  DeviceBuffer device;
+  cudaEvent_t uploaded = nullptr;
+
+  OffsetsUpload() { FULCRUM_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming)); }
+  ~OffsetsUpload() {
+    if (uploaded != nullptr) cudaEventSynchronize(uploaded);
+    if (host != nullptr) cudaFreeHost(host);
+    if (uploaded != nullptr) cudaEventDestroy(uploaded);
+  }
+  OffsetsUpload(const OffsetsUpload&) = delete;
+  OffsetsUpload& operator=(const OffsetsUpload&) = delete;
+
+  void begin(int n, cudaStream_t stream) {
+    FULCRUM_CUDA_CHECK(cudaEventSynchronize(uploaded));
+    if (n <= capacity) return;
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream));  // a GEMM may still read the old device array
+    if (host != nullptr) FULCRUM_CUDA_CHECK(cudaFreeHost(host));
+    host = nullptr;
+    capacity = 0;
+    FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host), sizeof(int32_t) * n));
+    device = device_array<int32_t>(n);
+    capacity = n;
+  }
+  void upload(int n, cudaStream_t stream) {
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(device.as<int32_t>(), host, sizeof(int32_t) * n, cudaMemcpyHostToDevice, stream));
+    FULCRUM_CUDA_CHECK(cudaEventRecord(uploaded, stream));
+  }
+};
+
+GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx, CUstream_st* stream,
+                         std::shared_ptr<MoeWorkspace> workspace)
+    : shape_(shape), device_idx_(device_idx), workspace_(std::move(workspace)) {
+  check_moe_shape(shape, "MoE layer");
   FULCRUM_CHECK(shape.local_slot_begin >= 0 && shape.local_slots() >= 1 &&
                     shape.local_slot_begin + shape.local_slots() <= shape.num_slots,
                 "MoE layer: local slots [{}, {} + {}) outside the {} slots", shape.local_slot_begin,
                 shape.local_slot_begin, shape.local_slots(), shape.num_slots);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
-  cudaStream_t stream = nullptr;
-  FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  stream_ = stream;
-  cublasHandle_t handle = nullptr;
-  FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
-  cublas_ = handle;
-  FULCRUM_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  if (workspace_ == nullptr) {
+    workspace_ = std::make_shared<MoeWorkspace>(shape, device_idx);
+  } else {
+    FULCRUM_CHECK(workspace_->device() == device_idx, "MoE layer on device {} with a workspace on device {}", device_idx,
+                  workspace_->device());
+    workspace_->check_fits(shape);
+  }
+  if (stream == nullptr) {
+    cudaStream_t own = nullptr;
+    FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    stream_ = own;
+    owns_stream_ = true;
+  } else {
+    stream_ = stream;
+  }
+  ws().cublas_on(stream_);
 
-  const int64_t h = shape.hidden_size, i = shape.moe_intermediate_size, e = shape.num_experts, p = shape.num_slots;
-  const int64_t t = shape.max_tokens, n = t * shape.num_experts_per_tok, l = shape.local_slots();
-  router_w_ = device_array<uint16_t>(e * h);
-  gate_up_w_ = device_array<uint16_t>(l * 2 * i * h);
-  down_w_ = device_array<uint16_t>(l * h * i);
-  logits_ = device_array<float>(t * e);
-  expert_ids_ = device_array<int32_t>(n);
-  weights_ = device_array<float>(n);
-  slots_ = device_array<int32_t>(n);
-  multi_draws_ = device_array<int32_t>(t);
-  draw_base_ = device_array<int32_t>(t + 1);
-  counts_ = device_array<int32_t>(p);
-  offsets_ = device_array<int32_t>(p + 1);
-  cursor_ = device_array<int32_t>(p);
-  entry_row_ = device_array<int32_t>(n);
-  permuted_ = device_array<uint16_t>(n * h);
-  expert_out_ = device_array<uint16_t>(n * h);
-  reserve_expert_rows(n);
+  const int64_t h = shape.hidden_size, i = shape.moe_intermediate_size, e = shape.num_experts, l = shape.local_slots();
+  if (!shape.external_weights) {
+    router_w_ = device_array<uint16_t>(e * h);
+    gate_up_w_ = device_array<uint16_t>(l * 2 * i * h);
+    down_w_ = device_array<uint16_t>(l * h * i);
+    router_ = router_w_.as<uint16_t>();
+  }
+  has_expert_weights_ = !shape.external_weights;
+  gate_up_ptrs_ = device_array<const uint16_t*>(l);
+  down_ptrs_ = device_array<const uint16_t*>(l);
+  upload_slot_pointers();
   own_problems_ = std::make_unique<GemmProblems>();
   recv_problems_ = std::make_unique<GemmProblems>();
+  recv_offsets_ = std::make_unique<OffsetsUpload>();
   own_problems_->begin(static_cast<int>(l));
-  FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_), sizeof(int32_t) * (p + 1)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_), sizeof(int32_t) * (shape.num_slots + 1)));
 }
 
 GpuMoeLayer::~GpuMoeLayer() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   own_problems_.reset();
   recv_problems_.reset();
+  recv_offsets_.reset();
   if (host_counts_ != nullptr) cudaFreeHost(host_counts_);
-  if (cublas_ != nullptr) cublasDestroy(cublas_);
-  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (owns_stream_) {
+    workspace_->release_stream(stream_);  // the shared cuBLAS handle must not keep a destroyed stream
+    cudaStreamDestroy(stream_);
+  }
 }
 
 void GpuMoeLayer::synchronize() { FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-void GpuMoeLayer::reserve_expert_rows(int64_t rows) {
-  if (rows <= expert_rows_) return;
-  synchronize();  // the old scratch may still be in use
-  h_ = device_array<uint16_t>(rows * 2 * shape_.moe_intermediate_size);
-  act_ = device_array<uint16_t>(rows * shape_.moe_intermediate_size);
-  expert_rows_ = rows;
-}
+void GpuMoeLayer::reserve_expert_rows(int64_t rows) { ws().reserve_expert_rows(rows); }
 
 void GpuMoeLayer::check_holds_all_slots() const {
   FULCRUM_CHECK(shape_.local_slots() == shape_.num_slots,
@@ -174,12 +316,32 @@ void GpuMoeLayer::check_holds_all_slots() const {
 
 const uint16_t* GpuMoeLayer::gate_up_of(int local_slot) const {
   if (!slot_gate_up_.empty()) return slot_gate_up_[static_cast<size_t>(local_slot)];
+  if (gate_up_w_.bytes() == 0) return nullptr;  // external weights not set
   return gate_up_w_.as<uint16_t>() + int64_t{local_slot} * 2 * shape_.moe_intermediate_size * shape_.hidden_size;
 }
 
 const uint16_t* GpuMoeLayer::down_of(int local_slot) const {
   if (!slot_down_.empty()) return slot_down_[static_cast<size_t>(local_slot)];
+  if (down_w_.bytes() == 0) return nullptr;
   return down_w_.as<uint16_t>() + int64_t{local_slot} * shape_.hidden_size * shape_.moe_intermediate_size;
+}
+
+void GpuMoeLayer::upload_slot_pointers() {
+  const int l = shape_.local_slots();
+  std::vector<const uint16_t*> gate_up(static_cast<size_t>(l)), down(static_cast<size_t>(l));
+  bool aligned = true;
+  for (int q = 0; q < l; ++q) {
+    gate_up[q] = gate_up_of(q);
+    down[q] = down_of(q);
+    aligned = aligned && gpu::grouped_gemm_aligned(gate_up[q]) && gpu::grouped_gemm_aligned(down[q]);
+  }
+  // Stream-ordered: a forward still in flight reads the old pointers; then wait, the host vectors go away.
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(gate_up_ptrs_.as<const uint16_t*>(), gate_up.data(), sizeof(void*) * l,
+                                     cudaMemcpyHostToDevice, stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(down_ptrs_.as<const uint16_t*>(), down.data(), sizeof(void*) * l,
+                                     cudaMemcpyHostToDevice, stream_));
+  synchronize();
+  slot_pointers_aligned_ = aligned;
 }
 
 void GpuMoeLayer::set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down) {
@@ -192,10 +354,20 @@ void GpuMoeLayer::set_slot_weights(std::span<const uint16_t* const> gate_up, std
   }
   slot_gate_up_.assign(gate_up.begin(), gate_up.end());
   slot_down_.assign(down.begin(), down.end());
+  has_expert_weights_ = !gate_up.empty() || !shape_.external_weights;
+  own_problems_built_ = false;  // the cuBLAS problems hold weight pointers
+  upload_slot_pointers();
+}
+
+void GpuMoeLayer::set_router_weights(const uint16_t* router) {
+  FULCRUM_CHECK(router != nullptr || !shape_.external_weights,
+                "set_router_weights: null router, and the layer has no weights of its own (external_weights)");
+  router_ = router != nullptr ? router : router_w_.as<uint16_t>();
 }
 
 void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<const uint16_t> gate_up,
                                  std::span<const uint16_t> down) {
+  FULCRUM_CHECK(!shape_.external_weights, "upload_weights: the layer holds no weights of its own (external_weights)");
   FULCRUM_CHECK(router.size() * 2 == router_w_.bytes() && gate_up.size() * 2 == gate_up_w_.bytes() &&
                     down.size() * 2 == down_w_.bytes(),
                 "MoE layer weights: router {} / gate_up {} / down {} values, expected {} / {} / {}", router.size(),
@@ -208,6 +380,7 @@ void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<con
 
 void GpuMoeLayer::randomize_weights(uint64_t seed) {
   using model::ExpertTensor;
+  FULCRUM_CHECK(!shape_.external_weights, "randomize_weights: the layer holds no weights of its own (external_weights)");
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   const float gate_up_scale = model::expert_weight_scale(ExpertTensor::kGateUp, h, i);  // 1/sqrt(H), the router's too
   const float down_scale = model::expert_weight_scale(ExpertTensor::kDown, h, i);
@@ -241,6 +414,7 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   for (const int32_t s : is_static ? spec.static_slot_of : spec.replica_slots) {
     FULCRUM_CHECK(s >= 0 && s < spec.num_slots, "replica table names slot {} outside [0, {})", s, spec.num_slots);
   }
+  synchronize();  // a forward in flight may still read the tables replaced below
   splitter_.reset();
   if (is_balanced) {
     // Every source is here, or (expert parallelism) this layer's one source is one of the topology's GPUs.
@@ -251,7 +425,7 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
                   spec.topo.num_physical_experts, spec.num_sources, spec.num_slots);
     splitter_ = std::make_unique<eplb::BalancedSplitter>(spec.layer_map, spec.num_logical_experts, spec.topo);
     const int64_t chunks = cuda::moe::balanced_chunks_per_source(spec.tokens_per_source, shape_.max_tokens);
-    entry_rank_ = device_array<int32_t>(shape_.max_tokens * shape_.num_experts_per_tok);
+    ws().reserve_entry_ranks();
     chunk_base_ = device_array<int32_t>(static_cast<int64_t>(table) * chunks);
     pair_counts_ = device_array<int32_t>(static_cast<int64_t>(table));
     // A (source, slot) pair is in at most one route, so at most S * P routes.
@@ -274,16 +448,47 @@ void GpuMoeLayer::set_balanced_sources(int source_idx, CountGather gather) {
   has_spec_ = false;  // a balanced spec must be checked against the new source
 }
 
+std::string GpuMoeLayer::cutlass_problem() const {
+  if (!ws().cutlass_unavailable().empty()) return ws().cutlass_unavailable();
+  const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  if (const char* why = gpu::grouped_gemm_shape_problem(2 * i, h)) {
+    return fmt::format("gate_up GEMM N = 2I = {}, K = H = {}: {}", 2 * i, h, why);
+  }
+  if (const char* why = gpu::grouped_gemm_shape_problem(h, i)) {
+    return fmt::format("down GEMM N = H = {}, K = I = {}: {}", h, i, why);
+  }
+  if (!slot_pointers_aligned_) return "an expert weight pointer is not 16-byte aligned";
+  if (shape_.local_slots() > ws().grouped_gemm_limits().max_groups) {
+    return fmt::format("{} local slots, the workspace's grouped GEMM holds {} groups", shape_.local_slots(),
+                       ws().grouped_gemm_limits().max_groups);
+  }
+  return {};
+}
+
+bool GpuMoeLayer::uses_cutlass() const {
+  const bool wanted = expert_gemm_ == ExpertGemm::kCutlass ||
+                      (expert_gemm_ == ExpertGemm::kAuto && shape_.local_slots() == shape_.num_slots);
+  return wanted && cutlass_problem().empty();
+}
+
+std::string GpuMoeLayer::cutlass_fallback_reason() const {
+  const bool wanted = expert_gemm_ == ExpertGemm::kCutlass ||
+                      (expert_gemm_ == ExpertGemm::kAuto && shape_.local_slots() == shape_.num_slots);
+  return wanted ? cutlass_problem() : std::string();
+}
+
 void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
   FULCRUM_CHECK(num_tokens >= 0 && num_tokens <= shape_.max_tokens, "MoE layer: {} tokens, at most {}", num_tokens,
                 shape_.max_tokens);
+  FULCRUM_CHECK(router_ != nullptr, "MoE layer: no router weights (external_weights: set_router_weights first)");
   if (num_tokens == 0) return;
   // Row-major logits [T, E] = x [T, H] @ router [E, H]^T, i.e. column-major logits^T = router^T(op T) x.
   const float alpha = 1.0f, beta = 0.0f;
-  FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, shape_.num_experts, static_cast<int>(num_tokens),
-                                    shape_.hidden_size, &alpha, router_w_.as<uint16_t>(), CUDA_R_16BF, shape_.hidden_size,
-                                    x, CUDA_R_16BF, shape_.hidden_size, &beta, logits_.as<float>(), CUDA_R_32F,
-                                    shape_.num_experts, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  FULCRUM_CUBLAS_CHECK(cublasGemmEx(ws().cublas_on(stream_), CUBLAS_OP_T, CUBLAS_OP_N, shape_.num_experts,
+                                    static_cast<int>(num_tokens), shape_.hidden_size, &alpha, router_, CUDA_R_16BF,
+                                    shape_.hidden_size, x, CUDA_R_16BF, shape_.hidden_size, &beta,
+                                    ws().logits.as<float>(), CUDA_R_32F, shape_.num_experts, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
 }
 
 void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
@@ -294,6 +499,9 @@ void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
                 "MoE layer: {} tokens but {} sources of {} tokens", num_tokens, spec_.num_sources,
                 spec_.tokens_per_source);
   num_tokens_ = num_tokens;
+  host_counts_valid_ = false;
+  own_problems_built_ = false;
+  MoeWorkspace& w = ws();
   const bool is_static = spec_.algorithm == eplb::DispatchAlgorithm::kStatic;
   cuda::moe::RouterArgs args;
   args.logits = logits;
@@ -304,32 +512,32 @@ void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
   args.tokens_per_source = spec_.tokens_per_source;
   args.static_slot_of = is_static ? static_slot_of_.as<int32_t>() : nullptr;  // else multi_draws (unused by balanced)
   args.replica_offsets = replica_offsets_.as<int32_t>();
-  args.expert_ids = expert_ids_.as<int32_t>();
-  args.weights = weights_.as<float>();
-  args.slots = slots_.as<int32_t>();
-  args.multi_draws = multi_draws_.as<int32_t>();
+  args.expert_ids = w.expert_ids.as<int32_t>();
+  args.weights = w.weights.as<float>();
+  args.slots = w.slots.as<int32_t>();
+  args.multi_draws = w.multi_draws.as<int32_t>();
   args.histogram = histogram_row_;
   FULCRUM_CUDA_CHECK(cuda::moe::launch_moe_router(args, stream_));
-  host_counts_from_route_ = false;
   if (spec_.algorithm == eplb::DispatchAlgorithm::kBalanced) {
     choose_balanced(num_tokens);
     return;
   }
   if (is_static || num_tokens == 0) return;
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_exclusive_scan(multi_draws_.as<int32_t>(), num_tokens, draw_base_.as<int32_t>(),
-                                                      draw_base_.as<int32_t>() + num_tokens, stream_));
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_dynamic_pick(expert_ids_.as<int32_t>(), draw_base_.as<int32_t>(), num_tokens,
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_exclusive_scan(w.multi_draws.as<int32_t>(), num_tokens, w.draw_base.as<int32_t>(),
+                                                      w.draw_base.as<int32_t>() + num_tokens, stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_dynamic_pick(w.expert_ids.as<int32_t>(), w.draw_base.as<int32_t>(), num_tokens,
                                                     shape_.num_experts_per_tok, spec_.tokens_per_source,
                                                     source_streams_.as<uint64_t>(), replica_offsets_.as<int32_t>(),
-                                                    replica_slots_.as<int32_t>(), slots_.as<int32_t>(), stream_));
+                                                    replica_slots_.as<int32_t>(), w.slots.as<int32_t>(), stream_));
 }
 
 void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
+  MoeWorkspace& w = ws();
   const int num_sources = spec_.num_sources, num_experts = shape_.num_experts, p = shape_.num_slots;
   const size_t pairs = static_cast<size_t>(num_sources) * num_experts;
   const int k = shape_.num_experts_per_tok;
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_balanced_counts(expert_ids_.as<int32_t>(), num_tokens, k, num_experts,
-                                                       spec_.tokens_per_source, num_sources, entry_rank_.as<int32_t>(),
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_balanced_counts(w.expert_ids.as<int32_t>(), num_tokens, k, num_experts,
+                                                       spec_.tokens_per_source, num_sources, w.entry_rank.as<int32_t>(),
                                                        chunk_base_.as<int32_t>(), pair_counts_.as<int32_t>(), stream_));
   host_pair_counts_.resize(pairs);
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_pair_counts_.data(), pair_counts_.as<int32_t>(), sizeof(int32_t) * pairs,
@@ -370,29 +578,41 @@ void GpuMoeLayer::choose_balanced(int64_t num_tokens) {
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(routes_.as<int32_t>(), host_routes_.data(), sizeof(int32_t) * host_routes_.size(),
                                      cudaMemcpyHostToDevice, stream_));
   const int32_t* offsets = routes_.as<int32_t>();
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_balanced_pick(expert_ids_.as<int32_t>(), entry_rank_.as<int32_t>(),
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_balanced_pick(w.expert_ids.as<int32_t>(), w.entry_rank.as<int32_t>(),
                                                      chunk_base_.as<int32_t>(), num_tokens, k, num_experts,
                                                      spec_.tokens_per_source, offsets, offsets + pairs + 1,
-                                                     offsets + pairs + 1 + num_routes, slots_.as<int32_t>(), stream_));
-  host_counts_from_route_ = true;
+                                                     offsets + pairs + 1 + num_routes, w.slots.as<int32_t>(), stream_));
+  host_counts_valid_ = true;
 }
 
 void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
   FULCRUM_CHECK(num_tokens == num_tokens_, "MoE layer: permute of {} tokens after routing {}", num_tokens, num_tokens_);
+  MoeWorkspace& w = ws();
   const int p = shape_.num_slots, k = shape_.num_experts_per_tok;
   const int64_t num_entries = num_tokens * k;
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_slot_counts(slots_.as<int32_t>(), num_entries, p, counts_.as<int32_t>(),
-                                                   offsets_.as<int32_t>(), stream_));
-  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(cursor_.as<int32_t>(), offsets_.as<int32_t>(), sizeof(int32_t) * p,
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_slot_counts(w.slots.as<int32_t>(), num_entries, p, w.counts.as<int32_t>(),
+                                                   w.offsets.as<int32_t>(), stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(w.cursor.as<int32_t>(), w.offsets.as<int32_t>(), sizeof(int32_t) * p,
                                      cudaMemcpyDeviceToDevice, stream_));
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows(x, num_tokens, k, shape_.hidden_size, slots_.as<int32_t>(),
-                                                    cursor_.as<int32_t>(), entry_row_.as<int32_t>(),
-                                                    permuted_.as<uint16_t>(), stream_));
-  // The one host synchronization: cuBLAS takes the GEMM sizes as host arrays (balanced routing has them
-  // already).
-  if (!std::exchange(host_counts_from_route_, false)) {
-    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, counts_.as<int32_t>(), sizeof(int32_t) * p, cudaMemcpyDeviceToHost, stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows(x, num_tokens, k, shape_.hidden_size, w.slots.as<int32_t>(),
+                                                    w.cursor.as<int32_t>(), w.entry_row.as<int32_t>(),
+                                                    w.permuted.as<uint16_t>(), stream_));
+  own_problems_built_ = false;
+  // CUTLASS reads the offsets on the device: nothing comes back. An expert-parallel layer needs the host
+  // counts for its exchange whatever its GEMMs.
+  if (uses_cutlass() && shape_.local_slots() == shape_.num_slots) return;
+  build_own_problems();
+}
+
+void GpuMoeLayer::build_own_problems() {
+  MoeWorkspace& w = ws();
+  const int p = shape_.num_slots;
+  // The cuBLAS paths' one host synchronization: cuBLAS takes the GEMM sizes as host arrays (balanced routing
+  // has them already).
+  if (!host_counts_valid_) {
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, w.counts.as<int32_t>(), sizeof(int32_t) * p, cudaMemcpyDeviceToHost, stream_));
     synchronize();
+    host_counts_valid_ = true;
   }
   // One problem per non-empty local slot; pointers of both GEMMs for all of them, uploaded once.
   const int64_t h = shape_.hidden_size, i = shape_.moe_intermediate_size;
@@ -406,14 +626,15 @@ void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
     if (local >= 0 && local < l) {
       compact_begin_[local] = static_cast<int>(problems.rows.size());
       if (n > 0) {
-        problems.add(n, gate_up_of(local), permuted_.as<uint16_t>() + row * h, h_.as<uint16_t>() + row * 2 * i,
-                     down_of(local), act_.as<uint16_t>() + row * i, expert_out_.as<uint16_t>() + row * h);
+        problems.add(n, gate_up_of(local), w.permuted.as<uint16_t>() + row * h, w.h.as<uint16_t>() + row * 2 * i,
+                     down_of(local), w.act.as<uint16_t>() + row * i, w.expert_out.as<uint16_t>() + row * h);
       }
     }
     row += n;
   }
   compact_begin_[l] = static_cast<int>(problems.rows.size());
   problems.upload(stream_);
+  own_problems_built_ = true;
 }
 
 void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int first, int count, double flops) {
@@ -424,11 +645,13 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
   const void** host_a = problems.at(gemm_idx, 0) + first;
   const void** host_b = problems.at(gemm_idx, 1) + first;
   const void** host_c = problems.at(gemm_idx, 2) + first;
+  cublasHandle_t cublas = ws().cublas_on(stream_);
   // Row-major out [n, N] = in [n, K] @ W [N, K]^T is column-major out^T = W^T(op T) in^T: m = N, n = rows, k = K.
-  const bool per_slot = expert_gemm_ == ExpertGemm::kPerSlot || (expert_gemm_ == ExpertGemm::kAuto && flops >= kPerSlotMinFlops);
+  // kAuto (and kCutlass falling back here) pick per-slot calls on large problems.
+  const bool per_slot = expert_gemm_ == ExpertGemm::kPerSlot || (expert_gemm_ != ExpertGemm::kGrouped && flops >= kPerSlotMinFlops);
   if (per_slot) {
     for (int q = 0; q < count; ++q) {
-      FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, out_features, problems.rows[first + q],
+      FULCRUM_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, out_features, problems.rows[first + q],
                                         in_features, &alpha, host_a[q], CUDA_R_16BF, in_features, host_b[q],
                                         CUDA_R_16BF, in_features, &beta, const_cast<void*>(host_c[q]), CUDA_R_16BF,
                                         out_features, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -441,16 +664,55 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
   void** device_ptrs = problems.device.as<void*>();
   const int64_t cap = problems.capacity;
   FULCRUM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
-      cublas_, trans_a.data(), trans_b.data(), m.data(), problems.rows.data() + first, k.data(), alphas.data(),
+      cublas, trans_a.data(), trans_b.data(), m.data(), problems.rows.data() + first, k.data(), alphas.data(),
       device_ptrs + (3 * gemm_idx) * cap + first, CUDA_R_16BF, k.data(), device_ptrs + (3 * gemm_idx + 1) * cap + first,
       CUDA_R_16BF, k.data(), betas.data(), device_ptrs + (3 * gemm_idx + 2) * cap + first, CUDA_R_16BF, m.data(), count,
       group_size.data(), CUBLAS_COMPUTE_32F));
+}
+
+void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local,
+                                  int num_weights, int64_t max_rows, int64_t total_rows, uint16_t* out) {
+  if (num_groups == 0 || max_rows == 0) return;
+  MoeWorkspace& w = ws();
+  const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  // By the batch's total rows, never per group: the config is the same whatever the placement (grouped_gemm.hpp).
+  const gpu::GroupedGemmConfig config = gpu::grouped_gemm_config_for_rows(total_rows);
+  gpu::GroupedGemmArgs gemm;
+  gemm.a = in;                      // [rows, H]
+  gemm.offsets = offsets;           // [num_groups + 1]
+  gemm.num_groups = num_groups;
+  gemm.b = gate_up_ptrs_.as<const uint16_t*>() + first_local;  // [2I, H] each
+  gemm.num_b = num_weights;
+  gemm.d = w.h.as<uint16_t>();      // [rows, 2I]
+  gemm.n = 2 * i;
+  gemm.k = h;
+  check_grouped_gemm(gpu::run_grouped_gemm(gemm, config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
+                     "gate_up");
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16_rows(w.h.as<uint16_t>(), offsets, offsets + num_groups, max_rows, i,
+                                                          w.act.as<uint16_t>(), stream_));
+  gemm.a = w.act.as<uint16_t>();    // [rows, I]
+  gemm.b = down_ptrs_.as<const uint16_t*>() + first_local;  // [H, I] each
+  gemm.d = out;                     // [rows, H]
+  gemm.n = h;
+  gemm.k = i;
+  check_grouped_gemm(gpu::run_grouped_gemm(gemm, config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
+                     "down");
 }
 
 void GpuMoeLayer::run_experts(int slot_begin, int slot_end) {
   const int local_begin = shape_.local_slot_begin, local_end = local_begin + shape_.local_slots();
   FULCRUM_CHECK(local_begin <= slot_begin && slot_begin <= slot_end && slot_end <= local_end,
                 "run_experts: slots [{}, {}) outside this layer's [{}, {})", slot_begin, slot_end, local_begin, local_end);
+  FULCRUM_CHECK(has_expert_weights_, "MoE layer: no expert weights (external_weights: set_slot_weights first)");
+  MoeWorkspace& w = ws();
+  const int64_t total_rows = num_tokens_ * shape_.num_experts_per_tok;
+  if (uses_cutlass()) {
+    // Groups = the slots [slot_begin, slot_end), rows from the device offsets of the last permute.
+    cutlass_experts(w.permuted.as<uint16_t>(), w.offsets.as<int32_t>() + slot_begin, slot_end - slot_begin,
+                    slot_begin - local_begin, slot_end - slot_begin, total_rows, total_rows, w.expert_out.as<uint16_t>());
+    return;
+  }
+  if (!own_problems_built_) build_own_problems();  // the last permute took the CUTLASS path
   const int first = compact_begin_[slot_begin - local_begin];
   const int count = compact_begin_[slot_end - local_begin] - first;
   const double flops = expert_flops(slot_begin, slot_end);
@@ -458,8 +720,8 @@ void GpuMoeLayer::run_experts(int slot_begin, int slot_end) {
   int64_t row_begin = 0, num_rows = 0;
   for (int s = 0; s < slot_end; ++s) (s < slot_begin ? row_begin : num_rows) += host_counts_[s];
   const int64_t i = shape_.moe_intermediate_size;
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(h_.as<uint16_t>() + row_begin * 2 * i, num_rows,
-                                                     shape_.moe_intermediate_size, act_.as<uint16_t>() + row_begin * i,
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(w.h.as<uint16_t>() + row_begin * 2 * i, num_rows,
+                                                     shape_.moe_intermediate_size, w.act.as<uint16_t>() + row_begin * i,
                                                      stream_));
   expert_gemm(*own_problems_, 1, first, count, flops);
 }
@@ -468,39 +730,54 @@ void GpuMoeLayer::run_experts_on(const uint16_t* rows, std::span<const int32_t> 
   const size_t l = static_cast<size_t>(shape_.local_slots());
   FULCRUM_CHECK(!rows_per_segment_slot.empty() && rows_per_segment_slot.size() % l == 0,
                 "run_experts_on: {} counts are not segments of {} local slots", rows_per_segment_slot.size(), l);
+  FULCRUM_CHECK(has_expert_weights_, "MoE layer: no expert weights (external_weights: set_slot_weights first)");
   int64_t n = 0;
   for (const int32_t c : rows_per_segment_slot) {
     FULCRUM_CHECK(c >= 0, "run_experts_on: negative row count {}", c);
     n += c;
   }
-  FULCRUM_CHECK(n <= expert_rows_, "run_experts_on: {} rows, scratch for {} (reserve_expert_rows)", n, expert_rows_);
+  MoeWorkspace& w = ws();
+  FULCRUM_CHECK(n <= w.expert_rows(), "run_experts_on: {} rows, scratch for {} (reserve_expert_rows)", n, w.expert_rows());
+  const int num_groups = static_cast<int>(rows_per_segment_slot.size());
+  if (expert_gemm_ == ExpertGemm::kCutlass && cutlass_problem().empty() &&
+      num_groups <= w.grouped_gemm_limits().max_groups && gpu::grouped_gemm_aligned(rows) && gpu::grouped_gemm_aligned(out)) {
+    // One group per (segment, local slot), group g using local slot g % L; offsets from the host counts.
+    OffsetsUpload& upload = *recv_offsets_;
+    upload.begin(num_groups + 1, stream_);
+    upload.host[0] = 0;
+    for (int g = 0; g < num_groups; ++g) upload.host[g + 1] = upload.host[g] + rows_per_segment_slot[g];
+    upload.upload(num_groups + 1, stream_);
+    cutlass_experts(rows, upload.device.as<int32_t>(), num_groups, 0, static_cast<int>(l), n, n, out);
+    return;
+  }
   const int64_t h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   GemmProblems& problems = *recv_problems_;
-  problems.begin(static_cast<int>(rows_per_segment_slot.size()));
+  problems.begin(num_groups);
   int64_t row = 0;
   for (size_t q = 0; q < rows_per_segment_slot.size(); ++q) {
     const int c = rows_per_segment_slot[q];
     if (c == 0) continue;
     const int local = static_cast<int>(q % l);
-    problems.add(c, gate_up_of(local), rows + row * h, h_.as<uint16_t>() + row * 2 * i, down_of(local),
-                 act_.as<uint16_t>() + row * i, out + row * h);
+    problems.add(c, gate_up_of(local), rows + row * h, w.h.as<uint16_t>() + row * 2 * i, down_of(local),
+                 w.act.as<uint16_t>() + row * i, out + row * h);
     row += c;
   }
   problems.upload(stream_);
   const int count = static_cast<int>(problems.rows.size());
   const double flops = expert_flops_of_rows(static_cast<double>(n), shape_);
   expert_gemm(problems, 0, 0, count, flops);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(h_.as<uint16_t>(), n, shape_.moe_intermediate_size,
-                                                     act_.as<uint16_t>(), stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16(w.h.as<uint16_t>(), n, shape_.moe_intermediate_size,
+                                                     w.act.as<uint16_t>(), stream_));
   expert_gemm(problems, 1, 0, count, flops);
 }
 
-void GpuMoeLayer::combine(int64_t num_tokens, float* out) { combine_rows(expert_out_.as<uint16_t>(), num_tokens, out); }
+void GpuMoeLayer::combine(int64_t num_tokens, float* out) { combine_rows(ws().expert_out.as<uint16_t>(), num_tokens, out); }
 
 void GpuMoeLayer::combine_rows(const uint16_t* rows, int64_t num_tokens, float* out) {
   FULCRUM_CHECK(num_tokens == num_tokens_, "MoE layer: combine of {} tokens after routing {}", num_tokens, num_tokens_);
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_combine_f32(rows, entry_row_.as<int32_t>(), weights_.as<float>(), num_tokens,
-                                                   shape_.num_experts_per_tok, shape_.hidden_size, out, stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_combine_f32(rows, ws().entry_row.as<int32_t>(), ws().weights.as<float>(),
+                                                   num_tokens, shape_.num_experts_per_tok, shape_.hidden_size, out,
+                                                   stream_));
 }
 
 void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out) {
@@ -514,20 +791,39 @@ void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, in
 void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {
   check_holds_all_slots();
   router_logits(x, num_tokens);
-  forward_from_logits(x, logits_.as<float>(), num_tokens, out);
+  forward_from_logits(x, ws().logits.as<float>(), num_tokens, out);
+}
+
+std::span<const int32_t> GpuMoeLayer::slot_counts() const {
+  FULCRUM_CHECK(host_counts_valid_,
+                "slot_counts: the last permute took the CUTLASS path, which reads no counts back (fetch_slot_counts "
+                "copies them and synchronizes)");
+  return {host_counts_, static_cast<size_t>(shape_.num_slots)};
+}
+
+std::span<const int32_t> GpuMoeLayer::fetch_slot_counts() {
+  if (!host_counts_valid_) {
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, ws().counts.as<int32_t>(), sizeof(int32_t) * shape_.num_slots,
+                                       cudaMemcpyDeviceToHost, stream_));
+    synchronize();
+    host_counts_valid_ = true;
+  }
+  return slot_counts();
 }
 
 double GpuMoeLayer::expert_flops(int slot_begin, int slot_end) const {
+  const std::span<const int32_t> counts = slot_counts();
   double rows = 0;
-  for (int s = slot_begin; s < slot_end; ++s) rows += host_counts_[s];
+  for (int s = slot_begin; s < slot_end; ++s) rows += counts[s];
   return expert_flops_of_rows(rows, shape_);
 }
 
 double GpuMoeLayer::expert_min_bytes(int slot_begin, int slot_end) const {
+  const std::span<const int32_t> counts = slot_counts();
   double rows = 0, slots = 0;
   for (int s = slot_begin; s < slot_end; ++s) {
-    rows += host_counts_[s];
-    slots += host_counts_[s] > 0 ? 1 : 0;
+    rows += counts[s];
+    slots += counts[s] > 0 ? 1 : 0;
   }
   const double h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   // Weights of the used slots once, input rows read and output rows written once (bf16); the [n, 2I]

@@ -1,21 +1,33 @@
 #pragma once
 // One MoE layer on one GPU, bf16 with fp32 accumulation: router GEMM -> fused router (softmax, top-k,
 // renormalization, replica choice, recorder histogram) -> permutation by physical slot -> SwiGLU expert
-// GEMMs over the slots (cuBLAS) -> combine with the routing weights. Semantics: model::Qwen3MoeModel's
-// moe_block with this layer's physical slots; CPU reference: model::moe::moe_layer_reference.
+// GEMMs over the slots -> combine with the routing weights. Semantics: model::Qwen3MoeModel's moe_block with
+// this layer's physical slots; CPU reference: model::moe::moe_layer_reference.
 //
-// Host synchronization: one per forward, after the permutation, to read the per-slot token counts that
-// cuBLAS's grouped GEMM takes as host arrays. Balanced replica choice moves it into routing: it reads the
-// per-(source, expert) counts there for eplb::BalancedSplitter, whose routes also give the per-slot
-// counts, so permute does not wait again. The recorder never synchronizes: it adds into a device row.
+// Expert GEMMs: CUTLASS's grouped GEMM with the group sizes read on the device (gpu/cutlass/grouped_gemm.hpp,
+// ExpertGemm::kCutlass, the default for a layer holding all its slots), or cuBLAS, which takes the per-slot
+// row counts as host arrays.
+//
+// Host synchronization and CUDA graphs: with CUTLASS and static or dynamic replica choice, forward /
+// forward_from_logits issue only kernels, a device-to-device copy, a memset and cuBLAS's router GEMM on the
+// layer's stream: no host synchronization, no device-to-host copy, no allocation, so they can be captured
+// in a CUDA graph (replays read x / logits from the same addresses; the token count is baked in). With cuBLAS
+// expert GEMMs permute synchronizes once to read the per-slot counts. Balanced replica choice always
+// synchronizes in routing (eplb::BalancedSplitter runs on the host on this pass's counts): not capturable.
+// The recorder never synchronizes: it adds into a device row.
+//
+// Buffers: every max_tokens-sized buffer lives in a MoeWorkspace, which layers that run one after another on
+// one stream share (the GPU engine's 48 layers: one workspace); a layer without one makes its own.
 //
 // This header includes no CUDA header; device pointers are plain pointers (bf16 as uint16_t bits).
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "gpu/cutlass/grouped_gemm.hpp"
 #include "model/moe_reference.hpp"
 
 struct CUstream_st;
@@ -38,16 +50,24 @@ struct MoeLayerShape {
   // the rows it receives (run_experts_on).
   int local_slot_begin = 0;
   int num_local_slots = -1;
+  // The layer allocates no router or expert weights: set_router_weights and set_slot_weights point it at
+  // weights held elsewhere (the GPU engine's), and upload_weights / randomize_weights are refused.
+  bool external_weights = false;
   int local_slots() const { return num_local_slots < 0 ? num_slots : num_local_slots; }
 };
 
-// How the expert GEMMs are issued: one cublasGemmGroupedBatchedEx per GEMM over all non-empty slots, or
-// one cublasGemmEx per non-empty slot, or (auto, the default) grouped below kPerSlotMinFlops of expert work
-// and per-slot above. Measured on an H200 (docs/benchmarks.md, bench/results/moe_layer_h200.json): grouped wins
-// at 256-1024 tokens (0.30-1.84 ms against 1.49-2.77 ms for the per-slot calls), per-slot wins on large problems
-// (its GEMMs run at 0.37-0.69 of the bf16 roofline where it wins, grouped at 0.31-0.35); the crossover lies
-// between 0.31 and 1.2 TFLOP per call at both Qwen3 shapes.
-enum class ExpertGemm { kGrouped, kPerSlot, kAuto };
+// How the expert GEMMs are issued:
+//   kCutlass  one CUTLASS grouped GEMM per GEMM over the slots, group sizes read on the device (no host
+//             sync; needs H and I multiples of 8 and 16-byte aligned weights, else cuBLAS auto with
+//             cutlass_fallback_reason() saying why). Tile config chosen by T * k (placement-invariant).
+//   kGrouped  one cublasGemmGroupedBatchedEx per GEMM over the non-empty slots (host counts).
+//   kPerSlot  one cublasGemmEx per non-empty slot (host counts).
+//   kAuto     (the default) kCutlass for a layer holding all its slots (one GPU); for an expert-parallel
+//             layer grouped below kPerSlotMinFlops of expert work and per-slot above. Measured on an H200
+//             (docs/benchmarks.md, bench/results/moe_layer_h200.json): cuBLAS grouped wins at 256-1024 tokens
+//             (0.30-1.84 ms against 1.49-2.77 ms for the per-slot calls), per-slot on large problems; the
+//             crossover lies between 0.31 and 1.2 TFLOP per call at both Qwen3 shapes.
+enum class ExpertGemm { kGrouped, kPerSlot, kAuto, kCutlass };
 constexpr double kPerSlotMinFlops = 0.7e12;
 
 // A device allocation freed with the object.
@@ -69,15 +89,81 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// The buffers of a forward that scale with max_tokens, the grouped GEMM's workspace and a cuBLAS handle,
+// for any number of layers that run one after another on ONE stream (each forward overwrites them). Create
+// it, and reserve what it must hold, before capturing: a buffer that grows moves, and a captured graph keeps
+// the old address. T = max_tokens, N = T * k entries, P = num_slots.
+class MoeWorkspace {
+ public:
+  // Sized for layers of `shape` (local slot fields ignored): a layer fits when its H, I, E and k are equal
+  // and its P and max_tokens are at most these.
+  explicit MoeWorkspace(const MoeLayerShape& shape, int device_idx = 0);
+  ~MoeWorkspace();
+  MoeWorkspace(const MoeWorkspace&) = delete;
+  MoeWorkspace& operator=(const MoeWorkspace&) = delete;
+
+  const MoeLayerShape& shape() const { return shape_; }
+  int device() const { return device_idx_; }
+  void check_fits(const MoeLayerShape& layer) const;
+  // Expert scratch h / act for up to `rows` rows (run_experts_on's received rows); waits for the device
+  // when it grows.
+  void reserve_expert_rows(int64_t rows);
+  int64_t expert_rows() const { return expert_rows_; }
+  // Balanced replica choice's entry ranks [N], allocated on first need.
+  void reserve_entry_ranks();
+  // The cuBLAS handle on `stream` with this workspace's cuBLAS scratch (set again only when the stream changes).
+  cublasContext* cublas_on(CUstream_st* stream);
+  // Unbinds the cuBLAS handle from `stream` if bound to it (a layer destroying its own stream). No throw.
+  void release_stream(CUstream_st* stream) noexcept;
+  // CUTLASS grouped GEMM: limits (max_groups = max(P, 1024)) and workspace; cutlass_unavailable() is empty
+  // when it can run on this device, else why not.
+  const gpu::GroupedGemmLimits& grouped_gemm_limits() const { return gemm_limits_; }
+  void* grouped_gemm_workspace() const { return gemm_workspace_.as<void>(); }
+  const std::string& cutlass_unavailable() const { return cutlass_unavailable_; }
+
+  DeviceBuffer logits;       // fp32 [T, E]
+  DeviceBuffer expert_ids;   // int32 [N]
+  DeviceBuffer weights;      // fp32 [N]
+  DeviceBuffer slots;        // int32 [N]
+  DeviceBuffer multi_draws;  // int32 [T]
+  DeviceBuffer draw_base;    // int32 [T + 1]
+  DeviceBuffer counts;       // int32 [P]
+  DeviceBuffer offsets;      // int32 [P + 1]
+  DeviceBuffer cursor;       // int32 [P]
+  DeviceBuffer entry_row;    // int32 [N]
+  DeviceBuffer permuted;     // bf16 [N, H]
+  DeviceBuffer expert_out;   // bf16 [N, H]
+  DeviceBuffer h;            // bf16 [expert_rows, 2I]
+  DeviceBuffer act;          // bf16 [expert_rows, I]
+  DeviceBuffer entry_rank;   // int32 [N] (balanced only; reserve_entry_ranks)
+
+ private:
+  MoeLayerShape shape_;
+  int device_idx_ = 0;
+  int64_t expert_rows_ = 0;
+  cublasContext* cublas_ = nullptr;
+  CUstream_st* cublas_stream_ = nullptr;
+  bool cublas_bound_ = false;
+  DeviceBuffer cublas_workspace_;
+  gpu::GroupedGemmLimits gemm_limits_;
+  DeviceBuffer gemm_workspace_;
+  std::string cutlass_unavailable_;
+};
+
 class GpuMoeLayer {
  public:
-  GpuMoeLayer(const MoeLayerShape& shape, int device_idx = 0);
+  // stream: the layer's stream (null: the layer creates and owns one). workspace: shared buffers (null: the
+  // layer makes its own for its shape); it must fit the shape (MoeWorkspace::check_fits) and be on the
+  // same device.
+  GpuMoeLayer(const MoeLayerShape& shape, int device_idx = 0, CUstream_st* stream = nullptr,
+              std::shared_ptr<MoeWorkspace> workspace = nullptr);
   ~GpuMoeLayer();
   GpuMoeLayer(const GpuMoeLayer&) = delete;
   GpuMoeLayer& operator=(const GpuMoeLayer&) = delete;
 
   const MoeLayerShape& shape() const { return shape_; }
   CUstream_st* stream() const { return stream_; }
+  const std::shared_ptr<MoeWorkspace>& workspace() const { return workspace_; }
   void synchronize();
 
   // Host bf16 weights: router [E, H] (mlp.gate), gate_up [L, 2I, H] (gate rows, then up rows), down [L, H, I]
@@ -88,11 +174,16 @@ class GpuMoeLayer {
   // function of (seed, its index in the global [P, ...] arrays), so local slot l holds what a one-GPU layer
   // with the same seed holds in global slot local_slot_begin + l.
   void randomize_weights(uint64_t seed);
+  // Router weights held elsewhere: device bf16 [E, H], read by every later router GEMM (null: the layer's
+  // own again; required with external_weights).
+  void set_router_weights(const uint16_t* router);
   // Expert weights held elsewhere (a slot pool): per local slot, device pointers to a gate_up [2I, H] and a
-  // down [H, I] bf16 matrix; both spans of L entries, or both empty (back to the layer's own weights). Call
-  // between forwards only: the next permute / run_experts_on builds its GEMM problems from these pointers.
+  // down [H, I] bf16 matrix; both spans of L entries, or both empty (back to the layer's own weights; with
+  // external_weights: none). Call between forwards only: it rewrites the layer's device pointer arrays in
+  // place (stream-ordered, then waits), so a captured forward picks up the new pointers on its next replay.
   void set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down);
   // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
+  // Allocates and uploads; call between forwards.
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
   // Balanced replica choice over expert-parallel ranks (comm::NcclEpMoeLayer): this layer's tokens are the
   // one source of its spec, global source `source_idx` of the spec topology's GPUs; `gather` turns this
@@ -103,6 +194,10 @@ class GpuMoeLayer {
   // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
   void set_recorder(unsigned long long* histogram_row) { histogram_row_ = histogram_row; }
   void set_expert_gemm(ExpertGemm gemm) { expert_gemm_ = gemm; }
+  // What the permutation's expert GEMMs use now (kAuto resolved; kCutlass falls back to kAuto's cuBLAS
+  // choice when it cannot run) and, when kCutlass was asked for or kAuto would pick it but cannot run, why.
+  bool uses_cutlass() const;
+  std::string cutlass_fallback_reason() const;
 
   // x: device bf16 [T, H] -> out: device fp32 [T, H]; T <= max_tokens.
   void forward(const uint16_t* x, int64_t num_tokens, float* out);
@@ -113,7 +208,8 @@ class GpuMoeLayer {
   void router_logits(const uint16_t* x, int64_t num_tokens);  // -> logits()
   void route(const float* logits, int64_t num_tokens);         // -> expert_ids, weights, slots; histogram
                                                                //    (balanced: also host slot counts)
-  void permute(const uint16_t* x, int64_t num_tokens);         // -> slot offsets, entry_row, permuted rows; host counts
+  void permute(const uint16_t* x, int64_t num_tokens);         // -> slot offsets, entry_row, permuted rows
+                                                               //    (cuBLAS: host counts and GEMM problems)
   void run_experts(int slot_begin, int slot_end);              // permuted rows of those (local) slots -> expert_out rows
   void combine(int64_t num_tokens, float* out);                // expert_out rows -> out [T, H]
   // combine from other expert-output rows [T * k, H] in the permuted order (the EP layer's returned rows).
@@ -123,58 +219,77 @@ class GpuMoeLayer {
   // in S segments one after another, segment s holding rows_per_segment_slot[s * L + l] rows of local slot
   // l, l ascending (S = size / L). out [n, H] gets each row's SwiGLU expert output, row for row; n is the
   // sum of the counts, at most the reserved rows (reserve_expert_rows, else max_tokens * k). One GEMM problem
-  // per non-empty (segment, slot); grouped or per-problem GEMMs as set_expert_gemm says.
+  // per (segment, slot): cuBLAS (grouped or per-problem, as set_expert_gemm says; kAuto: cuBLAS), or with
+  // kCutlass one grouped GEMM over all S * L groups (offsets uploaded from the host counts).
   void run_experts_on(const uint16_t* rows, std::span<const int32_t> rows_per_segment_slot, uint16_t* out);
-  // Scratch for run_experts_on over up to `rows` rows (allocated now, so no forward allocates).
+  // Scratch for run_experts_on over up to `rows` rows (allocated now in the workspace, so no forward allocates).
   void reserve_expert_rows(int64_t rows);
 
-  // Device buffers of the last forward (entries [T * k] in router order; rows [T * k] slot-contiguous).
-  const float* logits() const { return logits_.as<float>(); }              // [T, E]
-  const int32_t* expert_ids() const { return expert_ids_.as<int32_t>(); }  // [T * k]
-  const float* weights() const { return weights_.as<float>(); }            // [T * k]
-  const int32_t* entry_slots() const { return slots_.as<int32_t>(); }      // [T * k]
-  const int32_t* slot_offsets() const { return offsets_.as<int32_t>(); }   // [P + 1]
-  const int32_t* entry_row() const { return entry_row_.as<int32_t>(); }    // [T * k]
-  const uint16_t* permuted() const { return permuted_.as<uint16_t>(); }    // [T * k, H]
-  const uint16_t* expert_out() const { return expert_out_.as<uint16_t>(); }  // [T * k, H]
-  // Per-slot entry counts of the last permute, on the host [P] (global slots).
-  std::span<const int32_t> slot_counts() const { return {host_counts_, static_cast<size_t>(shape_.num_slots)}; }
-  // FLOPs and minimum HBM bytes of run_experts over [slot_begin, slot_end) for the last permute.
+  // Device buffers of the last forward of ANY layer sharing this layer's workspace (entries [T * k] in
+  // router order; rows [T * k] slot-contiguous).
+  const float* logits() const { return ws().logits.as<float>(); }              // [T, E]
+  const int32_t* expert_ids() const { return ws().expert_ids.as<int32_t>(); }  // [T * k]
+  const float* weights() const { return ws().weights.as<float>(); }            // [T * k]
+  const int32_t* entry_slots() const { return ws().slots.as<int32_t>(); }      // [T * k]
+  const int32_t* slot_offsets() const { return ws().offsets.as<int32_t>(); }   // [P + 1]
+  const int32_t* entry_row() const { return ws().entry_row.as<int32_t>(); }    // [T * k]
+  const uint16_t* permuted() const { return ws().permuted.as<uint16_t>(); }    // [T * k, H]
+  const uint16_t* expert_out() const { return ws().expert_out.as<uint16_t>(); }  // [T * k, H]
+  // Per-slot entry counts of the last permute, on the host [P] (global slots). Unavailable (throws) after a
+  // CUTLASS-path permute, which reads nothing back: fetch_slot_counts() copies them (it synchronizes, so
+  // never inside a capture). Balanced choice always has them.
+  std::span<const int32_t> slot_counts() const;
+  std::span<const int32_t> fetch_slot_counts();
+  // FLOPs and minimum HBM bytes of run_experts over [slot_begin, slot_end) for the last permute (host counts).
   double expert_flops(int slot_begin, int slot_end) const;
   double expert_min_bytes(int slot_begin, int slot_end) const;
 
  private:
-  // Expert GEMM problems (moe_layer.cpp): one per group of rows sharing a local slot's weights.
+  // Expert GEMM problems of the cuBLAS paths (moe_layer.cpp): one per group of rows sharing a local slot's weights.
   struct GemmProblems;
+  // Host offsets uploaded for run_experts_on's CUTLASS path.
+  struct OffsetsUpload;
 
+  MoeWorkspace& ws() const { return *workspace_; }
   // Balanced choice after the router: counts -> host split -> route table -> slots; fills host_counts_.
   void choose_balanced(int64_t num_tokens);
   void check_holds_all_slots() const;
   const uint16_t* gate_up_of(int local_slot) const;
   const uint16_t* down_of(int local_slot) const;
-  // One expert GEMM (0: gate_up, 1: down) over problems [first, first + count) of `problems`; auto picks
+  // Rebuilds the device pointer arrays [L] from gate_up_of / down_of, and whether CUTLASS can read them.
+  void upload_slot_pointers();
+  // Why CUTLASS cannot run this layer's expert GEMMs (empty: it can).
+  std::string cutlass_problem() const;
+  // cuBLAS path: the host counts (read back if the last permute did not) and the permutation's problems.
+  void build_own_problems();
+  // One cuBLAS expert GEMM (0: gate_up, 1: down) over problems [first, first + count) of `problems`; auto picks
   // per-problem GEMMs when `flops` (of both GEMMs) reaches kPerSlotMinFlops.
   void expert_gemm(const GemmProblems& problems, int gemm_idx, int first, int count, double flops);
+  // Both CUTLASS grouped GEMMs and the activation over groups [offsets[0], offsets[num_groups]) of rows
+  // `in` -> `out`, group g using local slot (first_local + g) % num_weights's weights.
+  void cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
+                       int64_t max_rows, int64_t total_rows, uint16_t* out);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
   CUstream_st* stream_ = nullptr;
-  cublasContext* cublas_ = nullptr;
+  bool owns_stream_ = false;
+  std::shared_ptr<MoeWorkspace> workspace_;
   ExpertGemm expert_gemm_ = ExpertGemm::kAuto;
   model::moe::ReplicaChoiceSpec spec_;
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;
   int64_t num_tokens_ = 0;  // of the last route/permute
 
-  DeviceBuffer router_w_, gate_up_w_, down_w_;  // [E, H], [L, 2I, H], [L, H, I]
+  DeviceBuffer router_w_, gate_up_w_, down_w_;  // own weights [E, H], [L, 2I, H], [L, H, I] (none if external)
+  const uint16_t* router_ = nullptr;            // what the router GEMM reads: router_w_ or set_router_weights
   std::vector<const uint16_t*> slot_gate_up_, slot_down_;  // set_slot_weights: [L] each, or empty
+  DeviceBuffer gate_up_ptrs_, down_ptrs_;       // device [L] pointers (gate_up_of / down_of) for CUTLASS
+  bool slot_pointers_aligned_ = true;           // all 16-byte aligned (CUTLASS's TMA needs it)
+  bool has_expert_weights_ = true;
   DeviceBuffer static_slot_of_, replica_offsets_, replica_slots_, source_streams_;
-  DeviceBuffer logits_, expert_ids_, weights_, slots_, multi_draws_, draw_base_;
-  DeviceBuffer counts_, offsets_, cursor_, entry_row_, permuted_, expert_out_;
-  DeviceBuffer h_, act_;       // expert scratch [rows, 2I], [rows, I]
-  int64_t expert_rows_ = 0;    // rows h_ and act_ hold
-  // Balanced: entry ranks [T * k], chunk bases, pair counts [S][E], route table (offsets | slots | ends).
-  DeviceBuffer entry_rank_, chunk_base_, pair_counts_, routes_;
+  // Balanced: chunk bases, pair counts [S][E], route table (offsets | slots | ends).
+  DeviceBuffer chunk_base_, pair_counts_, routes_;
   std::unique_ptr<eplb::BalancedSplitter> splitter_;
   eplb::BalancedDispatch split_;
   eplb::BalancedRouteTable route_table_;
@@ -182,10 +297,12 @@ class GpuMoeLayer {
   int balanced_source_ = 0;   // with gather_: this layer's source among the topology's GPUs
   CountGather gather_;
   std::vector<int64_t> pair_tokens_;
-  bool host_counts_from_route_ = false;  // host_counts_ already hold the last route's slot counts
+  bool host_counts_valid_ = false;  // host_counts_ hold the last route's / permute's slot counts
+  bool own_problems_built_ = false; // own_problems_ / compact_begin_ match the last permute
   // The permutation's problems, one per non-empty local slot in slot order: compact_begin_[l] is the first
   // problem of local slot >= l. run_experts_on's problems, one per non-empty (segment, local slot).
   std::unique_ptr<GemmProblems> own_problems_, recv_problems_;
+  std::unique_ptr<OffsetsUpload> recv_offsets_;
   std::vector<int> compact_begin_;  // [L + 1]
   int32_t* host_counts_ = nullptr;  // pinned [P + 1]: counts, then the total
 };

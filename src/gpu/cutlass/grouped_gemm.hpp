@@ -1,0 +1,96 @@
+#pragma once
+// bf16 grouped GEMM for the MoE expert stage (CUTLASS 4.2, SM90 ptr-array TMA warp-specialized kernels,
+// grouped_gemm_bf16*.cu), capture-safe: the group sizes are read from DEVICE memory, so one call can sit in
+// a CUDA graph and be replayed with other routing.
+//
+// Group g (0 <= g < num_groups) is rows [offsets[g], offsets[g + 1]) of the row-major activations a [rows, K];
+// it is multiplied by its weights b[g % num_b] [N, K] (row-major, i.e. D = A B^T, "TN") into the same rows of
+// d [rows, N]: d[r][n] = bf16(sum_k a[r][k] * b_g[n][k]), fp32 accumulation, round to nearest even. Groups
+// with 0 rows are fine. offsets are absolute row indices (the permutation's slot offsets; a sub-range of
+// slots is offsets + first_slot), non-decreasing. CPU reference: the loop above (tests_cuda/gpu_grouped_gemm_test.cpp).
+//
+// Call sequence: prepare_grouped_gemm once per device and group capacity (host only: kernel attributes,
+// SM count, workspace size; never inside a capture), allocate limits.workspace_bytes of device memory, then
+// run_grouped_gemm as often as wanted, captured or not. A run is a setup kernel (offsets -> CUTLASS's
+// problem shapes, pointer and stride arrays, written into the workspace) followed by the GEMM with the host
+// problem-shape pointer null (device-side problem sizes, as CUTLASS example 57 allows). The workspace holds
+// per-SM TMA descriptors and those arrays: calls that share one must be ordered (one stream).
+//
+// Placement invariance (NOTES): a row's output depends only on its own A row, its group's B and the config:
+// no split-K / stream-K (CUTLASS's grouped scheduler gives each output tile its whole k-loop, k-tiles in
+// order), rows beyond a group's end are zero-filled by TMA and never mixed into other rows. So a row's bits do
+// not depend on how many rows its group holds or where the group sits. The config changes the bits; choose
+// it by a quantity that does not depend on placement: grouped_gemm_config_for_rows(T * top_k), never per group.
+//
+// Shape rule (16-byte TMA strides and addresses): K % 8 == 0 and N % 8 == 0, a, d and every b pointer
+// 16-byte aligned. grouped_gemm_shape_problem says why a shape fails; callers fall back to another GEMM.
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace fulcrum::gpu {
+
+// Tile configs measured on an H200 (../shared/docs/gpu-engine.md, Qwen3-30B-A3B expert shapes, 128 groups):
+// pingpong 64x128x64 is best at 256-1024 tokens (2K-8K rows), cooperative 256x128x64 (cluster 1x2) at
+// 4096-16384 tokens (32K-128K rows); 256x128x128 was slower everywhere.
+enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1 };
+constexpr int kNumGroupedGemmConfigs = 2;
+// Total rows (T * top_k) from which the cooperative config is used: between the measured 8K (pingpong
+// 215 us vs 299 us) and 32K rows (378 us vs 323 us).
+constexpr int64_t kGroupedGemmCooperativeMinRows = 16384;
+
+inline GroupedGemmConfig grouped_gemm_config_for_rows(int64_t total_rows) {
+  return total_rows >= kGroupedGemmCooperativeMinRows ? GroupedGemmConfig::kCooperative256x128x64
+                                                      : GroupedGemmConfig::kPingpong64x128x64;
+}
+
+// Null when D [rows, N] = A [rows, K] B^T can run here, else the reason.
+inline const char* grouped_gemm_shape_problem(int n, int k) {
+  if (n <= 0 || k <= 0) return "N and K must be positive";
+  if (k % 8 != 0) return "K must be a multiple of 8 (16-byte TMA row strides of A and B)";
+  if (n % 8 != 0) return "N must be a multiple of 8 (16-byte TMA row stride of D)";
+  return nullptr;
+}
+inline bool grouped_gemm_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// What a call returns: failed is null on success, else names the step; cuda_error is the cudaError_t value
+// (0 when the failure was not a CUDA error).
+struct GroupedGemmStatus {
+  const char* failed = nullptr;
+  int cuda_error = 0;
+  bool ok() const { return failed == nullptr; }
+};
+
+// Device facts and workspace layout from prepare_grouped_gemm.
+struct GroupedGemmLimits {
+  int device = -1;
+  int sm_count = 0;
+  int max_active_clusters[kNumGroupedGemmConfigs] = {};
+  int max_groups = 0;                 // groups a run may have
+  size_t cutlass_workspace_bytes = 0; // CUTLASS's part, at the start of the workspace (max over configs)
+  size_t workspace_bytes = 0;         // everything: CUTLASS's part, then the per-group arrays
+};
+
+// Sets the kernels' shared-memory attributes on `device`, reads its SM count and cluster occupancy, checks
+// that the kernels can run and sizes the workspace for up to max_groups groups. Host only.
+GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLimits* limits);
+
+// One grouped GEMM; all pointers are device pointers.
+struct GroupedGemmArgs {
+  const uint16_t* a = nullptr;          // [rows, K] bf16 row-major
+  const int32_t* offsets = nullptr;     // [num_groups + 1] absolute first rows; group g = [offsets[g], offsets[g + 1])
+  int num_groups = 0;                   // <= limits.max_groups; 0: nothing runs
+  const uint16_t* const* b = nullptr;   // [num_b] pointers to bf16 [N, K] row-major weights; group g uses b[g % num_b]
+  int num_b = 0;
+  uint16_t* d = nullptr;                // [rows, N] bf16 row-major; rows outside every group are not written
+  int n = 0;
+  int k = 0;
+};
+
+// Enqueues the setup kernel and the GEMM on `stream`; no allocation, no host synchronization, no host
+// read of the offsets (capture-safe). `workspace` holds limits.workspace_bytes.
+GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfig config,
+                                   const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream);
+
+}  // namespace fulcrum::gpu

@@ -1,0 +1,70 @@
+// Grouped GEMM entry points (grouped_gemm.hpp): device facts, workspace layout, argument checks and the
+// dispatch to the per-config kernels (grouped_gemm_bf16_pingpong.cu, grouped_gemm_bf16_cooperative.cu).
+#include <algorithm>
+
+#include <cuda_runtime.h>
+
+#include "gpu/cutlass/grouped_gemm.hpp"
+#include "gpu/cutlass/grouped_gemm_detail.hpp"
+
+namespace fulcrum::gpu {
+
+using grouped_gemm_detail::align_up;
+using grouped_gemm_detail::ConfigFacts;
+
+GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLimits* limits) {
+  if (limits == nullptr || max_groups < 1) return {"prepare_grouped_gemm: null limits or max_groups < 1", 0};
+  int previous = 0;
+  cudaError_t status = cudaGetDevice(&previous);
+  if (status == cudaSuccess) status = cudaSetDevice(device);
+  if (status != cudaSuccess) return {"cudaSetDevice (grouped GEMM)", static_cast<int>(status)};
+  GroupedGemmLimits out;
+  out.device = device;
+  out.max_groups = max_groups;
+  status = cudaDeviceGetAttribute(&out.sm_count, cudaDevAttrMultiProcessorCount, device);
+  GroupedGemmStatus result;
+  if (status != cudaSuccess) {
+    result = {"cudaDeviceGetAttribute (SM count)", static_cast<int>(status)};
+  } else {
+    ConfigFacts facts[kNumGroupedGemmConfigs];
+    result = grouped_gemm_detail::prepare_pingpong_64x128x64(device, out.sm_count, max_groups, &facts[0]);
+    if (result.ok()) result = grouped_gemm_detail::prepare_cooperative_256x128x64(device, out.sm_count, max_groups, &facts[1]);
+    size_t arrays_bytes = 0;
+    for (int c = 0; c < kNumGroupedGemmConfigs && result.ok(); ++c) {
+      out.max_active_clusters[c] = facts[c].max_active_clusters;
+      out.cutlass_workspace_bytes = std::max(out.cutlass_workspace_bytes, align_up(facts[c].cutlass_workspace_bytes));
+      arrays_bytes = std::max(arrays_bytes, facts[c].group_arrays_bytes);
+    }
+    out.workspace_bytes = out.cutlass_workspace_bytes + arrays_bytes;
+  }
+  cudaSetDevice(previous);
+  if (result.ok()) *limits = out;
+  return result;
+}
+
+GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfig config,
+                                   const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream) {
+  if (args.num_groups == 0) return {};
+  if (args.num_groups < 0 || args.num_groups > limits.max_groups) {
+    return {"run_grouped_gemm: group count outside [0, limits.max_groups]", static_cast<int>(cudaErrorInvalidValue)};
+  }
+  if (grouped_gemm_shape_problem(args.n, args.k) != nullptr) {
+    return {"run_grouped_gemm: N or K not a positive multiple of 8", static_cast<int>(cudaErrorInvalidValue)};
+  }
+  if (args.a == nullptr || args.offsets == nullptr || args.b == nullptr || args.num_b < 1 || args.d == nullptr ||
+      workspace == nullptr) {
+    return {"run_grouped_gemm: null pointer or num_b < 1", static_cast<int>(cudaErrorInvalidValue)};
+  }
+  if (!grouped_gemm_aligned(args.a) || !grouped_gemm_aligned(args.d)) {
+    return {"run_grouped_gemm: a or d not 16-byte aligned", static_cast<int>(cudaErrorInvalidValue)};
+  }
+  switch (config) {
+    case GroupedGemmConfig::kPingpong64x128x64:
+      return grouped_gemm_detail::run_pingpong_64x128x64(args, limits, workspace, stream);
+    case GroupedGemmConfig::kCooperative256x128x64:
+      return grouped_gemm_detail::run_cooperative_256x128x64(args, limits, workspace, stream);
+  }
+  return {"run_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
+}
+
+}  // namespace fulcrum::gpu
