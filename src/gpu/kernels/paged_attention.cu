@@ -1,0 +1,212 @@
+// Paged attention: the plan, the workspace layout, the launcher (decode launch, prefill launch, split merge) and
+// the merge kernel. The attention kernels are in paged_attention_mma.cu and paged_attention_simt.cu.
+#include <algorithm>
+#include <cstdint>
+
+#include "gpu/kernels/paged_attention.hpp"
+#include "gpu/kernels/paged_attention_work.cuh"
+
+namespace fulcrum::gpu {
+namespace {
+
+using attention::Params;
+
+constexpr int kMaxPrefillSplits = 16;  // prefill tiles are many; splits only help a few short chunks of a long cache
+constexpr int kMergeWarps = attention::kThreads / 32;
+
+bool shape_supported(const PagedAttentionShape& s) {
+  if (s.num_seqs < 0 || s.num_tokens < 0 || s.num_heads < 1 || s.num_kv_heads < 1) return false;
+  if (!paged_attention_supports_head_dim(s.head_dim) || s.num_heads % s.num_kv_heads != 0) return false;
+  const int group = s.num_heads / s.num_kv_heads;
+  return group <= kPagedAttentionMaxGroup && kPagedAttentionMaxGroup % group == 0;  // tiles hold whole tokens
+}
+
+int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+size_t align_up(size_t bytes) {
+  return (bytes + kPagedAttentionWorkspaceAlign - 1) / kPagedAttentionWorkspaceAlign * kPagedAttentionWorkspaceAlign;
+}
+
+struct WorkspaceLayout {
+  size_t decode_o = 0, decode_lse = 0, prefill_o = 0, prefill_lse = 0, total = 0;  // byte offsets
+};
+
+WorkspaceLayout workspace_layout(const PagedAttentionPlan& plan) {
+  const PagedAttentionShape& s = plan.shape;
+  const size_t per_row = static_cast<size_t>(s.num_heads);  // (row, split) entries have num_heads heads
+  const size_t decode_rows = plan.decode_splits > 1 ? static_cast<size_t>(s.num_seqs) * plan.decode_splits : 0;
+  const size_t prefill_rows =
+      plan.prefill_tiles > 0 && plan.prefill_splits > 1 ? static_cast<size_t>(s.num_tokens) * plan.prefill_splits : 0;
+  WorkspaceLayout w;
+  w.decode_o = 0;
+  w.decode_lse = align_up(w.decode_o + decode_rows * per_row * s.head_dim * sizeof(float));
+  w.prefill_o = align_up(w.decode_lse + decode_rows * per_row * sizeof(float));
+  w.prefill_lse = align_up(w.prefill_o + prefill_rows * per_row * s.head_dim * sizeof(float));
+  w.total = align_up(w.prefill_lse + prefill_rows * per_row * sizeof(float));
+  if (decode_rows == 0 && prefill_rows == 0) w.total = 0;
+  return w;
+}
+
+// Merges the split partials of one (token, all heads): weights exp2(lse_z - max) in split order.
+// Blocks [0, decode_blocks): sequence b (1-token sequences with > 1 split); then one block per token of the
+// prefill sequences whose tile was split.
+__global__ void __launch_bounds__(attention::kThreads) merge_splits_kernel(const Params p, int head_dim, int decode_blocks,
+                                                                           int num_tokens) {
+  __shared__ float weights[kMergeWarps][kPagedAttentionMaxSplits];
+  const int b = static_cast<int>(blockIdx.x);
+  int token, index, splits, max_splits;
+  const float *part_o, *part_lse;
+  if (b < decode_blocks) {
+    const int s = b;
+    if (p.q_indptr[s + 1] - p.q_indptr[s] != 1) return;
+    splits = attention::split_keys(p.kv_len[s], p.decode_splits).count;
+    token = p.q_indptr[s];
+    index = s;
+    max_splits = p.decode_splits;
+    part_o = p.decode_o;
+    part_lse = p.decode_lse;
+  } else {
+    token = b - decode_blocks;
+    if (token >= num_tokens) return;
+    int lo = 0, hi = p.num_seqs;  // the last sequence whose first token is <= token
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.q_indptr[mid] <= token) lo = mid; else hi = mid;
+    }
+    const int s = lo, q_begin = p.q_indptr[s], n = p.q_indptr[s + 1] - q_begin;
+    if (token < q_begin || token - q_begin >= n || n < 2) return;
+    const int tile = (token - q_begin) * p.group / p.prefill_rows;
+    const int row_end = min(n * p.group, (tile + 1) * p.prefill_rows);
+    splits = attention::split_keys(p.kv_len[s] - n + (row_end - 1) / p.group + 1, p.prefill_splits).count;
+    index = token;
+    max_splits = p.prefill_splits;
+    part_o = p.prefill_o;
+    part_lse = p.prefill_lse;
+  }
+  if (splits <= 1) return;  // the attention kernel wrote this token's output itself
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int H = p.num_heads, D = head_dim;
+  for (int h = warp; h < H; h += kMergeWarps) {
+    const int64_t first = static_cast<int64_t>(index) * max_splits * H + h;  // split z at first + z * H
+    float max_lse = -INFINITY;
+    for (int z = 0; z < splits; ++z) max_lse = fmaxf(max_lse, part_lse[first + static_cast<int64_t>(z) * H]);
+    const float base = max_lse == -INFINITY ? 0.0f : max_lse;
+    float total = 0.0f;
+    for (int z = 0; z < splits; ++z) {
+      const float wz = exp2f(part_lse[first + static_cast<int64_t>(z) * H] - base);
+      total += wz;
+      if (lane == 0) weights[warp][z] = wz;
+    }
+    __syncwarp();
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    uint16_t* dst = p.out + (static_cast<int64_t>(token) * H + h) * D;
+    for (int d = lane; d < D; d += 32) {
+      float acc = 0.0f;
+      for (int z = 0; z < splits; ++z) acc += weights[warp][z] * part_o[(first + static_cast<int64_t>(z) * H) * D + d];
+      dst[d] = attention::f32_to_bf16(acc * inv);
+    }
+    __syncwarp();  // weights are rewritten for the next head
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
+  PagedAttentionPlan plan;
+  plan.shape = shape;
+  if (plan.shape.max_q_len < 0) plan.shape.max_q_len = shape.num_tokens;
+  if (!shape_supported(shape)) return plan;
+  const PagedAttentionShape& s = plan.shape;
+  const int group = s.num_heads / s.num_kv_heads;
+  plan.tensor_cores = !s.force_cuda_cores && (s.head_dim == 64 || s.head_dim == 128);
+  plan.prefill_rows = plan.tensor_cores ? 64 : 16;
+
+  // About two CTAs per SM over the batch; a split keeps >= kPagedAttentionSplitAlign positions.
+  const int64_t target_ctas = 2 * static_cast<int64_t>(std::max(1, s.num_sms));
+  const int64_t splits_by_len = std::max<int64_t>(1, ceil_div64(std::max(1, s.max_kv_len), kPagedAttentionSplitAlign));
+  const int64_t decode_ctas = std::max<int64_t>(1, static_cast<int64_t>(s.num_seqs) * s.num_kv_heads);
+  plan.decode_splits = static_cast<int>(
+      std::clamp<int64_t>(ceil_div64(target_ctas, decode_ctas), 1, std::min<int64_t>(kPagedAttentionMaxSplits, splits_by_len)));
+
+  if (std::min(s.max_q_len, s.num_tokens) >= 2) {
+    // Tiles of sequences with n_s >= 2: sum of ceil(n_s G / rows) <= ceil(T G / rows) + (such sequences).
+    const int64_t row_tiles = ceil_div64(static_cast<int64_t>(s.num_tokens) * group, plan.prefill_rows);
+    plan.prefill_tiles = static_cast<int>(row_tiles + std::min(s.num_seqs, s.num_tokens / 2));
+    const int64_t prefill_ctas = std::max<int64_t>(1, row_tiles) * s.num_kv_heads;
+    plan.prefill_splits = static_cast<int>(
+        std::clamp<int64_t>(ceil_div64(target_ctas, prefill_ctas), 1, std::min<int64_t>(kMaxPrefillSplits, splits_by_len)));
+  }
+  return plan;
+}
+
+size_t paged_attention_workspace_bytes(const PagedAttentionPlan& plan) { return workspace_layout(plan).total; }
+
+cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAttentionPlan& plan, void* workspace,
+                                   size_t workspace_bytes, CUstream_st* stream) {
+  const PagedAttentionShape& s = plan.shape;
+  if (!shape_supported(s) || batch.num_seqs != s.num_seqs || batch.num_tokens != s.num_tokens ||
+      batch.num_heads != s.num_heads || batch.num_kv_heads != s.num_kv_heads || batch.head_dim != s.head_dim ||
+      batch.page_size < 1) {
+    return cudaErrorInvalidValue;
+  }
+  const WorkspaceLayout layout = workspace_layout(plan);
+  if (workspace_bytes < layout.total ||
+      (layout.total > 0 && reinterpret_cast<uintptr_t>(workspace) % kPagedAttentionWorkspaceAlign != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (s.num_seqs == 0 || s.num_tokens == 0) return cudaSuccess;
+  if (!aligned16(batch.q) || !aligned16(batch.out) || !aligned16(batch.k_pool) || !aligned16(batch.v_pool)) {
+    return cudaErrorInvalidValue;
+  }
+
+  unsigned char* ws = static_cast<unsigned char*>(workspace);
+  Params p{};
+  p.q = batch.q;
+  p.out = batch.out;
+  p.k_pool = batch.k_pool;
+  p.v_pool = batch.v_pool;
+  p.q_indptr = batch.q_indptr;
+  p.kv_page_indptr = batch.kv_page_indptr;
+  p.page_ids = batch.page_ids;
+  p.kv_len = batch.kv_len;
+  p.num_seqs = s.num_seqs;
+  p.num_heads = s.num_heads;
+  p.num_kv_heads = s.num_kv_heads;
+  p.group = s.num_heads / s.num_kv_heads;
+  p.page_size = batch.page_size;
+  p.scale_log2 = batch.sm_scale * 1.4426950408889634f;
+  p.decode_splits = plan.decode_splits;
+  p.prefill_splits = plan.prefill_splits;
+  p.prefill_rows = plan.prefill_rows;
+  if (layout.total > 0) {
+    p.decode_o = reinterpret_cast<float*>(ws + layout.decode_o);
+    p.decode_lse = reinterpret_cast<float*>(ws + layout.decode_lse);
+    p.prefill_o = reinterpret_cast<float*>(ws + layout.prefill_o);
+    p.prefill_lse = reinterpret_cast<float*>(ws + layout.prefill_lse);
+  }
+
+  const auto launch = plan.tensor_cores ? attention::launch_mma_attention : attention::launch_simt_attention;
+  const auto kv_heads = static_cast<unsigned>(s.num_kv_heads);
+  cudaError_t status = launch(p, s.head_dim, /*decode=*/true,
+                              dim3(static_cast<unsigned>(s.num_seqs), kv_heads, static_cast<unsigned>(plan.decode_splits)),
+                              stream);
+  if (status != cudaSuccess) return status;
+  if (plan.prefill_tiles > 0) {
+    status = launch(p, s.head_dim, /*decode=*/false,
+                    dim3(static_cast<unsigned>(plan.prefill_tiles), kv_heads, static_cast<unsigned>(plan.prefill_splits)),
+                    stream);
+    if (status != cudaSuccess) return status;
+  }
+  const int decode_blocks = plan.decode_splits > 1 ? s.num_seqs : 0;
+  const int prefill_blocks = plan.prefill_tiles > 0 && plan.prefill_splits > 1 ? s.num_tokens : 0;
+  if (decode_blocks + prefill_blocks > 0) {
+    merge_splits_kernel<<<static_cast<unsigned>(decode_blocks + prefill_blocks), attention::kThreads, 0, stream>>>(
+        p, s.head_dim, decode_blocks, s.num_tokens);
+    status = cudaGetLastError();
+  }
+  return status;
+}
+
+}  // namespace fulcrum::gpu

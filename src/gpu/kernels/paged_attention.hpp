@@ -1,0 +1,80 @@
+#pragma once
+// The engine's own paged attention over a ragged batch (gpu::AttentionBatch, attention_batch.hpp; CPU reference
+// gpu::reference::paged_attention), in the style of src/backend/cuda/moe_kernels.hpp: a host plan, then a
+// launcher that enqueues on `stream` and returns the launch status. Kernels: paged_attention.cu (launcher, split
+// merge), paged_attention_mma.cu (tensor cores, head_dim 64 / 128), paged_attention_simt.cu (CUDA cores, every
+// head_dim; the fallback).
+//
+// Work is cut in two launches by each sequence's query count n_s, read on the device:
+//   decode  (n_s == 1): one CTA per (sequence, kv head, KV split) holds the group's q heads as the rows of one
+//           16-row tile, so every K/V row is read once for all of them;
+//   prefill (n_s >= 2): CTAs over tiles of query rows (row = token x group head; rows of one kv head), causal.
+// When a row's keys are cut into splits, each split writes (normalized partial output, log2-sum-exp) into the
+// workspace and a third launch merges them in split order. Splits cut positions at multiples of 64 chosen from
+// kv_len and the plan alone, every sum runs in position order: the output does not depend on the page layout
+// (page ids, page size), bit for bit.
+//
+// CUDA-graph capture: grids depend only on the plan; lengths, indptrs and page ids are read from device memory;
+// a sequence with 0 new tokens and a CTA without work exit at once. Nothing is allocated or synchronized.
+// Tokens outside every sequence's [q_indptr[s], q_indptr[s + 1]) (a padded bucket) are not written.
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "gpu/kernels/attention_batch.hpp"
+
+namespace fulcrum::gpu {
+
+constexpr int kPagedAttentionMaxGroup = 16;  // num_heads / num_kv_heads: the decode rows of one 16-row tile
+constexpr int kPagedAttentionMaxSplits = 64;
+constexpr int kPagedAttentionSplitAlign = 64;          // keys of a split: a multiple of this (except the last)
+constexpr size_t kPagedAttentionWorkspaceAlign = 256;  // the workspace pointer's alignment
+
+constexpr bool paged_attention_supports_head_dim(int head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// Host values the plan may depend on; for a CUDA graph bucket they are the bucket's, fixed across replays.
+struct PagedAttentionShape {
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int max_kv_len = 0;   // upper bound on every kv_len[s] (splits are planned for it)
+  int max_q_len = -1;   // upper bound on every n_s; -1: num_tokens. 1 (a decode bucket) drops the prefill launch
+  int num_sms = 132;    // streaming multiprocessors of the device (H200: 132)
+  bool force_cuda_cores = false;  // the CUDA-core kernels even where tensor-core ones exist (tests, fallback)
+};
+
+struct PagedAttentionPlan {
+  PagedAttentionShape shape;  // what was planned for; the launcher checks the batch against it
+  bool tensor_cores = false;  // mma.sync kernels (head_dim 64 / 128) or the CUDA-core ones
+  int decode_splits = 1;      // grid z of the decode launch: at most this many KV splits per 1-token sequence
+  int prefill_rows = 0;       // query rows (token x group head) per prefill CTA: 64 tensor cores, 16 CUDA cores
+  int prefill_tiles = 0;      // grid x of the prefill launch (a bound on the batch's tiles); 0: no prefill launch
+  int prefill_splits = 1;     // grid z of the prefill launch: at most this many KV splits per tile
+};
+
+// The plan from host values only. Splits aim at about two CTAs per SM over the batch (a lone decode sequence
+// with 2048 positions and 4 kv heads: 32 splits of 64 keys, 128 CTAs); each split holds >= 64 positions.
+// An unsupported shape (head_dim, group above kPagedAttentionMaxGroup, num_heads % num_kv_heads) gives a plan
+// that the launcher refuses.
+PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
+
+// Bytes of the workspace launch_paged_attention needs (0 when no row is split): decode partials
+// [num_seqs][decode_splits][num_heads] x (head_dim + 1) fp32 and prefill partials
+// [num_tokens][prefill_splits][num_heads] x (head_dim + 1) fp32, each region 256-byte aligned.
+size_t paged_attention_workspace_bytes(const PagedAttentionPlan& plan);
+
+// Runs attention over `batch` as planned. The batch's num_seqs, num_tokens, heads and head_dim must equal the
+// plan's, every kv_len[s] <= max_kv_len... is not needed for correctness (a longer sequence only gets longer
+// splits) but n_s must not exceed max_q_len when that is 1. The workspace (device, 256-byte aligned, at least
+// paged_attention_workspace_bytes) is scratch, overwritten. q, out, k_pool and v_pool must be 16-byte aligned.
+// cudaErrorInvalidValue for a batch that does not match the plan, an unsupported shape, page_size < 1 or a
+// small / misaligned workspace; otherwise the launch status.
+cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAttentionPlan& plan, void* workspace,
+                                   size_t workspace_bytes, CUstream_st* stream);
+
+}  // namespace fulcrum::gpu

@@ -1,0 +1,307 @@
+// Tensor-core paged attention (head_dim 64 and 128), FlashAttention-2 style on mma.sync m16n8k16 bf16 -> fp32.
+// See paged_attention.hpp for the work split and paged_attention_work.cuh for the row / split bookkeeping.
+//
+// A CTA (4 warps) holds up to 16 * kWarpsM query rows of one kv head and walks its key range in tiles of 64
+// positions, K and V staged in shared memory by cp.async (two stages, 16-byte copies, positions past the range
+// zero-filled) and read by ldmatrix from an XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no
+// bank conflicts). Each warp owns 16 rows; Q stays in registers as mma A fragments, S = Q K^T in fp32
+// accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the A fragment of O += P V (the row
+// sum l adds the rounded values, so O / l is a weighted mean with the weights actually used).
+//   prefill: kWarpsM = 4 (64 rows), every warp takes the whole 64-key tile;
+//   decode:  kWarpsM = 1 (the group's q heads, <= 16 rows), the 4 warps take 16 keys each of every tile and
+//            their (m, l, O) are merged through shared memory at the end, warps in order.
+#include <cuda_bf16.h>
+
+#include "gpu/kernels/paged_attention_ptx.cuh"
+#include "gpu/kernels/paged_attention_work.cuh"
+
+namespace fulcrum::gpu::attention {
+namespace {
+
+constexpr int kTileKeys = 64;
+
+template <int D, bool kDecode>
+struct MmaConfig {
+  static constexpr int kWarpsM = kDecode ? 1 : 4;
+  static constexpr int kWarpsN = kDecode ? 4 : 1;
+  static constexpr int kWarpKeys = kTileKeys / kWarpsN;  // 16 or 64
+  static constexpr int kChunks = D / 8;                  // 16-byte chunks of a K / V row
+  static constexpr int kStageElems = kTileKeys * D;      // bf16 of one K (or V) tile
+  static constexpr int kOStride = D + 4;                 // fp32 row stride of the decode merge buffer
+  static constexpr size_t kPipeBytes = size_t{2} * 2 * kStageElems * sizeof(uint16_t);  // 2 stages of K and V
+  static constexpr size_t kMergeBytes = kDecode ? size_t{kWarpsN} * 16 * (kOStride + 2) * sizeof(float) : 0;
+  static constexpr size_t kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static_assert(D == 64 || D == 128, "the swizzle needs >= 8 chunks per row; registers cap D at 128");
+  static_assert(kWarpsM * kWarpsN * 32 == kThreads);
+};
+
+// Element offset of (key, 16-byte chunk) in a swizzled [kTileKeys][D] tile.
+template <int D>
+__device__ __forceinline__ int swizzled(int key, int chunk) {
+  return key * D + ((chunk ^ (key & 7)) << 3);
+}
+
+template <int D, bool kDecode>
+__global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p) {
+  using Cfg = MmaConfig<D, kDecode>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int scratch[kThreads / 32 + 2];
+  const WorkItem w = find_work<kDecode>(p, scratch);
+  if (!w.valid) return;
+
+  uint16_t* const k_tiles = reinterpret_cast<uint16_t*>(smem);  // [2][kTileKeys][D], swizzled
+  uint16_t* const v_tiles = k_tiles + 2 * Cfg::kStageElems;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int warp_m = warp / Cfg::kWarpsN, warp_n = warp % Cfg::kWarpsN;
+  const int g = lane / 4, tq = lane % 4;  // mma fragment coordinates: row group, thread in group
+  const int H = p.num_heads, G = p.group;
+
+  // This thread's two rows (fragment rows g and g + 8 of the warp's 16), their causal limit, their Q fragments.
+  int row[2], last[2];
+  bool row_ok[2];
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row[half] = w.row_begin + warp_m * 16 + g + 8 * half;
+    row_ok[half] = row[half] < w.row_end;
+    // Padding rows (Q = 0) keep every key of the range, so they stay finite; they are never stored.
+    last[half] = row_ok[half] ? w.kv_len - w.n + row[half] / G : 0x7fffffff;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t* q_row =
+        reinterpret_cast<const uint32_t*>(p.q + (row_token(w, row[half], G) * H + row_head(w, row[half], G)) * D);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qf[kk][half] = row_ok[half] ? q_row[8 * kk + tq] : 0u;          // a0a1 / a2a3: d = 16 kk + 2 tq
+      qf[kk][2 + half] = row_ok[half] ? q_row[8 * kk + 4 + tq] : 0u;  // a4a5 / a6a7: d + 8
+    }
+  }
+
+  // K / V tile loader: thread tid copies chunk tid % kChunks of keys tid / kChunks + i * (kThreads / kChunks).
+  const int64_t pool_stride = static_cast<int64_t>(p.num_kv_heads) * D;
+  const uint16_t* const k_head = p.k_pool + static_cast<int64_t>(w.kv_head) * D;
+  const uint16_t* const v_head = p.v_pool + static_cast<int64_t>(w.kv_head) * D;
+  const auto load_tile = [&](int stage, int first_pos) {
+    constexpr int kKeysPerPass = kThreads / Cfg::kChunks;
+    const int chunk = tid % Cfg::kChunks;
+#pragma unroll
+    for (int pass = 0; pass < kTileKeys / kKeysPerPass; ++pass) {
+      const int key = tid / Cfg::kChunks + pass * kKeysPerPass;
+      const int pos = first_pos + key;
+      const bool ok = pos < w.key_end;
+      const int64_t at = (ok ? pool_row(p, w, pos) * pool_stride : 0) + chunk * 8;
+      const int dst = stage * Cfg::kStageElems + swizzled<D>(key, chunk);
+      cp_async_16(k_tiles + dst, k_head + at, ok);
+      cp_async_16(v_tiles + dst, v_head + at, ok);
+    }
+  };
+
+  float o[D / 8][4];  // O accumulators: d-tile j holds d = 8 j + 2 tq (+1), rows g (c0 c1) and g + 8 (c2 c3)
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's columns only, summed at the end
+
+  const int num_tiles = ceil_div(w.key_end - w.key_begin, kTileKeys);
+  load_tile(0, w.key_begin);
+  cp_async_commit();
+  for (int it = 0; it < num_tiles; ++it) {
+    if (it + 1 < num_tiles) load_tile((it + 1) & 1, w.key_begin + (it + 1) * kTileKeys);
+    cp_async_commit();
+    cp_async_wait<1>();  // tile it has landed (tile it + 1 may still be in flight)
+    __syncthreads();
+    const uint16_t* const ks = k_tiles + (it & 1) * Cfg::kStageElems;
+    const uint16_t* const vs = v_tiles + (it & 1) * Cfg::kStageElems;
+    const int warp_key0 = warp_n * Cfg::kWarpKeys;            // first key of this warp's slice in the tile
+    const int pos0 = w.key_begin + it * kTileKeys + warp_key0;  // its position
+
+    // S = Q K^T over the warp's keys: n-tile j holds keys 8 j + 2 tq (+1).
+    float s[Cfg::kWarpKeys / 8][4];
+#pragma unroll
+    for (int j = 0; j < Cfg::kWarpKeys / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int nb = 0; nb < Cfg::kWarpKeys / 16; ++nb) {
+        // Matrices: (keys +0..7, d chunk 2kk), (keys +0..7, 2kk+1), (keys +8..15, 2kk), (keys +8..15, 2kk+1).
+        const int key = warp_key0 + nb * 16 + (lane / 16) * 8 + lane % 8;
+        uint32_t b[4];
+        ldmatrix_x4(b, ks + swizzled<D>(key, 2 * kk + (lane / 8) % 2));
+        mma_16816(s[2 * nb], qf[kk], b[0], b[1]);
+        mma_16816(s[2 * nb + 1], qf[kk], b[2], b[3]);
+      }
+    }
+
+    // Online softmax: mask (range end, causal), running max over the quad, rescale, P to bf16.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < Cfg::kWarpKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos0 + 8 * j + 2 * tq + (e & 1);
+        const int half = e / 2;
+        const float x = (pos < w.key_end && pos <= last[half]) ? s[j][e] * p.scale_log2 : -INFINITY;
+        s[j][e] = x;
+        tile_max[half] = fmaxf(tile_max[half], x);
+      }
+    }
+    float base[2];  // the max subtracted in the exponentials (0 while a row has seen no key: avoids inf - inf)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 1));
+      tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffffu, tile_max[half], 2));
+      const float m_new = fmaxf(m[half], tile_max[half]);
+      base[half] = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = exp2f(m[half] - base[half]);
+      m[half] = m_new;
+      l[half] *= alpha;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[j][2 * half] *= alpha;
+        o[j][2 * half + 1] *= alpha;
+      }
+    }
+    uint32_t pf[Cfg::kWarpKeys / 8][2];  // P as bf16 pairs: [j][half] = keys 8 j + 2 tq (+1) of row g + 8 half
+#pragma unroll
+    for (int j = 0; j < Cfg::kWarpKeys / 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t pair = pack_bf16(exp2f(s[j][2 * half] - base[half]), exp2f(s[j][2 * half + 1] - base[half]));
+        pf[j][half] = pair;
+        l[half] += bf16_lo(pair) + bf16_hi(pair);
+      }
+    }
+
+    // O += P V: k-step ks covers keys 16 ks .. 16 ks + 15 of the slice (S n-tiles 2 ks and 2 ks + 1).
+#pragma unroll
+    for (int kstep = 0; kstep < Cfg::kWarpKeys / 16; ++kstep) {
+      const uint32_t a[4] = {pf[2 * kstep][0], pf[2 * kstep][1], pf[2 * kstep + 1][0], pf[2 * kstep + 1][1]};
+#pragma unroll
+      for (int nd = 0; nd < D / 16; ++nd) {
+        // Matrices (transposed): (keys +0..7, d chunk 2nd), (keys +8..15, 2nd), (keys +0..7, 2nd+1), (+8..15, 2nd+1).
+        const int key = warp_key0 + kstep * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vs + swizzled<D>(key, 2 * nd + lane / 16));
+        mma_16816(o[2 * nd], a, b[0], b[1]);
+        mma_16816(o[2 * nd + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the stage is refilled by the next iteration's load
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+  }
+
+  if constexpr (!kDecode) {
+    // Each warp's rows are complete: write them from the fragments (bf16 pairs, or fp32 pairs of the partial).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (!row_ok[half]) continue;
+      const int R = row[half];
+      const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+      if (w.num_splits == 1) {
+        uint16_t* dst = p.out + (row_token(w, R, G) * H + row_head(w, R, G)) * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * tq) = pack_bf16(o[j][2 * half] * inv, o[j][2 * half + 1] * inv);
+        }
+      } else {
+        const int64_t slot = partial_slot(w, R, G, H);
+        float* dst = w.part_o + slot * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          *reinterpret_cast<float2*>(dst + 8 * j + 2 * tq) = make_float2(o[j][2 * half] * inv, o[j][2 * half + 1] * inv);
+        }
+        if (tq == 0) w.part_lse[slot] = l[half] > 0.0f ? m[half] + log2f(l[half]) : -INFINITY;
+      }
+    }
+  } else {
+    // The 4 warps saw different keys of the same rows: merge (m, l, O) through shared memory, warps in order.
+    float* const merge_m = reinterpret_cast<float*>(smem);  // [kWarpsN][16]
+    float* const merge_l = merge_m + Cfg::kWarpsN * 16;     // [kWarpsN][16]
+    float* const merge_o = merge_l + Cfg::kWarpsN * 16;     // [kWarpsN][16][kOStride]
+    __syncthreads();  // every warp is done reading the K / V stages this buffer overlays
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + 8 * half;
+      if (tq == 0) {
+        merge_m[warp_n * 16 + r] = m[half];
+        merge_l[warp_n * 16 + r] = l[half];
+      }
+      float* dst = merge_o + (warp_n * 16 + r) * Cfg::kOStride;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j + 2 * tq) = make_float2(o[j][2 * half], o[j][2 * half + 1]);
+      }
+    }
+    __syncthreads();
+    // 8 threads per row, D / 8 consecutive d each.
+    constexpr int kPerThread = D / 8;
+    const int r = tid / 8, d0 = (tid % 8) * kPerThread;
+    const int R = w.row_begin + r;
+    if (R < w.row_end) {
+      float m_all = -INFINITY;
+#pragma unroll
+      for (int wn = 0; wn < Cfg::kWarpsN; ++wn) m_all = fmaxf(m_all, merge_m[wn * 16 + r]);
+      const float base = m_all == -INFINITY ? 0.0f : m_all;
+      float weight[Cfg::kWarpsN], l_all = 0.0f;
+#pragma unroll
+      for (int wn = 0; wn < Cfg::kWarpsN; ++wn) {
+        weight[wn] = exp2f(merge_m[wn * 16 + r] - base);
+        l_all += merge_l[wn * 16 + r] * weight[wn];
+      }
+      const float inv = l_all > 0.0f ? 1.0f / l_all : 0.0f;
+      float val[kPerThread];
+#pragma unroll
+      for (int dd = 0; dd < kPerThread; ++dd) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int wn = 0; wn < Cfg::kWarpsN; ++wn) acc += merge_o[(wn * 16 + r) * Cfg::kOStride + d0 + dd] * weight[wn];
+        val[dd] = acc * inv;
+      }
+      if (w.num_splits == 1) {
+        uint16_t* dst = p.out + (row_token(w, R, G) * H + row_head(w, R, G)) * D + d0;
+#pragma unroll
+        for (int dd = 0; dd < kPerThread; dd += 8) {
+          const uint4 packed = make_uint4(pack_bf16(val[dd], val[dd + 1]), pack_bf16(val[dd + 2], val[dd + 3]),
+                                          pack_bf16(val[dd + 4], val[dd + 5]), pack_bf16(val[dd + 6], val[dd + 7]));
+          *reinterpret_cast<uint4*>(dst + dd) = packed;
+        }
+      } else {
+        const int64_t slot = partial_slot(w, R, G, H);
+        float* dst = w.part_o + slot * D + d0;
+#pragma unroll
+        for (int dd = 0; dd < kPerThread; dd += 4) {
+          *reinterpret_cast<float4*>(dst + dd) = make_float4(val[dd], val[dd + 1], val[dd + 2], val[dd + 3]);
+        }
+        if (tid % 8 == 0) w.part_lse[slot] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;
+      }
+    }
+  }
+}
+
+template <int D, bool kDecode>
+cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
+  constexpr size_t kSmem = MmaConfig<D, kDecode>::kSmemBytes;
+  cudaError_t status = cudaFuncSetAttribute(mma_attention_kernel<D, kDecode>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  if (status != cudaSuccess) return status;
+  mma_attention_kernel<D, kDecode><<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_mma_attention(const Params& p, int head_dim, bool decode, dim3 grid, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return decode ? launch_mma<64, true>(p, grid, stream) : launch_mma<64, false>(p, grid, stream);
+    case 128: return decode ? launch_mma<128, true>(p, grid, stream) : launch_mma<128, false>(p, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace fulcrum::gpu::attention
