@@ -90,9 +90,10 @@ class DeviceBuffer {
 };
 
 // The buffers of a forward that scale with max_tokens, the grouped GEMM's workspace and a cuBLAS handle,
-// for any number of layers that run one after another on ONE stream (each forward overwrites them). Create
-// it, and reserve what it must hold, before capturing: a buffer that grows moves, and a captured graph keeps
-// the old address. T = max_tokens, N = T * k entries, P = num_slots.
+// for any number of layers that run one after another on ONE stream (each forward overwrites them; a layer
+// that runs its stages one by one must finish route .. combine before another layer sharing it starts).
+// Create it, and reserve what it must hold, before capturing: a buffer that grows moves, and a captured
+// graph keeps the old address. T = max_tokens, N = T * k entries, P = num_slots.
 class MoeWorkspace {
  public:
   // Sized for layers of `shape` (local slot fields ignored): a layer fits when its H, I, E and k are equal
