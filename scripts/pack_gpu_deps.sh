@@ -19,8 +19,6 @@ for pc in libpcre2-8 libutf8proc; do
   sed -e "s|^prefix=.*|prefix=$root|" -e "s|^libdir=.*|libdir=\${prefix}/lib|" -e "s|^includedir=.*|includedir=\${prefix}/include|" \
       -e "s|^exec_prefix=.*|exec_prefix=\${prefix}|" "$lib/pkgconfig/$pc.pc" > "$out/lib/pkgconfig/$pc.pc"
 done
-# Link the archives, not a shared library of the same name that the GPU machine may lack.
-sed -i 's|-lpcre2-8|${libdir}/libpcre2-8.a|; s|-lutf8proc|${libdir}/libutf8proc.a|' "$out"/lib/pkgconfig/*.pc
 # cpp-httplib: its header, the headers it includes with Debian's build flags, the library and brotli's.
 cp -r /usr/include/httplib.h /usr/include/openssl /usr/include/zlib.h /usr/include/zconf.h /usr/include/brotli "$out/include/"
 cp -a "$lib"/x86_64-linux-gnu/openssl/. "$out/include/openssl/" 2>/dev/null || true

@@ -132,7 +132,9 @@ TEST_P(GpuGoldenTest, LogitsAndGreedyFollowTransformers) {
       last = out.tokens[0];
       tokens.push_back(last);
     }
-    if (g.last_top1_margin > 2 * worst) EXPECT_EQ(tokens[0], g.greedy_tokens[0]) << "sequence " << i;
+    if (g.last_top1_margin > 2 * worst) {
+      EXPECT_EQ(tokens[0], g.greedy_tokens[0]) << "sequence " << i;
+    }
     std::cout << "[ gpu vs golden ] " << GetParam() << " seq " << i << ": rel " << rel << ", max abs " << worst
               << ", argmax " << agreed << "/" << compared << ", greedy " << fmt::format("{}", fmt::join(tokens, " "))
               << " (golden " << fmt::format("{}", fmt::join(g.greedy_tokens, " ")) << ")\n";

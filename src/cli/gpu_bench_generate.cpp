@@ -207,7 +207,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   if (!o.peer_script.empty()) {  // after the engine freed the GPU
     const std::filesystem::path dir = std::filesystem::temp_directory_path() / fmt::format("fulcrum-peer-{}", getpid());
     std::filesystem::create_directories(dir);
-    eplb::write_file_atomically((dir / "config.json").string(), config_json.dump(2));
+    write_file_atomically((dir / "config.json").string(), config_json.dump(2));
     std::string cmd = fmt::format("python3 {} --config {} --context {} --batch", o.peer_script, dir.string(), o.peer_context);
     for (const int b : o.peer_batches) cmd += fmt::format(" {}", b);
     fmt::print("# peer: {}\n", cmd);
@@ -240,7 +240,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
     nlohmann::json doc{{"command", command_line()}, {"git_commit", o.git_commit}, {"gpu", machine["gpu"]},
                        {"machine", machine}, {"copy_bandwidth_gbs", copy_bytes / 1e9}, {"gemm_tflops", gemm_flops / 1e12},
                        {"layers", config.num_hidden_layers}, {"runs", runs}, {"peer", peer}};
-    eplb::write_file_atomically(o.json_path, doc.dump(2) + "\n");
+    write_file_atomically(o.json_path, doc.dump(2) + "\n");
   }
 }
 

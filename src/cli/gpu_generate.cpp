@@ -72,7 +72,7 @@ void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& 
       rows.push_back(std::vector<int64_t>(counts.begin() + static_cast<ptrdiff_t>(l) * config.num_experts,
                                           counts.begin() + static_cast<ptrdiff_t>(l + 1) * config.num_experts));
     }
-    eplb::write_file_atomically(run.dump_file, nlohmann::json{{"logical_count", rows}}.dump() + "\n");
+    write_file_atomically(run.dump_file, nlohmann::json{{"logical_count", rows}}.dump() + "\n");
     fmt::print("# expert distribution written to {}\n", run.dump_file);
   }
   if (!dump_logits_file.empty()) fmt::print("# prompt logits written to {}\n", dump_logits_file);

@@ -43,7 +43,7 @@ class GpuStepExecutor::Recorder final : public ExpertDistributionRecorder {
       }
     }
     nlohmann::json doc{{"logical_count", rows}, {"num_tokens", tokens}, {"recording", recording_.load()}};
-    if (!path.empty()) eplb::write_file_atomically(path, doc.dump() + "\n");
+    if (!path.empty()) write_file_atomically(path, doc.dump() + "\n");
     return doc;
   }
 
@@ -82,6 +82,8 @@ GpuStepExecutor::GpuStepExecutor(const GpuExecutorOptions& options) {
 }
 
 GpuStepExecutor::~GpuStepExecutor() = default;
+
+ExpertDistributionRecorder* GpuStepExecutor::recorder() { return recorder_.get(); }
 
 int GpuStepExecutor::vocab_size() const { return engine_->vocab_size(); }
 int64_t GpuStepExecutor::max_sequence_length() const { return engine_->max_sequence_length(); }

@@ -39,7 +39,7 @@ class GpuStepExecutor final : public StepExecutor {
 
   const model::Qwen3MoeConfig& config() const;
   std::string describe() const;  // for the server's start line
-  ExpertDistributionRecorder* recorder() { return recorder_.get(); }
+  ExpertDistributionRecorder* recorder();
 
  private:
   class Recorder;
