@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <memory>
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -40,6 +41,7 @@ struct BenchGenerateOptions {
   int peer_context = 512;
   std::string json_path;
   std::string git_commit;
+  bool profile = false;  // cudaProfilerStart/Stop around the timed decode steps (ncu --profile-from-start off)
 };
 
 struct Prefill {
@@ -94,7 +96,9 @@ double prefill_flops(const model::Qwen3MoeConfig& c, int seqs, int64_t len) {
 void run_bench_generate(const BenchGenerateOptions& o) {
   FULCRUM_CHECK(o.steps >= 1 && o.warmup >= 0 && o.prefill_reps >= 1, "--steps, --warmup, --prefill-reps");
   std::vector<Prefill> prefills;
-  for (const std::string& p : o.prefills) prefills.push_back(parse_prefill(p));
+  for (const std::string& p : o.prefills) {
+    if (p != "none") prefills.push_back(parse_prefill(p));
+  }
   model::PresetOverrides overrides;
   overrides.num_hidden_layers = o.layers;
   const nlohmann::json config_json = model::preset_config_json(o.preset, overrides);
@@ -160,19 +164,24 @@ void run_bench_generate(const BenchGenerateOptions& o) {
         for (const int64_t n : engine.expert_counts()) distinct += n > 0;
         for (int w = 0; w < o.warmup; ++w) run_step();
         std::vector<double> times;
+        const gpu::GpuEngine::Counters before = engine.counters();
+        if (o.profile) cudaProfilerStart();
         for (int s = 0; s < o.steps; ++s) {
           const double t0 = now_s();
           run_step();
           times.push_back(1e3 * (now_s() - t0));
         }
+        if (o.profile) cudaProfilerStop();
+        const int64_t replays = engine.counters().graph_replays - before.graph_replays;
         for (int i = 0; i < batch; ++i) engine.release(i);
         const double ms = median(times);
         const double roofline_ms = 1e3 * decode_bytes(config, batch, context, distinct) / copy_bytes;
-        fmt::print("decode batch {:4} context {:5}: {:8.3f} ms/step {:10.0f} tok/s | roofline {:.3f} ms ({:.1f}%), {} experts touched\n",
-                   batch, context, ms, batch / ms * 1e3, roofline_ms, 100 * roofline_ms / ms, distinct);
+        fmt::print("decode batch {:4} context {:5}: {:8.3f} ms/step {:10.0f} tok/s | roofline {:.3f} ms ({:.1f}%), {} experts "
+                   "touched, {} of {} steps graph replays\n",
+                   batch, context, ms, batch / ms * 1e3, roofline_ms, 100 * roofline_ms / ms, distinct, replays, o.steps);
         runs.push_back({{"model", o.preset}, {"phase", "decode"}, {"batch", batch}, {"context", context}, {"tokens", batch},
                         {"ms_per_step", ms}, {"tokens_per_s", batch / ms * 1e3}, {"roofline_ms", roofline_ms},
-                        {"experts_touched", distinct}, {"peer_ms_per_step", nullptr}});
+                        {"experts_touched", distinct}, {"graph_replays", replays}, {"peer_ms_per_step", nullptr}});
       }
     }
     for (const Prefill& p : prefills) {
@@ -253,7 +262,7 @@ void register_bench_generate_command(CLI::App& bench) {
   cmd->add_option("--layers", o->layers, "Decoder layers (0: the preset's)")->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_option("--batch", o->batches, "Decode batch sizes")->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--context", o->contexts, "Decode context lengths")->capture_default_str()->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--prefill", o->prefills, "Prefills SEQSxTOKENS")->capture_default_str();
+  cmd->add_option("--prefill", o->prefills, "Prefills SEQSxTOKENS (none: no prefill runs)")->capture_default_str();
   cmd->add_option("--steps", o->steps, "Timed decode steps (median)")->capture_default_str();
   cmd->add_option("--warmup", o->warmup, "Untimed decode steps first")->capture_default_str();
   cmd->add_option("--prefill-reps", o->prefill_reps, "Timed prefills (median)")->capture_default_str();
@@ -261,6 +270,7 @@ void register_bench_generate_command(CLI::App& bench) {
   cmd->add_option("--peer", o->peer_script, "HF transformers peer script (bench/peer/hf_decode_peer.py); empty: none");
   cmd->add_option("--peer-batch", o->peer_batches, "Peer decode batch sizes")->capture_default_str();
   cmd->add_option("--peer-context", o->peer_context, "Peer decode context")->capture_default_str();
+  cmd->add_flag("--profile", o->profile, "cudaProfilerStart/Stop around the timed decode steps (for ncu --profile-from-start off)");
   cmd->add_option("--json", o->json_path, "Write the results here (JSON; written whole or not at all)");
   cmd->add_option("--git-commit", o->git_commit, "Commit recorded in the JSON")->capture_default_str();
   cmd->callback([o] { run_bench_generate(*o); });

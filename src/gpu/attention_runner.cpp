@@ -32,6 +32,13 @@ class OwnAttention final : public AttentionRunner {
                   "GPU attention: head_dim {} with {} q heads over {} kv heads is not supported (head_dim 16, 32, 64, "
                   "128 or 256; at most {} q heads per kv head)",
                   config.head_dim, config.num_attention_heads, config.num_key_value_heads, kPagedAttentionMaxGroup);
+    PagedAttentionShape probe;  // what the kernels would be for a one-token step (for name())
+    probe.num_seqs = probe.num_tokens = 1;
+    probe.num_heads = config.num_attention_heads;
+    probe.num_kv_heads = config.num_key_value_heads;
+    probe.head_dim = config.head_dim;
+    probe.max_kv_len = 1;
+    plan_ = plan_paged_attention(probe);
   }
   ~OwnAttention() override {
     if (workspace_ != nullptr) cudaFree(workspace_);
