@@ -5,7 +5,7 @@
 // definition's order (descending logit, lower id first), softmax at the temperature in double, the nucleus
 // (smallest prefix whose mass reaches top_p * total) and the inverse-CDF draw at uniform * nucleus mass. The
 // host draws each sequence's uniform from its own model::Rng (Rng::uniform(), as sample_token does) and passes
-// it in, so every engine advances a sequence's Rng alike. Algorithm and costs: sampler.cu.
+// it in, so every engine advances a sequence's Rng alike. Algorithm: sampler.cu (top comment).
 //
 // Launcher in the style of src/backend/cuda/moe_kernels.hpp: enqueues on `stream`, returns the launch status
 // (a cudaError_t value, returned as int so that this header includes no CUDA header; 0 is cudaSuccess).
