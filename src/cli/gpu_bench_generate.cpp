@@ -41,7 +41,8 @@ struct BenchGenerateOptions {
   int peer_context = 512;
   std::string json_path;
   std::string git_commit;
-  bool profile = false;  // cudaProfilerStart/Stop around the timed decode steps (ncu --profile-from-start off)
+  bool profile = false;
+  bool cuda_graphs = true;  // cudaProfilerStart/Stop around the timed decode steps (ncu --profile-from-start off)
 };
 
 struct Prefill {
@@ -106,6 +107,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
 
   gpu::GpuEngineOptions eo;
   eo.attention = o.attention;
+  eo.cuda_graphs = o.cuda_graphs;
   int max_seqs = 1;
   int64_t max_tokens = 1, positions = 1;
   for (const int b : o.batches) {
@@ -270,6 +272,7 @@ void register_bench_generate_command(CLI::App& bench) {
   cmd->add_option("--peer", o->peer_script, "HF transformers peer script (bench/peer/hf_decode_peer.py); empty: none");
   cmd->add_option("--peer-batch", o->peer_batches, "Peer decode batch sizes")->capture_default_str();
   cmd->add_option("--peer-context", o->peer_context, "Peer decode context")->capture_default_str();
+  cmd->add_flag("!--no-cuda-graphs", o->cuda_graphs, "Decode steps run eagerly (no CUDA graphs)");
   cmd->add_flag("--profile", o->profile, "cudaProfilerStart/Stop around the timed decode steps (for ncu --profile-from-start off)");
   cmd->add_option("--json", o->json_path, "Write the results here (JSON; written whole or not at all)");
   cmd->add_option("--git-commit", o->git_commit, "Commit recorded in the JSON")->capture_default_str();
