@@ -47,11 +47,12 @@ WorkspaceLayout workspace_layout(const PagedAttentionPlan& plan) {
   return w;
 }
 
-// Merges the split partials of one (token, all heads): weights exp2(lse_z - max) in split order.
-// Blocks [0, decode_blocks): sequence b (1-token sequences with > 1 split); then one block per token of the
-// prefill sequences whose tile was split.
+// Merges the split partials of one token, one head per warp (blockIdx.y: heads 4y .. 4y + 3): weights
+// exp2(lse_z - max) in split order. blockIdx.x < decode_blocks: sequence x (1-token sequences with > 1 split);
+// then one per token of the prefill sequences whose tile was split.
 __global__ void __launch_bounds__(attention::kThreads) merge_splits_kernel(const Params p, int head_dim, int decode_blocks,
                                                                            int num_tokens) {
+  static_assert(kPagedAttentionMaxSplits == 64, "two splits per lane");
   __shared__ float weights[kMergeWarps][kPagedAttentionMaxSplits];
   const int b = static_cast<int>(blockIdx.x);
   int token, index, splits, max_splits;
@@ -86,26 +87,29 @@ __global__ void __launch_bounds__(attention::kThreads) merge_splits_kernel(const
   if (splits <= 1) return;  // the attention kernel wrote this token's output itself
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int H = p.num_heads, D = head_dim;
-  for (int h = warp; h < H; h += kMergeWarps) {
+  const int h = static_cast<int>(blockIdx.y) * kMergeWarps + warp;
+  if (h < H) {
     const int64_t first = static_cast<int64_t>(index) * max_splits * H + h;  // split z at first + z * H
-    float max_lse = -INFINITY;
-    for (int z = 0; z < splits; ++z) max_lse = fmaxf(max_lse, part_lse[first + static_cast<int64_t>(z) * H]);
+    // Lane z and z + 32 hold split z's and z + 32's log2-sum-exp (kPagedAttentionMaxSplits = 64).
+    const float lse_lo = lane < splits ? part_lse[first + static_cast<int64_t>(lane) * H] : -INFINITY;
+    const float lse_hi = lane + 32 < splits ? part_lse[first + static_cast<int64_t>(lane + 32) * H] : -INFINITY;
+    float max_lse = fmaxf(lse_lo, lse_hi);
+    for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
     const float base = max_lse == -INFINITY ? 0.0f : max_lse;
-    float total = 0.0f;
-    for (int z = 0; z < splits; ++z) {
-      const float wz = exp2f(part_lse[first + static_cast<int64_t>(z) * H] - base);
-      total += wz;
-      if (lane == 0) weights[warp][z] = wz;
-    }
+    const float w_lo = exp2f(lse_lo - base), w_hi = exp2f(lse_hi - base);
+    float total = w_lo + w_hi;
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    weights[warp][lane] = w_lo;
+    weights[warp][lane + 32] = w_hi;
     __syncwarp();
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     uint16_t* dst = p.out + (static_cast<int64_t>(token) * H + h) * D;
     for (int d = lane; d < D; d += 32) {
       float acc = 0.0f;
+#pragma unroll 8
       for (int z = 0; z < splits; ++z) acc += weights[warp][z] * part_o[(first + static_cast<int64_t>(z) * H) * D + d];
       dst[d] = attention::f32_to_bf16(acc * inv);
     }
-    __syncwarp();  // weights are rewritten for the next head
   }
 }
 
@@ -123,8 +127,9 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   plan.tensor_cores = !s.force_cuda_cores && (s.head_dim == 64 || s.head_dim == 128);
   plan.prefill_rows = plan.tensor_cores ? 64 : 16;
 
-  // About two CTAs per SM over the batch; a split keeps >= kPagedAttentionSplitAlign positions.
-  const int64_t target_ctas = 2 * static_cast<int64_t>(std::max(1, s.num_sms));
+  // About four CTAs per SM over the batch (the tensor-core kernels keep 2-3 resident per SM, so the last wave
+  // is mostly full); a split keeps >= kPagedAttentionSplitAlign positions.
+  const int64_t target_ctas = 4 * static_cast<int64_t>(std::max(1, s.num_sms));
   const int64_t splits_by_len = std::max<int64_t>(1, ceil_div64(std::max(1, s.max_kv_len), kPagedAttentionSplitAlign));
   const int64_t decode_ctas = std::max<int64_t>(1, static_cast<int64_t>(s.num_seqs) * s.num_kv_heads);
   plan.decode_splits = static_cast<int>(
@@ -202,8 +207,9 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   const int decode_blocks = plan.decode_splits > 1 ? s.num_seqs : 0;
   const int prefill_blocks = plan.prefill_tiles > 0 && plan.prefill_splits > 1 ? s.num_tokens : 0;
   if (decode_blocks + prefill_blocks > 0) {
-    merge_splits_kernel<<<static_cast<unsigned>(decode_blocks + prefill_blocks), attention::kThreads, 0, stream>>>(
-        p, s.head_dim, decode_blocks, s.num_tokens);
+    const dim3 grid(static_cast<unsigned>(decode_blocks + prefill_blocks),
+                    static_cast<unsigned>((s.num_heads + kMergeWarps - 1) / kMergeWarps));
+    merge_splits_kernel<<<grid, attention::kThreads, 0, stream>>>(p, s.head_dim, decode_blocks, s.num_tokens);
     status = cudaGetLastError();
   }
   return status;

@@ -57,8 +57,9 @@ struct PagedAttentionPlan {
   int prefill_splits = 1;     // grid z of the prefill launch: at most this many KV splits per tile
 };
 
-// The plan from host values only. Splits aim at about two CTAs per SM over the batch (a lone decode sequence
-// with 2048 positions and 4 kv heads: 32 splits of 64 keys, 128 CTAs); each split holds >= 64 positions.
+// The plan from host values only. Splits aim at about four CTAs per SM over the batch; each split holds >= 64
+// positions (a lone decode sequence with 2048 positions and 4 kv heads: 32 splits of 64 keys, 128 CTAs; 64
+// sequences: 3 splits, 768 CTAs; 256 sequences: no split).
 // An unsupported shape (head_dim, group above kPagedAttentionMaxGroup, num_heads % num_kv_heads) gives a plan
 // that the launcher refuses.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
@@ -69,9 +70,9 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
 size_t paged_attention_workspace_bytes(const PagedAttentionPlan& plan);
 
 // Runs attention over `batch` as planned. The batch's num_seqs, num_tokens, heads and head_dim must equal the
-// plan's, every kv_len[s] <= max_kv_len... is not needed for correctness (a longer sequence only gets longer
-// splits) but n_s must not exceed max_q_len when that is 1. The workspace (device, 256-byte aligned, at least
-// paged_attention_workspace_bytes) is scratch, overwritten. q, out, k_pool and v_pool must be 16-byte aligned.
+// plan's. A kv_len above max_kv_len is still right (its splits get longer); with max_q_len 1 a sequence of more
+// tokens is not computed. The workspace (device, 256-byte aligned, at least paged_attention_workspace_bytes) is
+// scratch, overwritten; q, out, k_pool and v_pool must be 16-byte aligned.
 // cudaErrorInvalidValue for a batch that does not match the plan, an unsupported shape, page_size < 1 or a
 // small / misaligned workspace; otherwise the launch status.
 cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAttentionPlan& plan, void* workspace,

@@ -78,36 +78,55 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
     }
   }
 
-  // K / V tile loader: thread tid copies chunk tid % kChunks of keys tid / kChunks + i * (kThreads / kChunks).
+  // K / V tile loader: thread tid copies chunk tid % kChunks of keys tid / kChunks + i * (kThreads / kChunks),
+  // from the pool offsets that key_offset holds for the tile (-1: past the range, zero-filled).
   const int64_t pool_stride = static_cast<int64_t>(p.num_kv_heads) * D;
   const uint16_t* const k_head = p.k_pool + static_cast<int64_t>(w.kv_head) * D;
   const uint16_t* const v_head = p.v_pool + static_cast<int64_t>(w.kv_head) * D;
-  const auto load_tile = [&](int stage, int first_pos) {
+  const auto load_tile = [&](int stage, const int64_t* offsets) {
     constexpr int kKeysPerPass = kThreads / Cfg::kChunks;
     const int chunk = tid % Cfg::kChunks;
 #pragma unroll
     for (int pass = 0; pass < kTileKeys / kKeysPerPass; ++pass) {
       const int key = tid / Cfg::kChunks + pass * kKeysPerPass;
-      const int pos = first_pos + key;
-      const bool ok = pos < w.key_end;
-      const int64_t at = (ok ? pool_row(p, w, pos) * pool_stride : 0) + chunk * 8;
+      const int64_t offset = offsets[key];
+      const bool ok = offset >= 0;
+      const int64_t at = (ok ? offset : 0) + chunk * 8;
       const int dst = stage * Cfg::kStageElems + swizzled<D>(key, chunk);
       cp_async_16(k_tiles + dst, k_head + at, ok);
       cp_async_16(v_tiles + dst, v_head + at, ok);
     }
   };
+  // Pool offsets of tile t's keys live in key_offset[t % 2]. Threads tid < 64 fetch the page ids of tile it + 2
+  // while tile it is computed and store the offsets after, so the copies of a tile never wait on the page table.
+  __shared__ int64_t key_offset[2][kTileKeys];
+  const int num_tiles = ceil_div(w.key_end - w.key_begin, kTileKeys);
+  const auto offset_of = [&](int pos, int page) -> int64_t {
+    return pos < w.key_end ? (static_cast<int64_t>(page) * p.page_size + pos % p.page_size) * pool_stride : -1;
+  };
+  const auto page_of = [&](int pos) { return pos < w.key_end ? __ldg(p.page_ids + w.page_begin + pos / p.page_size) : 0; };
+  if (tid < kTileKeys) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int pos = w.key_begin + t * kTileKeys + tid;
+      key_offset[t][tid] = offset_of(pos, page_of(pos));
+    }
+  }
+  __syncthreads();
 
   float o[D / 8][4];  // O accumulators: d-tile j holds d = 8 j + 2 tq (+1), rows g (c0 c1) and g + 8 (c2 c3)
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's columns only, summed at the end
 
-  const int num_tiles = ceil_div(w.key_end - w.key_begin, kTileKeys);
-  load_tile(0, w.key_begin);
+  load_tile(0, key_offset[0]);
   cp_async_commit();
   for (int it = 0; it < num_tiles; ++it) {
-    if (it + 1 < num_tiles) load_tile((it + 1) & 1, w.key_begin + (it + 1) * kTileKeys);
+    if (it + 1 < num_tiles) load_tile((it + 1) & 1, key_offset[(it + 1) & 1]);
     cp_async_commit();
+    const bool fetch = tid < kTileKeys && it + 2 < num_tiles;
+    const int next_pos = w.key_begin + (it + 2) * kTileKeys + tid;
+    const int next_page = fetch ? page_of(next_pos) : 0;  // used after this tile's math
     cp_async_wait<1>();  // tile it has landed (tile it + 1 may still be in flight)
     __syncthreads();
     const uint16_t* const ks = k_tiles + (it & 1) * Cfg::kStageElems;
@@ -186,7 +205,8 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
         mma_16816(o[2 * nd + 1], a, b[2], b[3]);
       }
     }
-    __syncthreads();  // the stage is refilled by the next iteration's load
+    if (fetch) key_offset[it & 1][tid] = offset_of(next_pos, next_page);  // tile it + 2's slot: tile it's is spent
+    __syncthreads();  // the stage is refilled by the next iteration's load, key_offset read
   }
   cp_async_wait<0>();
 

@@ -102,7 +102,7 @@ __device__ __forceinline__ WorkItem decode_work(const Params& p) {
 }
 
 // Prefill launch: grid (prefill_tiles, Hkv, prefill_splits); blockIdx.x is a tile of the batch's prefill
-// tiles in sequence order. The block finds it: each thread sums the tiles of ceil(S / kThreads) consecutive
+// tiles in sequence order (within a sequence, from its last tile: causal work grows with the tile). The block finds it: each thread sums the tiles of ceil(S / kThreads) consecutive
 // sequences (independent loads), a block scan, and the thread whose range holds the tile walks it.
 // Every thread of the block must call this (it synchronizes); `scratch` is __shared__ int[kThreads / 32 + 2].
 __device__ inline WorkItem prefill_work(const Params& p, int* scratch) {
@@ -130,7 +130,7 @@ __device__ inline WorkItem prefill_work(const Params& p, int* scratch) {
       const int tiles = prefill_tiles_of(p.q_indptr[s + 1] - p.q_indptr[s], p.group, p.prefill_rows);
       if (target < before + tiles) {
         scratch[kThreads / 32] = s;
-        scratch[kThreads / 32 + 1] = target - before;
+        scratch[kThreads / 32 + 1] = tiles - 1 - (target - before);  // last tiles first: they see the most keys
         break;
       }
       before += tiles;
