@@ -4,7 +4,10 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.hpp"
+#include "eplb/atomic_file.hpp"
 #include "cli/engine_flags.hpp"
 #include "cli/number_checks.hpp"
 #include "eplb/error.hpp"
@@ -43,6 +46,9 @@ void register_serve_command(CLI::App& app) {
       ->capture_default_str()->check(kPositive);
   cmd->add_option("--default-max-tokens", o->default_max_tokens, "max_tokens of requests that give none")
       ->capture_default_str()->check(kPositive);
+  cmd->add_option("--load-format", o->load_format,
+                  "auto (read the checkpoint) | dummy (random weights on the GPU: config.json only; benchmarks)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "dummy"}));
   cmd->add_option("--served-model-name", o->served_model_name, "Model id in the API (default: the folder name)");
   cmd->add_option("--expert-distribution-dir", o->expert_distribution_dir,
                   "Folder /dump_expert_distribution_record writes to")->capture_default_str();
@@ -68,10 +74,28 @@ void register_bench_serve_command(CLI::App& bench) {
   load->add_option("--prompt-len", *prompt_len, "Prompt length range A:B (uniform, token ids)")->capture_default_str();
   load->add_option("--max-tokens", l->max_tokens, "Tokens generated per request")->capture_default_str();
   load->add_option("--seed", l->seed, "Prompt seed")->capture_default_str();
-  load->callback([l, prompt_len] {
+  auto json_path = std::make_shared<std::string>();
+  auto git_commit = std::make_shared<std::string>();
+  load->add_option("--json", *json_path, "Write the figures here (JSON; written whole or not at all)");
+  load->add_option("--git-commit", *git_commit, "Commit recorded in the JSON");
+  load->callback([l, prompt_len, json_path, git_commit] {
     parse_range(*prompt_len, l->prompt_min, l->prompt_max);
     const server::LoadReport report = server::run_load(*l);
     fmt::print("{}", server::format_load_report(*l, report));
+    if (!json_path->empty()) {
+      const auto pct = [](const std::vector<double>& v) {
+        return nlohmann::json{{"p50", server::percentile(v, 0.5)}, {"p90", server::percentile(v, 0.9)},
+                              {"p99", server::percentile(v, 0.99)}};
+      };
+      const nlohmann::json doc{{"command", command_line()}, {"git_commit", *git_commit}, {"clients", l->clients},
+                               {"prompt_len", *prompt_len}, {"max_tokens", l->max_tokens}, {"succeeded", report.succeeded},
+                               {"failed", report.failed}, {"seconds", report.seconds},
+                               {"output_tokens_per_s", report.output_tokens / std::max(report.seconds, 1e-9)},
+                               {"requests_per_s", report.succeeded / std::max(report.seconds, 1e-9)},
+                               {"ttft_s", pct(report.ttft_s)}, {"itl_s", pct(report.itl_s)},
+                               {"latency_s", pct(report.latency_s)}};
+      write_file_atomically(*json_path, doc.dump(2) + "\n");
+    }
     FULCRUM_CHECK(report.failed == 0, "{} of {} requests failed", report.failed, report.failed + report.succeeded);
   });
 }

@@ -76,8 +76,12 @@ GpuStepExecutor::GpuStepExecutor(const GpuExecutorOptions& options) {
   // A step holds every running decode plus at most max_prefill_tokens of prompt chunks.
   eo.max_batch_tokens = int64_t{options.scheduler.max_running_requests} + options.scheduler.max_prefill_tokens;
   engine_ = std::make_unique<gpu::GpuEngine>(config, eo);
-  model::Checkpoint checkpoint(options.model_dir);
-  engine_->load(checkpoint, options.on_layers_loaded);
+  if (options.random_weights) {
+    engine_->fill_random(0x5eed);
+  } else {
+    model::Checkpoint checkpoint(options.model_dir);
+    engine_->load(checkpoint, options.on_layers_loaded);
+  }
   recorder_ = std::make_unique<Recorder>(*this);
 }
 

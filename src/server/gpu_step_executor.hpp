@@ -24,6 +24,7 @@ struct GpuExecutorOptions {
   engine::InProcessRun run;        // initial placement, replica choice (EPLB needs several ranks)
   SchedulerOptions scheduler;      // KV pages and page size, step capacity
   std::function<void(int done, int total)> on_layers_loaded;
+  bool random_weights = false;  // --load-format dummy: device-generated weights, no checkpoint read
 };
 
 class GpuStepExecutor final : public StepExecutor {

@@ -104,7 +104,8 @@ void serve(const ServeOptions& options) {
   bool eplb_on = false;
 #ifdef FULCRUM_WITH_GPU_SERVE
   if (serves_on_gpu(options.parallel, options.run)) {
-    GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded};
+    GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded,
+                                   options.load_format == "dummy"};
     auto gpu = std::make_unique<GpuStepExecutor>(gpu_options);
     config = &gpu->config();
     recorder = gpu->recorder();
@@ -113,6 +114,7 @@ void serve(const ServeOptions& options) {
   }
 #endif
   if (!executor_owner) {
+    FULCRUM_CHECK(options.load_format == "auto", "--load-format dummy needs the GPU engine (--device cuda on one GPU)");
     EngineExecutorOptions engine_options;
     engine_options.model_dir = options.model_dir;
     engine_options.parallel = options.parallel;

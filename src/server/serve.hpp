@@ -20,6 +20,7 @@ struct ServeOptions {
   int port = 8000;  // 0: any free port (the log line names it)
   SchedulerOptions scheduler;
   int default_max_tokens = 128;
+  std::string load_format = "auto";  // dummy: random weights on the GPU engine (benchmarks; config.json only)
   std::string served_model_name;  // empty: the model folder's name
   std::string expert_distribution_dir = ".";
   double shutdown_timeout_s = 30;
