@@ -17,6 +17,6 @@ for _ in $(seq 1 300); do grep -q "listening on" "$dir/serve.log" && break; slee
 url=$(grep -o "http://[0-9.:]*" "$dir/serve.log" | tail -1)
 cat "$dir/serve.log"
 "$bin" bench serve --url "$url" --clients 10 --requests "$requests" --prompt-len 2048:2048 --max-tokens 1024 --json "$json" \
-  --git-commit "${GIT_COMMIT:-}" || true
+  --git-commit "${GIT_COMMIT:-unknown}" || true
 kill -TERM $pid; wait $pid || true
 tail -3 "$dir/serve.log"

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Markdown tables for docs/benchmarks.md from `fulcrum bench generate --json` and `fulcrum bench serve --json`.
+
+Usage: scripts/engine_bench_tables.py bench/results/generate_h200.json [bench/results/serve_h200.json]
+Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
+"""
+import json
+import sys
+
+
+def row(cells):
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def generate(doc):
+    runs = doc["runs"]
+    print(f"Run: `{doc['command']}` at commit {doc['git_commit']} on {doc['gpu']}; measured in the same run: "
+          f"{doc['copy_bandwidth_gbs']:.0f} GB/s device copy, {doc['gemm_tflops']:.0f} TFLOP/s bf16 GEMM; "
+          f"{doc['layers']} layers.\n")
+    print("### Decode (ms per step; roofline = bytes the step must read / measured copy bandwidth)\n")
+    print(row(["batch", "context", "ms/step", "tok/s", "roofline ms", "of roofline", "HF transformers ms", "vs HF"]))
+    print(row(["---:"] * 8))
+    for r in runs:
+        if r["phase"] != "decode":
+            continue
+        peer = r.get("peer_ms_per_step")
+        print(row([r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.3f}",
+                   f"{100 * r['roofline_ms'] / r['ms_per_step']:.1f}%", f"{peer:.1f}" if peer else "",
+                   f"{peer / r['ms_per_step']:.1f}x" if peer else ""]))
+    print("\n### Prefill (one step; roofline = FLOPs / measured bf16 GEMM rate)\n")
+    print(row(["sequences x tokens", "ms", "tok/s", "roofline ms", "of roofline"]))
+    print(row(["---:"] * 5))
+    for r in runs:
+        if r["phase"] == "prefill":
+            print(row([f"{r['batch']} x {r['context']}", f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:.0f}",
+                       f"{r['roofline_ms']:.1f}", f"{100 * r['roofline_ms'] / r['ms_per_step']:.1f}%"]))
+    print()
+
+
+def serve(doc):
+    print(f"### `bench serve` against `serve --device cuda`\n\nRun: `{doc['command']}`, {doc['clients']} clients, "
+          f"prompts {doc['prompt_len']} tokens, {doc['max_tokens']} output tokens.\n")
+    print(row(["requests ok / failed", "output tok/s", "TTFT p50 / p90 / p99 ms", "ITL (TPOT) p50 / p90 / p99 ms"]))
+    print(row(["---:"] * 4))
+    t, i = doc["ttft_s"], doc["itl_s"]
+    print(row([f"{doc['succeeded']} / {doc['failed']}", f"{doc['output_tokens_per_s']:.1f}",
+               f"{1e3 * t['p50']:.1f} / {1e3 * t['p90']:.1f} / {1e3 * t['p99']:.1f}",
+               f"{1e3 * i['p50']:.2f} / {1e3 * i['p90']:.2f} / {1e3 * i['p99']:.2f}"]))
+    print()
+
+
+for path in sys.argv[1:]:
+    doc = json.load(open(path))
+    (generate if "runs" in doc else serve)(doc)
