@@ -36,3 +36,12 @@ Libs: -L\${libdir} -lcpp-httplib -Wl,-rpath,\${libdir} -Wl,-rpath-link,\${libdir
 Cflags: -I\${includedir} -DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT
 PC
 du -sh "$out"
+# What the CUDA tests read from ../shared (the golden fixtures, the load matrices and real configs), as
+# .devshared/: scripts/gpu_machine_run.sh links ../shared to it there.
+if [ -d ../shared ]; then
+  rm -rf .devshared
+  mkdir -p .devshared/golden .devshared/data
+  cp -r ../shared/golden/hf .devshared/golden/
+  cp -r ../shared/data/loads ../shared/data/configs .devshared/data/
+  du -sh .devshared
+fi
