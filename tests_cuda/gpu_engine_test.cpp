@@ -314,5 +314,28 @@ TEST_F(GpuEngineTest, BadRequestsAreOneLineErrors) {
   engine.allocate(1, 64);  // every page is back
 }
 
+// A model or a KV pool larger than the GPU: a one-line error saying what is needed and what is free, before
+// anything is allocated.
+TEST_F(GpuEngineTest, WhatDoesNotFitIsRefusedWithItsSize) {
+  const model::Qwen3MoeConfig big = model::parse_qwen3_moe_config(model::preset_config_json("qwen3-235b-a22b", {}), "235b");
+  try {
+    gpu::GpuEngine engine(big, small_options());
+    FAIL() << "a 470 GB model fitted";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("need"), std::string::npos) << what;
+    EXPECT_NE(what.find("GiB free"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  gpu::GpuEngineOptions o = small_options();
+  o.kv_pages = int64_t{1} << 28;  // 2^28 pages of 16 positions: terabytes
+  try {
+    gpu::GpuEngine engine(small_config(), o);
+    FAIL() << "a KV pool of terabytes fitted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("KV pool"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace fulcrum::test
