@@ -1,0 +1,25 @@
+#pragma once
+// Skinny GEMM for decode: out [m, n] = x [m, k] @ w [n, k]^T with m in 1..8 rows, bf16 operands (uint16_t bits,
+// row-major), fp32 accumulation, fp32 or bf16 output (row-major [m, n]). Memory-bound: W is read once with
+// 16-byte loads that bypass L1 (x, at most 8 x k bf16, stays in L1 / L2). CPU reference:
+// src/gpu/reference/skinny_gemm_reference.hpp.
+//
+// Deterministic and batch invariant: the work split (rows per warp, K slices per row) depends on n and k only,
+// each lane sums its products in K order with fp32 FMAs, lanes are combined by a fixed butterfly and K slices in
+// slice order. So row i of out is bitwise the same for every m and every run.
+//
+// Capture-safe: no allocation, no synchronization; the grid depends on n and k only.
+// Returns cudaErrorInvalidValue for m outside 1..8, n < 0, k <= 0 or k % 8 != 0, x or w not 16-byte aligned,
+// out not aligned to its element, or not exactly one of out_f32 / out_bf16 non-null. n == 0: no launch.
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace fulcrum::gpu {
+
+constexpr int kSkinnyGemmMaxRows = 8;
+
+cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int n, int k, float* out_f32,
+                               uint16_t* out_bf16, cudaStream_t stream);
+
+}  // namespace fulcrum::gpu
