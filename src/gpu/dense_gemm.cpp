@@ -1,7 +1,10 @@
 #include "gpu/dense_gemm.hpp"
 
+#include <cstdint>
+
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
+#include "gpu/kernels/skinny_gemm.hpp"
 
 namespace fulcrum::gpu {
 namespace {
@@ -24,6 +27,18 @@ DenseGemm::~DenseGemm() {
 
 void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, int64_t k, void* out, GemmOut out_type) {
   if (m == 0) return;
+  // Decode-sized steps: the skinny GEMM reads W once near HBM speed where cuBLAS's small-M kernels did not
+  // (measured: docs/benchmarks.md); the same rows always take the same path, so batch sizes 1..8 agree bitwise.
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 4 == 0;
+  if (m <= kSkinnyGemmMaxRows && k % 8 == 0 && aligned && n <= INT32_MAX && k <= INT32_MAX && use_skinny_) {
+    const cudaError_t status = launch_skinny_gemm(
+        x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+        out_type == GemmOut::kF32 ? static_cast<float*>(out) : nullptr,
+        out_type == GemmOut::kBf16 ? static_cast<uint16_t*>(out) : nullptr, stream_);
+    FULCRUM_CHECK(status == cudaSuccess, "skinny GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, cudaGetErrorString(status));
+    return;
+  }
   FULCRUM_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "dense GEMM [{}, {}] x [{}, {}]^T too large", m, k, n, k);
   // Row-major out [m, n] is column-major out^T [n, m] = W^T (op T on the column-major [k, n] view of W) x x^T.
   const float alpha = 1.0f, beta = 0.0f;

@@ -18,6 +18,8 @@ class DenseGemm {
   DenseGemm(const DenseGemm&) = delete;
   DenseGemm& operator=(const DenseGemm&) = delete;
 
+  // The skinny GEMM (kernels/skinny_gemm.hpp) for m <= 8 (default), or cuBLAS for every m (comparisons).
+  void set_skinny(bool on) { use_skinny_ = on; }
   // out [m, n] = x [m, k] @ w [n, k]^T; m may be 0.
   void run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, int64_t k, void* out, GemmOut out_type);
 
@@ -25,6 +27,7 @@ class DenseGemm {
   CUstream_st* stream_ = nullptr;
   cublasContext* handle_ = nullptr;
   void* workspace_ = nullptr;
+  bool use_skinny_ = true;
 };
 
 }  // namespace fulcrum::gpu
