@@ -34,30 +34,13 @@ namespace fulcrum::gpu {
 // Tile configs measured on an H200 (../shared/docs/gpu-engine.md, Qwen3-30B-A3B expert shapes, 128 groups):
 // pingpong 64x128x64 is best at 256-1024 tokens (2K-8K rows), cooperative 256x128x64 (cluster 1x2) at
 // 4096-16384 tokens (32K-128K rows); 256x128x128 was slower everywhere.
-//
-// The two narrow-N pingpong configs are for decode (a few rows per group; NOT measured yet). The grid is
-// persistent, one CTA per SM, each streaming its tiles' weights in turn, so what counts is the most weight
-// bytes one SM streams: ceil(tiles / SMs) * N_tile * K * 2. Qwen3-30B-A3B at batch 1 (8 groups), 132 SMs:
-//   gate_up N 1536 K 2048: N tile 128: 96 tiles, 1 per SM, 512 KB; 64: 192 tiles, 2, 512 KB; 32: 384, 3, 384 KB
-//   down    N 2048 K  768: N tile 128: 128 tiles, 192 KB;       64: 256 tiles, 192 KB;   32: 512, 4, 192 KB
-// (the ideal, 1/132 of the bytes, is 381 KB and 190 KB). So a 64-wide N tile only spreads the same per-SM
-// critical path over all SMs; 32-wide cuts gate_up's by a quarter. The 128-k tile halves the pipeline
-// barriers per weight byte. 64x32x128 is the one chosen; 64x64x128 is kept so both can be measured.
-enum class GroupedGemmConfig : int {
-  kPingpong64x128x64 = 0,
-  kCooperative256x128x64 = 1,
-  kPingpong64x64x128 = 2,
-  kPingpong64x32x128 = 3,
-};
-constexpr int kNumGroupedGemmConfigs = 4;
-// Total rows (T * top_k) up to which the decode config is used: batch 64 at top-8. A guess, to be measured.
-constexpr int64_t kGroupedGemmDecodeMaxRows = 512;
-// Total rows from which the cooperative config is used: between the measured 8K (pingpong 215 us vs 299 us)
-// and 32K rows (378 us vs 323 us).
+enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1 };
+constexpr int kNumGroupedGemmConfigs = 2;
+// Total rows (T * top_k) from which the cooperative config is used: between the measured 8K (pingpong
+// 215 us vs 299 us) and 32K rows (378 us vs 323 us).
 constexpr int64_t kGroupedGemmCooperativeMinRows = 16384;
 
 inline GroupedGemmConfig grouped_gemm_config_for_rows(int64_t total_rows) {
-  if (total_rows <= kGroupedGemmDecodeMaxRows) return GroupedGemmConfig::kPingpong64x32x128;
   return total_rows >= kGroupedGemmCooperativeMinRows ? GroupedGemmConfig::kCooperative256x128x64
                                                       : GroupedGemmConfig::kPingpong64x128x64;
 }
@@ -83,7 +66,7 @@ struct GroupedGemmStatus {
 struct GroupedGemmLimits {
   int device = -1;
   int sm_count = 0;
-  int max_active_clusters[kNumGroupedGemmConfigs] = {};  // indexed by GroupedGemmConfig
+  int max_active_clusters[kNumGroupedGemmConfigs] = {};
   int max_groups = 0;                 // groups a run may have
   size_t cutlass_workspace_bytes = 0; // CUTLASS's part, at the start of the workspace (max over configs)
   size_t workspace_bytes = 0;         // everything: CUTLASS's part, then the per-group arrays
