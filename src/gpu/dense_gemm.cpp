@@ -31,6 +31,8 @@ void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, 
   // H200 (one row: QKV 10.8 vs 13.7 us, O 9.3 vs 17.3, router 5.6 vs 13.9, LM head 144 vs 152; up to 8 rows with
   // n <= 2048: O 14.1 vs 17.1 us at m = 8; cuBLAS won QKV and the LM head from 4 rows). A given (m, n) always
   // takes the same path.
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 4 == 0;
   if ((m == 1 || (m <= kSkinnyGemmMaxRows && n <= 2048)) && k % 8 == 0 && aligned && n <= INT32_MAX && k <= INT32_MAX && use_skinny_) {
     const cudaError_t status = launch_skinny_gemm(
         x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
