@@ -51,6 +51,35 @@ std::vector<T> to_host(const T* device, int64_t n) {
   return host;
 }
 
+// The weights of `slots` slots (gate_up [slots][gate_up_size], down [slots][down_size], values as stored) held in
+// reverse slot order in device buffers other than a layer's own, and per-slot pointer lists into them: slot s of
+// pointers(shift) points at the weights of slot (s + shift) % slots.
+struct ReversedSlotWeights {
+  ReversedSlotWeights(const std::vector<float>& gate_up, const std::vector<float>& down, int slots, int64_t gate_up_size,
+                      int64_t down_size)
+      : num_slots(slots), gate_up_elems(gate_up_size), down_elems(down_size) {
+    std::vector<float> g, d;
+    for (int s = slots - 1; s >= 0; --s) {
+      g.insert(g.end(), gate_up.begin() + s * gate_up_size, gate_up.begin() + (s + 1) * gate_up_size);
+      d.insert(d.end(), down.begin() + s * down_size, down.begin() + (s + 1) * down_size);
+    }
+    d_gate_up = to_device(to_bits(g));
+    d_down = to_device(to_bits(d));
+  }
+  std::pair<std::vector<const uint16_t*>, std::vector<const uint16_t*>> pointers(int shift) const {
+    std::pair<std::vector<const uint16_t*>, std::vector<const uint16_t*>> ptrs;
+    for (int s = 0; s < num_slots; ++s) {
+      const int held = num_slots - 1 - (s + shift) % num_slots;  // where slot (s + shift)'s weights lie
+      ptrs.first.push_back(d_gate_up.as<uint16_t>() + held * gate_up_elems);
+      ptrs.second.push_back(d_down.as<uint16_t>() + held * down_elems);
+    }
+    return ptrs;
+  }
+  int num_slots;
+  int64_t gate_up_elems, down_elems;
+  backend::DeviceBuffer d_gate_up, d_down;
+};
+
 inline backend::MoeLayerShape moe_shape(int hidden, int intermediate, int experts, int top_k, int slots,
                                         int64_t max_tokens) {
   backend::MoeLayerShape shape;

@@ -374,22 +374,9 @@ TEST_F(MoeLayerCutlassTest, ExternalWeightsAndPointerSwapsUnderCapture) {
     const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(c.tokens * h, 82, 1.0f)));
     DeviceBuffer d_out(sizeof(float) * c.tokens * h);
     EXPECT_THROW(external.forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>()), Error);  // no router yet
-    std::vector<float> gate_up_reversed, down_reversed;
-    for (int s = p - 1; s >= 0; --s) {
-      gate_up_reversed.insert(gate_up_reversed.end(), w.gate_up.begin() + s * gate_up_size, w.gate_up.begin() + (s + 1) * gate_up_size);
-      down_reversed.insert(down_reversed.end(), w.down.begin() + s * down_size, w.down.begin() + (s + 1) * down_size);
-    }
+    const ReversedSlotWeights elsewhere(w.gate_up, w.down, p, gate_up_size, down_size);
     const DeviceBuffer d_router = to_device(to_bits(w.router));
-    const DeviceBuffer d_gate_up = to_device(to_bits(gate_up_reversed)), d_down = to_device(to_bits(down_reversed));
-    const auto pointers = [&](int shift) {
-      std::pair<std::vector<const uint16_t*>, std::vector<const uint16_t*>> ptrs;
-      for (int s = 0; s < p; ++s) {
-        const int held = p - 1 - (s + shift) % p;  // where slot (s + shift)'s weights lie
-        ptrs.first.push_back(d_gate_up.as<uint16_t>() + held * gate_up_size);
-        ptrs.second.push_back(d_down.as<uint16_t>() + held * down_size);
-      }
-      return ptrs;
-    };
+    const auto pointers = [&](int shift) { return elsewhere.pointers(shift); };
     external.set_router_weights(d_router.as<uint16_t>());
     EXPECT_THROW(external.forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>()), Error);  // no expert weights yet
     const auto same = pointers(0), shifted = pointers(1);

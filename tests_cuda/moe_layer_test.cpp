@@ -340,21 +340,8 @@ TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
     const int p = c.experts + c.extra_slots;
     const int64_t gate_up_size = 2 * int64_t{c.intermediate} * c.hidden, down_size = int64_t{c.hidden} * c.intermediate;
     // The slots' weights in reverse slot order in other buffers.
-    std::vector<float> gate_up_reversed, down_reversed;
-    for (int s = p - 1; s >= 0; --s) {
-      gate_up_reversed.insert(gate_up_reversed.end(), gate_up_.begin() + s * gate_up_size, gate_up_.begin() + (s + 1) * gate_up_size);
-      down_reversed.insert(down_reversed.end(), down_.begin() + s * down_size, down_.begin() + (s + 1) * down_size);
-    }
-    const DeviceBuffer d_gate_up = to_device(to_bits(gate_up_reversed)), d_down = to_device(to_bits(down_reversed));
-    const auto pointers = [&](int shift) {
-      std::pair<std::vector<const uint16_t*>, std::vector<const uint16_t*>> ptrs;
-      for (int s = 0; s < p; ++s) {
-        const int held = p - 1 - (s + shift) % p;  // where slot (s + shift)'s weights lie
-        ptrs.first.push_back(d_gate_up.as<uint16_t>() + held * gate_up_size);
-        ptrs.second.push_back(d_down.as<uint16_t>() + held * down_size);
-      }
-      return ptrs;
-    };
+    const ReversedSlotWeights elsewhere(gate_up_, down_, p, gate_up_size, down_size);
+    const auto pointers = [&](int shift) { return elsewhere.pointers(shift); };
     const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(c.tokens * c.hidden, 27, 1.0f)));
     DeviceBuffer d_out(sizeof(float) * c.tokens * c.hidden);
     const auto run = [&] {
@@ -376,7 +363,7 @@ TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
       layer->set_slot_weights({}, {});
       EXPECT_TRUE(bitwise_equal(run(), own)) << "own weights again";
     }
-    const std::vector<const uint16_t*> too_few(1, d_gate_up.as<uint16_t>());
+    const std::vector<const uint16_t*> too_few(1, elsewhere.d_gate_up.as<uint16_t>());
     EXPECT_THROW(layer->set_slot_weights(too_few, too_few), Error);
   }
 }
