@@ -17,7 +17,7 @@ def generate(doc):
     print(f"Run: `{doc['command']}` at commit {doc['git_commit']} on {doc['gpu']}; measured in the same run: "
           f"{doc['copy_bandwidth_gbs']:.0f} GB/s device copy, {doc['gemm_tflops']:.0f} TFLOP/s bf16 GEMM; "
           f"{doc['layers']} layers.\n")
-    print("### Decode (ms per step; roofline = bytes the step must read / measured copy bandwidth)\n")
+    print("#### Decode (ms per step; roofline = bytes the step must read / measured copy bandwidth)\n")
     print(row(["batch", "context", "ms/step", "tok/s", "roofline ms", "of roofline", "HF transformers ms", "vs HF"]))
     print(row(["---:"] * 8))
     for r in runs:
@@ -27,7 +27,7 @@ def generate(doc):
         print(row([r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.3f}",
                    f"{100 * r['roofline_ms'] / r['ms_per_step']:.1f}%", f"{peer:.1f}" if peer else "",
                    f"{peer / r['ms_per_step']:.1f}x" if peer else ""]))
-    print("\n### Prefill (one step; roofline = FLOPs / measured bf16 GEMM rate)\n")
+    print("\n#### Prefill (one step; roofline = FLOPs / measured bf16 GEMM rate)\n")
     print(row(["sequences x tokens", "ms", "tok/s", "roofline ms", "of roofline"]))
     print(row(["---:"] * 5))
     for r in runs:
