@@ -153,7 +153,8 @@ TEST(ServerEplb, EngineFlagsAreCheckedLikeGenerates) {
            {"--tp 4 --dp 2 --enable-dp-attention --ep 16", "--tp 4 is not divisible by --ep 16"},
            {"--tp 2 --ep 2 --ep-num-redundant-experts 3", "not divisible by --ep 2"},
            {"--tp 2 --ep 2 --enable-eplb --eplb-rebalance-num-iterations 0", "--eplb-rebalance-num-iterations"},
-           {"--expert-distribution-recorder-mode per_layer", "per_layer"}}) {
+           {"--expert-distribution-recorder-mode per_layer", "per_layer"},
+           {"--load-format dummy", "--load-format dummy needs the GPU engine"}}) {
     const CliRun run = run_cli(dir, serve + flags);
     EXPECT_NE(run.exit_code, 0) << flags;
     EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;

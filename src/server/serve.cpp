@@ -83,6 +83,13 @@ void serve(const ServeOptions& options) {
   FULCRUM_CHECK(pthread_sigmask(SIG_BLOCK, &signals, nullptr) == 0, "cannot block SIGINT/SIGTERM");
   std::signal(SIGPIPE, SIG_IGN);  // a vanished client must not kill the server
 
+#ifdef FULCRUM_WITH_GPU_SERVE
+  const bool on_gpu = serves_on_gpu(options.parallel, options.run);
+#else
+  const bool on_gpu = false;
+#endif
+  FULCRUM_CHECK(options.load_format == "auto" || on_gpu,
+                "--load-format dummy needs the GPU engine (--device cuda on one GPU, in a CUDA build)");
   auto load_signals = std::make_unique<SignalsDuringLoad>(signals);
   const auto load_start = Clock::now();
   log(fmt::format("loading {}", options.model_dir));
@@ -103,7 +110,7 @@ void serve(const ServeOptions& options) {
   std::string where;
   bool eplb_on = false;
 #ifdef FULCRUM_WITH_GPU_SERVE
-  if (serves_on_gpu(options.parallel, options.run)) {
+  if (on_gpu) {
     GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded,
                                    options.load_format == "dummy"};
     auto gpu = std::make_unique<GpuStepExecutor>(gpu_options);
@@ -114,7 +121,6 @@ void serve(const ServeOptions& options) {
   }
 #endif
   if (!executor_owner) {
-    FULCRUM_CHECK(options.load_format == "auto", "--load-format dummy needs the GPU engine (--device cuda on one GPU)");
     EngineExecutorOptions engine_options;
     engine_options.model_dir = options.model_dir;
     engine_options.parallel = options.parallel;
