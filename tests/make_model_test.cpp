@@ -207,7 +207,7 @@ TEST(MakeModelTest, CliErrorsAreOneLine) {
   expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers 0" + out), "--layers");
   expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers -3" + out), "--layers");
   expect_one_line_error(run_cli(tmp, "make-model --preset tiny --layers two" + out), "--layers");
-  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --dtype fp8" + out), "dtype");
+  expect_one_line_error(run_cli(tmp, "make-model --preset tiny --dtype fp4" + out), "unknown dtype 'fp4'");
   expect_one_line_error(run_cli(tmp, "make-model --preset qwen3-30b-a3b" + out), "--layers");
   const std::string loads = shared_path("data/loads/qwen3-30b-a3b_prefill_gsm8k_en.csv");
   expect_one_line_error(run_cli(tmp, "make-model --preset tiny --experts 64 --router-skew " + loads + out),

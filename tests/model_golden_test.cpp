@@ -1,4 +1,5 @@
-// The CPU model against Hugging Face transformers' own outputs on the two tiny golden checkpoints:
+// The CPU model against Hugging Face transformers' own outputs on the three tiny golden checkpoints (the
+// fp8 one: the fp32 model of its dequantized weights, no router logits dumped):
 // prompt logits and router logits (max abs diff <= 1e-4), 8 greedy tokens with the KV cache (except
 // where the golden last-position margin is a near-tie, < 1e-3), and placement (replica) invariance.
 #include <algorithm>
@@ -120,7 +121,7 @@ TEST_P(GoldenModelTest, ReplicatedShuffledPlacementGivesSameLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenModelTest,
-                         ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix"),
+                         ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix", "qwen3moe-tiny-fp8"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');

@@ -67,7 +67,7 @@ void register_make_model_command(CLI::App& app) {
                   "tokenizer.json to put beside the weights; sizes vocab_size to its ids")
       ->check(CLI::ExistingFile);
   cmd->add_option("--seed", o.seed, "Weights are a function of the seed")->capture_default_str();
-  cmd->add_option("--dtype", flags->dtype, "bf16 | fp32")->capture_default_str();
+  cmd->add_option("--dtype", flags->dtype, "bf16 | fp32 | fp8 (e4m3 linear weights, 128x128 block scales)")->capture_default_str();
   cmd->add_option("--router-skew", o.router_skew,
                   "Load matrix (CSV/JSON, experts = the model's): routing marginals follow it; MoE layer k uses row "
                   "k mod rows")

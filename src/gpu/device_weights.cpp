@@ -140,6 +140,8 @@ void DeviceWeights::load(model::Checkpoint& checkpoint, const std::function<void
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
   std::set<std::string> expected;
   for (const model::TensorSpec& spec : model::synthetic_tensor_specs(config_)) expected.insert(spec.name);
+  // An FP8 checkpoint's scales; its weights come back dequantized from read_f32_into (W = fp8 x scale_inv).
+  expected.merge(model::checked_fp8_scale_names(config_, checkpoint));
   for (const std::string& name : checkpoint.names()) {
     // A tied model's checkpoint may still store lm_head.weight; it is ignored, as the CPU loader does.
     if (name == "lm_head.weight" && config_.tie_word_embeddings) continue;

@@ -1,5 +1,7 @@
 #include "model/checkpoint_writer.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,12 +19,13 @@ namespace {
 namespace fs = std::filesystem;
 
 // One safetensors file: header of its tensors (in `specs` order), then their data as produced.
-void write_shard(const fs::path& path, const std::vector<const TensorSpec*>& specs, Dtype dtype,
+void write_shard(const fs::path& path, const std::vector<const TensorSpec*>& specs, Dtype default_dtype,
                  const TensorProducer& produce, const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
   for (const TensorSpec* spec : specs) {
+    const Dtype dtype = spec->dtype.value_or(default_dtype);
     const uint64_t bytes = static_cast<uint64_t>(spec->numel()) * dtype_size(dtype);
     header[spec->name] = {{"dtype", dtype_name(dtype)}, {"shape", spec->shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
@@ -37,13 +40,19 @@ void write_shard(const fs::path& path, const std::vector<const TensorSpec*>& spe
   out.write(reinterpret_cast<const char*>(&header_size), 8);
   out.write(header_text.data(), static_cast<std::streamsize>(header_text.size()));
   std::vector<uint16_t> bf16;
+  std::vector<uint8_t> fp8;
   for (const TensorSpec* spec : specs) {
+    const Dtype dtype = spec->dtype.value_or(default_dtype);
     int64_t written = 0;
     produce(*spec, [&](std::span<const float> chunk) {
       written += static_cast<int64_t>(chunk.size());
       FULCRUM_CHECK(written <= spec->numel(), "{}: producer gave more than {} values", spec->name, spec->numel());
       if (dtype == Dtype::kF32) {
         out.write(reinterpret_cast<const char*>(chunk.data()), static_cast<std::streamsize>(chunk.size() * 4));
+      } else if (dtype == Dtype::kF8E4M3) {
+        fp8.resize(chunk.size());
+        for (size_t i = 0; i < chunk.size(); ++i) fp8[i] = f32_to_f8e4m3_bits(chunk[i]);
+        out.write(reinterpret_cast<const char*>(fp8.data()), static_cast<std::streamsize>(chunk.size()));
       } else {
         bf16.resize(chunk.size());
         for (size_t i = 0; i < chunk.size(); ++i) bf16[i] = f32_to_bf16_bits(chunk[i]);
@@ -72,6 +81,25 @@ int64_t TensorSpec::numel() const {
   return n;
 }
 
+uint8_t f32_to_f8e4m3_bits(float value) {
+  if (std::isnan(value)) return 0x7f;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const float magnitude = std::min(std::abs(value), 448.0f);
+  if (magnitude == 0.0f) return sign;
+  int k = 0;
+  std::frexp(magnitude, &k);  // magnitude = f * 2^k, f in [0.5, 1): unbiased exponent k - 1
+  const int biased = k + 6;   // exponent bias 7
+  // nearbyint rounds to nearest even (the default rounding mode); a mantissa that rounds up to 8 carries
+  // into the exponent, which the code arithmetic below does by itself.
+  int code = 0;
+  if (biased <= 0) {
+    code = static_cast<int>(std::nearbyint(std::ldexp(magnitude, 9)));  // subnormal: m * 2^-9
+  } else {
+    code = (biased << 3) + static_cast<int>(std::nearbyint(std::ldexp(magnitude, 4 - k))) - 8;  // [8, 16) -> m
+  }
+  return static_cast<uint8_t>(sign | std::min(code, 0x7e));
+}
+
 uint16_t f32_to_bf16_bits(float value) {
   uint32_t bits = 0;
   std::memcpy(&bits, &value, 4);
@@ -95,12 +123,17 @@ void round_to_dtype(std::span<float> values, Dtype dtype) {
 CheckpointLayout plan_checkpoint_layout(const std::vector<TensorSpec>& specs, Dtype dtype, uint64_t max_shard_bytes) {
   FULCRUM_CHECK(dtype == Dtype::kF32 || dtype == Dtype::kBF16, "checkpoint writer: dtype {} not supported",
                 dtype_name(dtype));
+  for (const TensorSpec& spec : specs) {
+    const Dtype own = spec.dtype.value_or(dtype);
+    FULCRUM_CHECK(own == Dtype::kF32 || own == Dtype::kBF16 || own == Dtype::kF8E4M3,
+                  "checkpoint writer: tensor '{}': dtype {} not supported", spec.name, dtype_name(own));
+  }
   FULCRUM_CHECK(max_shard_bytes > 0, "checkpoint writer: shard size must be positive");
   std::vector<int> shard_of(specs.size());
   std::vector<uint64_t> shard_bytes;
   CheckpointLayout layout;
   for (size_t i = 0; i < specs.size(); ++i) {
-    const uint64_t bytes = static_cast<uint64_t>(specs[i].numel()) * dtype_size(dtype);
+    const uint64_t bytes = static_cast<uint64_t>(specs[i].numel()) * dtype_size(specs[i].dtype.value_or(dtype));
     if (shard_bytes.empty() || (shard_bytes.back() > 0 && shard_bytes.back() + bytes > max_shard_bytes)) {
       shard_bytes.push_back(0);
     }

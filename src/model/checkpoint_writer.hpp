@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@ namespace fulcrum::model {
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
+  std::optional<Dtype> dtype;  // this tensor's dtype when not the checkpoint's (an FP8 weight, its F32 scales)
   int64_t numel() const;
 };
 
@@ -35,11 +37,15 @@ struct CheckpointLayout {
 // than that gets a shard of its own).
 CheckpointLayout plan_checkpoint_layout(const std::vector<TensorSpec>& specs, Dtype dtype, uint64_t max_shard_bytes);
 
-// Writes every tensor of `specs` (in that order) into `dir`, which must exist. Only F32 and BF16.
+// Writes every tensor of `specs` (in that order) into `dir`, which must exist. `dtype` (F32 or BF16) is
+// the dtype of every spec without one of its own; a spec's own may also be F8_E4M3 (values are encoded
+// round-to-nearest-even, saturating at +-448: producers emit values fp8 holds exactly).
 CheckpointLayout write_checkpoint(const std::string& dir, const std::vector<TensorSpec>& specs, Dtype dtype,
                                   uint64_t max_shard_bytes, const TensorProducer& produce,
                                   const std::map<std::string, std::string>& metadata = {});
 
+// Round-to-nearest-even fp32 -> float8_e4m3fn bits, saturating at +-448 (NaN -> 0x7f).
+uint8_t f32_to_f8e4m3_bits(float value);
 // Round-to-nearest-even fp32 -> bf16 bits, and back.
 uint16_t f32_to_bf16_bits(float value);
 float bf16_bits_to_f32(uint16_t bits);

@@ -8,6 +8,7 @@
 // free disk space, and router-skew calibration (an fp32 CPU model) must fit the available memory.
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "model/qwen3_config.hpp"
@@ -15,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/checkpoint_writer.hpp"
 #include "model/safetensors.hpp"
 
 namespace fulcrum::model {
@@ -45,8 +47,20 @@ struct MakeModelResult {
   std::optional<RouterFit> fit;
 };
 
-// Parses "bf16" / "fp32" (also "bfloat16", "float32").
+// Parses "bf16" / "fp32" / "fp8" (also "bfloat16", "float32", "float8_e4m3fn"). fp8 writes the
+// Qwen3-*-FP8 layout: quantization_config in config.json, each linear weight (fp8_weight_names) F8_E4M3
+// with F32 `_scale_inv` per 128x128 block, every other tensor bf16.
 Dtype parse_make_model_dtype(const std::string& text);
+
+// The tensors of an FP8 checkpoint of `config` (quantized): synthetic_tensor_specs with every linear
+// weight F8_E4M3 and followed by its `<weight>_scale_inv` [ceil(out / 128), ceil(in / 128)] F32.
+std::vector<TensorSpec> fp8_checkpoint_specs(const Qwen3MoeConfig& config);
+
+// Block quantization of `weight` [rows, cols]: per block, scale_inv = max|W| / 448 (1 for an all-zero
+// block) and fp8 = round-to-nearest-even of W / scale_inv. `fp8_values` [rows * cols] gets the fp8
+// values as fp32 (exact), `scale_inv` [ceil(rows / br) * ceil(cols / bc)] the scales, row-major.
+void quantize_fp8_blocks(std::span<const float> weight, int64_t rows, int64_t cols, const Fp8BlockQuantization& block,
+                         std::span<float> fp8_values, std::span<float> scale_inv);
 
 MakeModelResult make_model(const MakeModelOptions& options);
 

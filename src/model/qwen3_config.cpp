@@ -120,6 +120,52 @@ double read_rope_theta(const ConfigReader& reader, const json& root) {
 
 }  // namespace
 
+std::optional<Fp8BlockQuantization> parse_quantization_config(const json& root, const std::string& origin) {
+  FULCRUM_CHECK(root.is_object(), "{}: config must be a JSON object", origin);
+  if (!root.contains("quantization_config") || root["quantization_config"].is_null()) return std::nullopt;
+  const json& q = root["quantization_config"];
+  FULCRUM_CHECK(q.is_object(), "{}: key 'quantization_config' must be an object, got {}", origin, q.dump());
+  // quant_method, fmt and activation_scheme: exactly the strings of the Qwen3-*-FP8 checkpoints.
+  for (const auto& [key, expected] : {std::pair{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}}) {
+    FULCRUM_CHECK(q.contains(key), "{}: missing key 'quantization_config.{}' (expected \"{}\")", origin, key, expected);
+    FULCRUM_CHECK(q[key].is_string() && q[key].get<std::string>() == expected,
+                  "{}: key 'quantization_config.{}': unsupported value {} (only \"{}\")", origin, key, q[key].dump(),
+                  expected);
+  }
+  FULCRUM_CHECK(q.contains("weight_block_size"), "{}: missing key 'quantization_config.weight_block_size'", origin);
+  const json& block = q["weight_block_size"];
+  FULCRUM_CHECK(block.is_array() && block.size() == 2 && block[0].is_number_integer() && block[1].is_number_integer() &&
+                    block[0].get<int64_t>() == 128 && block[1].get<int64_t>() == 128,
+                "{}: key 'quantization_config.weight_block_size': unsupported block size {} (only [128, 128])", origin,
+                block.dump());
+  return Fp8BlockQuantization{128, 128};
+}
+
+std::vector<std::string> fp8_weight_names(const Qwen3MoeConfig& config) {
+  std::vector<std::string> names;
+  for (int layer_idx = 0; layer_idx < config.num_hidden_layers; ++layer_idx) {
+    const std::string prefix = "model.layers." + std::to_string(layer_idx) + ".";
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) names.push_back(prefix + "self_attn." + proj + ".weight");
+    for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+      if (!config.is_moe_layer(layer_idx)) {
+        names.push_back(prefix + "mlp." + proj + ".weight");
+        continue;
+      }
+      for (int expert_idx = 0; expert_idx < config.num_experts; ++expert_idx) {
+        names.push_back(prefix + "mlp.experts." + std::to_string(expert_idx) + "." + proj + ".weight");
+      }
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> fp8_scale_names(const Qwen3MoeConfig& config) {
+  std::vector<std::string> names;
+  if (!config.quantization) return names;
+  for (const std::string& weight : fp8_weight_names(config)) names.push_back(weight + kScaleInvSuffix);
+  return names;
+}
+
 bool Qwen3MoeConfig::is_moe_layer(int layer_idx) const {
   if (num_experts <= 0) return false;
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer_idx) != mlp_only_layers.end()) return false;
@@ -205,6 +251,7 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& root, const std::string& origi
   config.rope_theta = read_rope_theta(reader, root);
   config.max_position_embeddings =
       reader.has("max_position_embeddings") ? reader.positive("max_position_embeddings") : 0;
+  config.quantization = parse_quantization_config(root, origin);
   return config;
 }
 

@@ -74,8 +74,9 @@ void read_cols_into(Backend& backend, Checkpoint& checkpoint, const std::string&
 
 void Qwen3MoeModel::load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer) {
   const std::set<std::string> known = model_tensor_names(config_);
+  const std::set<std::string> scales = checked_fp8_scale_names(config_, checkpoint);
   for (const std::string& name : checkpoint.names()) {
-    FULCRUM_CHECK(known.count(name) != 0, "{}: unexpected tensor '{}' (not part of a {}-layer Qwen3-MoE of this config)",
+    FULCRUM_CHECK(known.count(name) != 0 || scales.count(name) != 0, "{}: unexpected tensor '{}' (not part of a {}-layer Qwen3-MoE of this config)",
                   checkpoint.file_of(name), name, config_.num_hidden_layers);
   }
   if (is_first_stage()) read_into(backend_, checkpoint, "model.embed_tokens.weight", embed_tokens_);

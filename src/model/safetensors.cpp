@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -30,7 +31,7 @@ constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 bool parse_dtype(const std::string& text, Dtype* dtype) {
   static const std::map<std::string, Dtype> kDtypes = {{"F32", Dtype::kF32}, {"F16", Dtype::kF16},
                                                        {"BF16", Dtype::kBF16}, {"I64", Dtype::kI64},
-                                                       {"I32", Dtype::kI32}};
+                                                       {"I32", Dtype::kI32}, {"F8_E4M3", Dtype::kF8E4M3}};
   const auto it = kDtypes.find(text);
   if (it == kDtypes.end()) return false;
   *dtype = it->second;
@@ -86,7 +87,48 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
   return info;
 }
 
+// Element `i` of a float tensor's data `src` (F32, BF16, F16, F8_E4M3) as fp32; other dtypes are
+// rejected by the callers before.
+float float_at(const uint8_t* src, Dtype dtype, int64_t i) {
+  switch (dtype) {
+    case Dtype::kF32: {
+      float v = 0;
+      std::memcpy(&v, src + 4 * i, 4);
+      return v;
+    }
+    case Dtype::kBF16:
+    case Dtype::kF16: {
+      uint16_t bits = 0;
+      std::memcpy(&bits, src + 2 * i, 2);
+      return dtype == Dtype::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+    }
+    case Dtype::kF8E4M3: return f8e4m3_to_f32(src[i]);
+    default: return 0.0f;
+  }
+}
+
+bool is_float(Dtype dtype) {
+  return dtype == Dtype::kF32 || dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF8E4M3;
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 }  // namespace
+
+float f8e4m3_to_f32(uint8_t bits) {
+  const bool negative = (bits & 0x80) != 0;
+  const int exponent = (bits >> 3) & 0xf;
+  const int mantissa = bits & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  // Normal: (1 + m / 8) * 2^(e - 7) = (8 + m) * 2^(e - 10); subnormal (e = 0): m / 8 * 2^-6 = m * 2^-9.
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                        : std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  return negative ? -magnitude : magnitude;
+}
 
 size_t dtype_size(Dtype dtype) {
   switch (dtype) {
@@ -95,6 +137,7 @@ size_t dtype_size(Dtype dtype) {
     case Dtype::kBF16: return 2;
     case Dtype::kI64: return 8;
     case Dtype::kI32: return 4;
+    case Dtype::kF8E4M3: return 1;
   }
   return 0;
 }
@@ -106,6 +149,7 @@ const char* dtype_name(Dtype dtype) {
     case Dtype::kBF16: return "BF16";
     case Dtype::kI64: return "I64";
     case Dtype::kI32: return "I32";
+    case Dtype::kF8E4M3: return "F8_E4M3";
   }
   return "?";
 }
@@ -207,23 +251,14 @@ void SafetensorsFile::read_f32_into(const std::string& name, std::span<float> ou
   const auto numel = static_cast<size_t>(t.numel());
   FULCRUM_CHECK(out.size() == numel, "{}: tensor '{}' has {} values, destination holds {}", path_, name, numel,
                 out.size());
+  FULCRUM_CHECK(is_float(t.dtype), "{}: tensor '{}' has dtype {}, expected F32, BF16, F16 or F8_E4M3", path_, name,
+                dtype_name(t.dtype));
   const uint8_t* src = data_ + t.data_begin;
-  switch (t.dtype) {
-    case Dtype::kF32:
-      if (numel > 0) std::memcpy(out.data(), src, numel * 4);
-      return;
-    case Dtype::kBF16:
-    case Dtype::kF16:
-      for (size_t i = 0; i < numel; ++i) {
-        uint16_t bits = 0;
-        std::memcpy(&bits, src + 2 * i, 2);
-        out[i] = t.dtype == Dtype::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
-      }
-      return;
-    default:
-      throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected F32, BF16 or F16", path_, name,
-                              dtype_name(t.dtype)));
+  if (t.dtype == Dtype::kF32) {
+    if (numel > 0) std::memcpy(out.data(), src, numel * 4);
+    return;
   }
+  for (size_t i = 0; i < numel; ++i) out[i] = float_at(src, t.dtype, static_cast<int64_t>(i));
 }
 
 void SafetensorsFile::read_f32_block_into(const std::string& name, int64_t row_begin, int64_t num_rows,
@@ -240,26 +275,17 @@ void SafetensorsFile::read_f32_block_into(const std::string& name, int64_t row_b
   FULCRUM_CHECK(static_cast<int64_t>(out.size()) == num_rows * num_cols,
                 "{}: block of tensor '{}' has {} values, destination holds {}", path_, name, num_rows * num_cols,
                 out.size());
+  FULCRUM_CHECK(is_float(t.dtype), "{}: tensor '{}' has dtype {}, expected F32, BF16, F16 or F8_E4M3", path_, name,
+                dtype_name(t.dtype));
   const uint8_t* src = data_ + t.data_begin;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t first = (row_begin + r) * cols + col_begin;  // element index in the tensor
     float* dst = out.data() + r * num_cols;
-    switch (t.dtype) {
-      case Dtype::kF32:
-        if (num_cols > 0) std::memcpy(dst, src + 4 * first, static_cast<size_t>(num_cols) * 4);
-        break;
-      case Dtype::kBF16:
-      case Dtype::kF16:
-        for (int64_t i = 0; i < num_cols; ++i) {
-          uint16_t bits = 0;
-          std::memcpy(&bits, src + 2 * (first + i), 2);
-          dst[i] = t.dtype == Dtype::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
-        }
-        break;
-      default:
-        throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected F32, BF16 or F16", path_, name,
-                                dtype_name(t.dtype)));
+    if (t.dtype == Dtype::kF32) {
+      if (num_cols > 0) std::memcpy(dst, src + 4 * first, static_cast<size_t>(num_cols) * 4);
+      continue;
     }
+    for (int64_t i = 0; i < num_cols; ++i) dst[i] = float_at(src, t.dtype, first + i);
   }
 }
 
@@ -291,10 +317,20 @@ std::vector<int64_t> SafetensorsFile::read_i64(const std::string& name) const {
 
 Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   namespace fs = std::filesystem;
+  const fs::path config_path = fs::path(dir) / "config.json";
+  if (fs::exists(config_path)) {
+    std::ifstream in(config_path, std::ios::binary);
+    FULCRUM_CHECK(in.good(), "{}: cannot open", config_path.string());
+    std::stringstream text;
+    text << in.rdbuf();
+    quantization_ = parse_quantization_config(eplb::parse_json_text(text.str(), config_path.string()),
+                                              config_path.string());
+  }
   const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
   if (!fs::exists(index_path)) {
     shards_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / "model.safetensors").string()));
     for (const std::string& name : shards_.back()->names()) file_of_[name] = shards_.back().get();
+    check_quantized_layout();
     return;
   }
   std::ifstream in(index_path, std::ios::binary);
@@ -326,6 +362,55 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
                     "{}: tensor '{}' is not listed for this shard in {}", shard->path(), name, index_path.string());
     }
   }
+  check_quantized_layout();
+}
+
+void Checkpoint::check_quantized_layout() const {
+  const std::string config_path = (std::filesystem::path(dir_) / "config.json").string();
+  for (const auto& [name, file] : file_of_) {
+    const TensorInfo& t = file->info(name);
+    if (t.dtype == Dtype::kF8E4M3) {
+      FULCRUM_CHECK(quantization_.has_value(),
+                    "{}: tensor '{}' is F8_E4M3 but {} has no quantization_config (an FP8 checkpoint needs "
+                    "quant_method fp8, weight_block_size [128, 128])",
+                    file->path(), name, config_path);
+      const std::string scale_name = name + kScaleInvSuffix;
+      FULCRUM_CHECK(t.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}, expected 2-D [out, in]", file->path(),
+                    name, shape_text(t.shape));
+      FULCRUM_CHECK(file_of_.count(scale_name) != 0, "{}: F8_E4M3 tensor '{}' has no scale tensor '{}'", file->path(),
+                    name, scale_name);
+      const SafetensorsFile* scale_file = file_of_.at(scale_name);
+      const TensorInfo& scale = scale_file->info(scale_name);
+      FULCRUM_CHECK(scale.dtype == Dtype::kF32 || scale.dtype == Dtype::kBF16,
+                    "{}: scale tensor '{}' of F8_E4M3 tensor '{}' has dtype {}, expected F32 or BF16",
+                    scale_file->path(), scale_name, name, dtype_name(scale.dtype));
+      const std::vector<int64_t> expected = {ceil_div(t.shape[0], quantization_->block_rows),
+                                             ceil_div(t.shape[1], quantization_->block_cols)};
+      FULCRUM_CHECK(scale.shape == expected,
+                    "{}: scale tensor '{}' has shape {}, expected {} (ceil of {} / [{}, {}] blocks)", scale_file->path(),
+                    scale_name, shape_text(scale.shape), shape_text(expected), shape_text(t.shape),
+                    quantization_->block_rows, quantization_->block_cols);
+    } else if (ends_with(name, kScaleInvSuffix)) {
+      const std::string weight = name.substr(0, name.size() - std::char_traits<char>::length(kScaleInvSuffix));
+      const auto it = file_of_.find(weight);
+      FULCRUM_CHECK(it != file_of_.end() && it->second->info(weight).dtype == Dtype::kF8E4M3,
+                    "{}: scale tensor '{}' belongs to no F8_E4M3 tensor ('{}' is {})", file->path(), name, weight,
+                    it == file_of_.end() ? std::string("missing") : dtype_name(it->second->info(weight).dtype));
+    }
+  }
+}
+
+std::vector<float> Checkpoint::read_scale_inv(const std::string& name) const {
+  const std::string scale_name = name + kScaleInvSuffix;
+  const SafetensorsFile* file = file_of_.at(scale_name);
+  std::vector<float> scales(static_cast<size_t>(file->info(scale_name).numel()));
+  file->read_f32_into(scale_name, scales);
+  for (size_t i = 0; i < scales.size(); ++i) {
+    FULCRUM_CHECK(std::isfinite(scales[i]) && scales[i] > 0.0f,
+                  "{}: scale tensor '{}' holds {} at block {} (scales must be finite and positive)", file->path(),
+                  scale_name, scales[i], i);
+  }
+  return scales;
 }
 
 std::vector<std::string> Checkpoint::names() const {
@@ -349,10 +434,32 @@ const TensorInfo& Checkpoint::info(const std::string& name) const {
 void Checkpoint::read_f32_into(const std::string& name, std::span<const int64_t> expected_shape,
                                std::span<float> out) {
   const TensorInfo& t = info(name);
+  if (t.dtype == Dtype::kF8E4M3) {  // 2-D (checked at open): the whole tensor is one block read
+    read_f32_block_into(name, expected_shape, 0, t.shape[0], 0, t.shape[1], out);
+    return;
+  }
   FULCRUM_CHECK(std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end()),
                 "{}: tensor '{}' has shape {}, expected {}", file_of(name), name, shape_text(t.shape),
                 shape_text(expected_shape));
   file_of_.at(name)->read_f32_into(name, out);
+}
+
+std::set<std::string> checked_fp8_scale_names(const Qwen3MoeConfig& config, const Checkpoint& checkpoint) {
+  FULCRUM_CHECK(config.quantization.has_value() == checkpoint.quantization().has_value(),
+                "{}: the model config is {} but the checkpoint's config.json is {}", checkpoint.dir(),
+                config.quantization ? "FP8-quantized" : "not quantized",
+                checkpoint.quantization() ? "FP8-quantized" : "not quantized (or missing)");
+  if (!config.quantization) return {};
+  for (const std::string& name : fp8_weight_names(config)) {
+    if (!checkpoint.contains(name)) continue;
+    const Dtype dtype = checkpoint.info(name).dtype;
+    FULCRUM_CHECK(dtype == Dtype::kF8E4M3,
+                  "{}: tensor '{}' has dtype {}, but config.json's quantization_config makes every linear weight "
+                  "F8_E4M3",
+                  checkpoint.file_of(name), name, dtype_name(dtype));
+  }
+  const std::vector<std::string> names = fp8_scale_names(config);
+  return {names.begin(), names.end()};
 }
 
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
@@ -394,6 +501,16 @@ void Checkpoint::read_f32_block_into(const std::string& name, std::span<const in
                 "{}: tensor '{}' has shape {}, expected {}", file_of(name), name, shape_text(t.shape),
                 shape_text(expected_shape));
   file_of_.at(name)->read_f32_block_into(name, row_begin, num_rows, col_begin, num_cols, out);
+  if (t.dtype != Dtype::kF8E4M3) return;
+  // Dequantize with the scales of the block's absolute rows and columns: W = fp8 x scale_inv[r / br][c / bc].
+  const std::vector<float> scales = read_scale_inv(name);  // [ceil(out / br), ceil(in / bc)]
+  const int64_t block_rows = quantization_->block_rows, block_cols = quantization_->block_cols;
+  const int64_t num_col_blocks = ceil_div(t.shape[1], block_cols);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float* scale_row = scales.data() + (row_begin + r) / block_rows * num_col_blocks;
+    float* dst = out.data() + r * num_cols;
+    for (int64_t c = 0; c < num_cols; ++c) dst[c] *= scale_row[(col_begin + c) / block_cols];
+  }
 }
 
 }  // namespace fulcrum::model

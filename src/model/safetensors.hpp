@@ -8,13 +8,19 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "model/qwen3_config.hpp"
+
 namespace fulcrum::model {
 
-enum class Dtype { kF32, kF16, kBF16, kI64, kI32 };
+// kF8E4M3: float8_e4m3fn ("F8_E4M3"): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinity,
+// 0x7f / 0xff are NaN, largest finite 448.
+enum class Dtype { kF32, kF16, kBF16, kI64, kI32, kF8E4M3 };
 
 // Bytes per element of `dtype`.
 size_t dtype_size(Dtype dtype);
@@ -38,6 +44,9 @@ struct HostTensor {
 
 std::string shape_text(std::span<const int64_t> shape);
 
+// The exact fp32 value of float8_e4m3fn bits.
+float f8e4m3_to_f32(uint8_t bits);
+
 // One .safetensors file, mapped read-only for the lifetime of the object. The header is fully validated
 // at open: sizes, dtypes, offsets in range, no overlap, byte count = numel x dtype size.
 class SafetensorsFile {
@@ -53,7 +62,7 @@ class SafetensorsFile {
   const TensorInfo& info(const std::string& name) const;  // throws "missing tensor"
   std::vector<std::string> names() const;                  // sorted
 
-  // Converts a float tensor (F32, BF16, F16) to fp32 into `out`, which must hold numel() values.
+  // Converts a float tensor (F32, BF16, F16, F8_E4M3: the raw fp8 values, unscaled) to fp32 into `out`, which must hold numel() values.
   void read_f32_into(const std::string& name, std::span<float> out) const;
   // Block [row_begin, row_begin + num_rows) x [col_begin, col_begin + num_cols) of a 2-D float tensor (a
   // 1-D tensor is one row), converted to fp32 into `out` (num_rows * num_cols values, row-major). Reads
@@ -74,10 +83,21 @@ class SafetensorsFile {
 };
 
 // A checkpoint folder: model.safetensors.index.json (weight_map: name -> shard file) when present, else
-// model.safetensors. Records which tensors were read, so a loader can reject unexpected ones.
+// model.safetensors.
+//
+// FP8 block quantization (the Qwen3-*-FP8 layout, see Fp8BlockQuantization in qwen3_config.hpp): the
+// folder's config.json, when present, is read for its `quantization_config`. With one, every F8_E4M3
+// tensor `w` [out, in] must have `w_scale_inv` [ceil(out / 128), ceil(in / 128)] of dtype F32 or BF16,
+// every `*_scale_inv` must belong to an F8_E4M3 tensor, and the read_f32* functions return the
+// dequantized weight W[r][c] = fp8[r][c] * scale_inv[r / 128][c / 128] (one fp32 multiply; a block read
+// uses the scales of its absolute rows and columns, so a tensor-parallel shard may cut a 128 block).
+// Scales are checked finite and positive when their weight is read. Without a quantization_config an
+// F8_E4M3 tensor is an error. All checked at open (header only) or read, as one-line errors.
 class Checkpoint {
  public:
   explicit Checkpoint(const std::string& dir);
+  // The checkpoint's FP8 block quantization (from config.json), or nullopt.
+  const std::optional<Fp8BlockQuantization>& quantization() const { return quantization_; }
 
   const std::string& dir() const { return dir_; }
   bool contains(const std::string& name) const { return file_of_.count(name) != 0; }
@@ -93,10 +113,21 @@ class Checkpoint {
   const std::string& file_of(const std::string& name) const;
 
  private:
+  // The scales of F8_E4M3 tensor `name` as fp32 [ceil(out / 128) * ceil(in / 128)], checked finite, > 0.
+  std::vector<float> read_scale_inv(const std::string& name) const;
+  void check_quantized_layout() const;
+
   std::string dir_;
+  std::optional<Fp8BlockQuantization> quantization_;
   std::vector<std::unique_ptr<SafetensorsFile>> shards_;
   std::map<std::string, const SafetensorsFile*> file_of_;
 };
+
+// The scale tensors a loader of `config` accepts in `checkpoint` beside the model's own tensors
+// (fp8_scale_names; empty unless quantized), after checking that the checkpoint's config.json and
+// `config` agree on quantization and that, when quantized, every linear weight present is F8_E4M3
+// (missing ones are reported when read). One-line errors.
+std::set<std::string> checked_fp8_scale_names(const Qwen3MoeConfig& config, const Checkpoint& checkpoint);
 
 // Writes fp32 tensors (sorted by name, 8-byte aligned data) atomically through write_file_atomically.
 void write_safetensors(const std::string& path, const std::map<std::string, HostTensor>& tensors,
