@@ -41,7 +41,7 @@ du -sh "$out"
 if [ -d ../shared ]; then
   rm -rf .devshared
   mkdir -p .devshared/golden .devshared/data
-  cp -r ../shared/golden/hf .devshared/golden/
+  cp -r ../shared/golden/hf .devshared/golden/  # the FP8 fixture too: the GPU engine loads it dequantized
   cp -r ../shared/data/loads ../shared/data/configs .devshared/data/
   du -sh .devshared
 fi

@@ -142,7 +142,7 @@ TEST_P(GpuGoldenTest, LogitsAndGreedyFollowTransformers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GpuGoldenTest, ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix"),
+INSTANTIATE_TEST_SUITE_P(Fixtures, GpuGoldenTest, ::testing::Values("qwen3moe-tiny-128e", "qwen3moe-tiny-dense-mix", "qwen3moe-tiny-fp8"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');
