@@ -119,13 +119,16 @@ TEST(PlanSizes, PhysicalExpertsAreBoundedBeforeAnythingIsAllocated) {
   TempDir dir("plan_sizes");
   write_file(dir.file("loads.csv"), "1,2,3,4\n5,6,7,8\n");
   const std::string plan = "plan --loads " + dir.file("loads.csv");
-  // 4 logical experts: at most 64 x 4 = 256 slots per layer.
+  // 4 logical experts on 2 GPUs: at most 64 x 4 = 256 slots per layer.
   expect_short_one_line_error(run_cli(dir, plan + " --gpus 2 --physical-experts 2000000000"),
-                              "physical experts (2000000000) must be at most 64 x the logical experts (4)");
-  expect_short_one_line_error(run_cli(dir, plan + " --gpus 2 --physical-experts 258"), "at most 64 x");
+                              "physical experts (2000000000) must be at most 64 x max(logical experts 4, GPUs 2) = 256");
+  expect_short_one_line_error(run_cli(dir, plan + " --gpus 2 --physical-experts 258"), "= 256 and at most 1048576");
   EXPECT_EQ(run_cli(dir, plan + " --gpus 2 --physical-experts 256 --json").exit_code, 0);
+  // More GPUs than experts: 64 slots per GPU, and never more than 2^20.
+  EXPECT_EQ(run_cli(dir, plan + " --gpus 8 --physical-experts 512 --json").exit_code, 0);
+  expect_short_one_line_error(run_cli(dir, plan + " --gpus 8 --physical-experts 520"), "max(logical experts 4, GPUs 8) = 512");
   expect_short_one_line_error(run_cli(dir, plan + " --gpus 2000000000 --physical-experts 2000000000"),
-                              "must be at most 64 x");
+                              "and at most 1048576");
   expect_short_one_line_error(run_cli(dir, plan + " --gpus 4 --nodes 1000000 --physical-experts 8"),
                               "num_gpus (4) must be divisible by num_nodes (1000000)");
   // The absolute cap (2^20 slots) and the whole-map cap (2^26 entries), on the planner itself.
