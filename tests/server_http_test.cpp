@@ -289,6 +289,64 @@ TEST_F(ServerHttp, ExpertDistributionDumpIsReadableByPlan) {
   EXPECT_NE(plan.out.find("balancedness_mean"), std::string::npos) << plan.out;
 }
 
+// Dump names (issue 15): "a\u0000b" once answered 200 and wrote "a"; "\u0000" or 300 bytes answered 500 with the
+// server's absolute path. Each is a 400 now, one line, naming no server path, and writes nothing.
+TEST_F(ServerHttp, DumpNamesThatAreNotPlainFileNamesAre400sThatRevealNoPath) {
+  const std::vector<std::pair<json, std::string>> cases = {
+      {json{{"name", std::string("a\0b", 3)}}, "NUL"},
+      {json{{"name", std::string(1, '\0')}}, "NUL"},
+      {json{{"name", std::string(300, 'n')}}, "1 to 240 bytes, got 300"},
+      {json{{"name", std::string(241, 'n')}}, "1 to 240 bytes, got 241"},
+      {json{{"name", ""}}, "1 to 240 bytes, got 0"},
+      {json{{"name", "../escape.json"}}, "plain file name"},
+      {json{{"name", ".."}}, "plain file name"},
+      {json{{"name", "."}}, "plain file name"},
+      {json{{"name", 7}}, "must be a string"},
+  };
+  for (const auto& [body, needle] : cases) {
+    const auto [status, out] = post(port(), "/dump_expert_distribution_record", body.dump());
+    EXPECT_EQ(status, 400) << body.dump();
+    const std::string message = out["error"]["message"].is_string() ? out["error"]["message"].get<std::string>() : "";
+    EXPECT_NE(message.find(needle), std::string::npos) << body.dump() << " -> " << message;
+    EXPECT_EQ(message.find(log_dir_->path()), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    EXPECT_LT(message.size(), 120u) << message;
+  }
+  EXPECT_FALSE(std::filesystem::exists(log_dir_->file("a")));
+  // The longest name accepted is written.
+  const std::string longest(240, 'n');
+  const auto [status, out] = post(port(), "/dump_expert_distribution_record", json{{"name", longest}}.dump());
+  EXPECT_EQ(status, 200) << out.dump();
+  EXPECT_TRUE(std::filesystem::exists(log_dir_->file(longest)));
+}
+
+// A body nested 100k deep once crashed the server (the parser's recursion) or cost ~64 MB each: now a 400 before
+// parsing, and the server keeps serving.
+TEST_F(ServerHttp, DeeplyNestedJsonBodiesAre400s) {
+  for (const char* path : {"/v1/completions", "/v1/chat/completions", "/generate", "/dump_expert_distribution_record"}) {
+    const auto [status, out] = post(port(), path, "{\"prompt\": " + std::string(100000, '['));
+    EXPECT_EQ(status, 400) << path;
+    EXPECT_EQ(out["error"]["message"], "the request body nests JSON deeper than 256 levels") << out.dump();
+  }
+  const auto [ok, again] = post(port(), "/v1/completions", R"({"prompt": [1, 2], "max_tokens": 2})");
+  EXPECT_EQ(ok, 200) << again.dump();
+}
+
+// 404s (unrouted paths) and 413s (bodies over the limit) are refusals as much as 400s are.
+TEST_F(ServerHttp, NotFoundAndPayloadTooLargeAreCountedAsRejected) {
+  const double before = metrics(port())["fulcrum_requests_rejected_total"];
+  EXPECT_EQ(post(port(), "/no/such/route", "{}").first, 404);
+  httplib::Client client("127.0.0.1", port());
+  const httplib::Result missing = client.Get("/nowhere");
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 404);
+  const httplib::Result big = client.Post("/v1/completions", std::string(9u << 20, ' '), "application/json");
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->status, 413);
+  EXPECT_EQ(post(port(), "/v1/completions", "[1, 2]").first, 400);
+  EXPECT_EQ(metrics(port())["fulcrum_requests_rejected_total"] - before, 4);
+}
+
 TEST(ServerShutdown, SigtermFinishesInFlightStreamsAndExitsCleanly) {
   std::signal(SIGPIPE, SIG_IGN);
   TempDir dir("serve_shutdown");

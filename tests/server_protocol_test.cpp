@@ -50,6 +50,16 @@ TEST(ServerProtocol, CompletionFieldsAreParsedStrictly) {
   EXPECT_EQ(status_of(json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}, parse_chat_request, ctx), 400);
   EXPECT_THROW(parse_json_body("{\"a\": "), ApiError);
   EXPECT_THROW(parse_json_body("3"), ApiError);
+  // Nested 100k deep: refused before parsing (the parser recurses per level), with one short line.
+  try {
+    parse_json_body("{\"prompt\": " + std::string(100000, '['));
+    ADD_FAILURE() << "a 100k-deep body was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_STREQ(e.what(), "the request body nests JSON deeper than 256 levels");
+  }
+  const std::string at_limit = std::string(255, '[') + std::string(255, ']');
+  EXPECT_TRUE(parse_json_body("{\"a\": " + at_limit + "}").is_object());
 }
 
 TEST(ServerProtocol, ChatUsesTheQwen3Format) {

@@ -19,6 +19,7 @@
 #include "cli/gpu_commands.hpp"
 #include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 #include "gpu/gpu_engine.hpp"
 #include "model/rng.hpp"
 #include "model/synthetic_model.hpp"
@@ -235,7 +236,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
     }
     std::filesystem::remove_all(dir);
     FULCRUM_CHECK(!last.empty(), "bench generate: the peer printed no result");
-    peer = nlohmann::json::parse(last);
+    peer = eplb::parse_json_text(last, "bench generate: the peer's result");
     for (const auto& pr : peer["runs"]) {
       for (auto& r : runs) {
         if (r["phase"] == "decode" && r["batch"] == pr["batch"] && r["context"] == pr["context"]) {

@@ -1,6 +1,7 @@
 #pragma once
 // Flag checks that name their rule: CLI11 2.1's PositiveNumber reports a 0 as "Value 0 not in range 0.000000 to
-// 17976931348623157...", a 300-digit line that reads as if 0 were allowed.
+// 17976931348623157...", a 300-digit line that reads as if 0 were allowed. Every rule here also wants a finite
+// number: "nan", "inf" and values past the double range are refused.
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -21,6 +22,7 @@ CLI::Validator number_check(const std::string& rule, Rule ok) {
         if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || std::isnan(v)) {
           return "'" + text + "' is not a number";
         }
+        if (!std::isfinite(v)) return "must be a finite number, got " + text;
         return ok(v) ? std::string() : "must be " + rule + ", got " + text;
       },
       rule, "");

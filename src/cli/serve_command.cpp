@@ -53,7 +53,7 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--expert-distribution-dir", o->expert_distribution_dir,
                   "Folder /dump_expert_distribution_record writes to")->capture_default_str();
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
-      ->capture_default_str();
+      ->capture_default_str()->check(kNonNegative);
   EngineFlags::add_to(cmd, engine_flags);
   cmd->callback([o, engine_flags] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "eplb/error.hpp"
+#include "eplb/topology.hpp"
 
 namespace fulcrum::engine {
 
@@ -47,6 +48,11 @@ ParallelLayout::ParallelLayout(const ParallelFlags& given, const model::Qwen3Moe
   FULCRUM_CHECK(flags.num_redundant_experts >= 0, "--ep-num-redundant-experts must not be negative, got {}",
                 flags.num_redundant_experts);
   if (has_moe) {
+    // eplb::Topology's bound (at most 64 slots per logical expert), checked before the sum can overflow.
+    FULCRUM_CHECK(flags.num_redundant_experts <=
+                      int64_t{eplb::Topology::kMaxReplicasPerExpert - 1} * config.num_experts,
+                  "--ep-num-redundant-experts {} is more than {} x the {} experts", flags.num_redundant_experts,
+                  eplb::Topology::kMaxReplicasPerExpert - 1, config.num_experts);
     num_physical_experts_ = config.num_experts + flags.num_redundant_experts;
     FULCRUM_CHECK(num_physical_experts_ % flags.ep == 0,
                   "{} physical experts per MoE layer ({} + {} redundant) are not divisible by --ep {}",

@@ -56,7 +56,7 @@ LoadMatrix matrix_from_json(const nlohmann::json& rows, const std::string& where
                   row_where, row.size(), m.num_logical_experts);
     for (size_t e = 0; e < row.size(); ++e) {
       const auto& v = row[e];
-      FULCRUM_CHECK(v.is_number(), "{}[{}]: expected a number, got {}", row_where, e, v.dump());
+      FULCRUM_CHECK(v.is_number(), "{}[{}]: expected a number, got {}", row_where, e, json_excerpt(v));
       m.values.push_back(checked_load(v.get<double>(), [&] { return fmt::format("{}[{}]", row_where, e); }));
     }
   }

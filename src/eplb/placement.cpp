@@ -5,7 +5,7 @@ namespace fulcrum::eplb {
 void Placement::validate() const {
   FULCRUM_CHECK(num_logical_experts > 0, "placement has no logical experts");
   FULCRUM_CHECK(num_layers > 0, "placement has no layers");
-  topology.validate(num_logical_experts);
+  topology.validate(num_logical_experts, num_layers);
   const size_t expected = static_cast<size_t>(num_layers) * num_physical_experts();
   FULCRUM_CHECK(physical_to_logical_map.size() == expected,
                 "physical_to_logical_map has {} entries, expected {} layers x {} slots", physical_to_logical_map.size(),

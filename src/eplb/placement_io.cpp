@@ -34,7 +34,7 @@ namespace {
 
 int int_field(const nlohmann::json& doc, const char* key, int fallback, const std::string& origin) {
   if (!doc.contains(key)) return fallback;
-  FULCRUM_CHECK(doc[key].is_number_integer(), "{}: \"{}\" must be an integer, got {}", origin, key, doc[key].dump());
+  FULCRUM_CHECK(doc[key].is_number_integer(), "{}: \"{}\" must be an integer, got {}", origin, key, json_excerpt(doc[key]));
   const int64_t value = doc[key].get<int64_t>();
   FULCRUM_CHECK(value >= 1 && value <= (int64_t{1} << 24), "{}: \"{}\" = {} is out of range", origin, key, value);
   return static_cast<int>(value);
@@ -51,6 +51,11 @@ Placement parse_placement_json(const std::string& text, const std::string& origi
                 "{}: physical_to_logical_map must be a non-empty [layers][slots] array", origin);
   Topology topo;
   topo.num_physical_experts = static_cast<int>(map[0].size());
+  // The header fields are claims about the map: one that disagrees is an error, not a value to believe.
+  const int claimed_physical = int_field(doc, "num_physical_experts", topo.num_physical_experts, origin);
+  FULCRUM_CHECK(claimed_physical == topo.num_physical_experts,
+                "{}: \"num_physical_experts\" = {} but physical_to_logical_map has {} slots per layer", origin,
+                claimed_physical, topo.num_physical_experts);
   topo.num_gpus = int_field(doc, "num_gpus", 1, origin);
   topo.num_nodes = int_field(doc, "num_nodes", 1, origin);
   int max_id = -1;
@@ -61,7 +66,7 @@ Placement parse_placement_json(const std::string& text, const std::string& origi
                   map[l].is_array() ? map[l].size() : 0, map[0].size());
     for (size_t s = 0; s < map[l].size(); ++s) {
       FULCRUM_CHECK(map[l][s].is_number_integer(), "{}: physical_to_logical_map[{}][{}] is not an integer: {}",
-                    origin, l, s, map[l][s].dump());
+                    origin, l, s, json_excerpt(map[l][s]));
       const int64_t id = map[l][s].get<int64_t>();
       FULCRUM_CHECK(id >= 0 && id < (int64_t{1} << 24), "{}: physical_to_logical_map[{}][{}]: logical expert {} out of range",
                     origin, l, s, id);
@@ -69,12 +74,17 @@ Placement parse_placement_json(const std::string& text, const std::string& origi
       max_id = std::max(max_id, flat.back());
     }
   }
+  // The expert count: "num_logical_experts", else logical_count's width, else the largest id + 1. When both are
+  // given they must agree; ids beyond the count, or experts with no slot, are validate()'s to name.
   int num_logical = max_id + 1;
-  if (doc.contains("logical_count") && doc["logical_count"].is_array() && !doc["logical_count"].empty() &&
-      doc["logical_count"][0].is_array()) {
-    num_logical = static_cast<int>(doc["logical_count"][0].size());
-  }
-  num_logical = int_field(doc, "num_logical_experts", num_logical, origin);
+  const bool has_counts = doc.contains("logical_count") && doc["logical_count"].is_array() &&
+                          !doc["logical_count"].empty() && doc["logical_count"][0].is_array();
+  if (has_counts) num_logical = static_cast<int>(doc["logical_count"][0].size());
+  const int claimed_logical = int_field(doc, "num_logical_experts", num_logical, origin);
+  FULCRUM_CHECK(!has_counts || claimed_logical == num_logical,
+                "{}: \"num_logical_experts\" = {} but logical_count has {} experts per layer", origin, claimed_logical,
+                num_logical);
+  num_logical = claimed_logical;
   Placement placement(topo, static_cast<int>(map.size()), num_logical);
   FULCRUM_CHECK(static_cast<int>(map[0].size()) == placement.num_physical_experts(), "{}: inconsistent slot count",
                 origin);

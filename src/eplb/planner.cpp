@@ -8,7 +8,7 @@ namespace fulcrum::eplb {
 
 Placement Planner::plan(const LoadMatrix& loads, const PlanOptions& options) const {
   FULCRUM_CHECK(loads.num_layers > 0 && loads.num_logical_experts > 0, "load matrix is empty");
-  options.topology.validate(loads.num_logical_experts);
+  options.topology.validate(loads.num_logical_experts, loads.num_layers);  // before the placement is allocated
   FULCRUM_CHECK(options.num_groups > 0, "--groups must be positive, got {}", options.num_groups);
   for (double v : loads.values) FULCRUM_CHECK(std::isfinite(v) && v >= 0.0, "load {} is not a finite value >= 0", v);
   if (options.current != nullptr) {

@@ -124,7 +124,7 @@ void validate(const std::vector<LoadMatrix>& windows, const SimulateOptions& opt
                   w.num_logical_experts, num_layers, num_experts);
     for (double v : w.values) FULCRUM_CHECK(std::isfinite(v) && v >= 0.0, "load window {} has load {}, not finite >= 0", t, v);
   }
-  options.topology.validate(num_experts);
+  options.topology.validate(num_experts, num_layers);
   FULCRUM_CHECK(options.num_groups > 0, "num_groups must be positive, got {}", options.num_groups);
   FULCRUM_CHECK(options.rebalance_every >= 1, "rebalance_every must be >= 1 window, got {}", options.rebalance_every);
   FULCRUM_CHECK(options.batch_tokens >= 0, "batch_tokens must be >= 0 (0 = expected loads), got {}", options.batch_tokens);

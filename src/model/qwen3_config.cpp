@@ -30,7 +30,7 @@ class ConfigReader {
 
   int integer(const std::string& key) const {
     const json& value = at(key);
-    FULCRUM_CHECK(value.is_number_integer(), "{}: key '{}' must be an integer, got {}", origin_, key, value.dump());
+    FULCRUM_CHECK(value.is_number_integer(), "{}: key '{}' must be an integer, got {}", origin_, key, eplb::json_excerpt(value));
     const int64_t v = value.get<int64_t>();
     FULCRUM_CHECK(v >= INT32_MIN && v <= INT32_MAX, "{}: key '{}' out of range: {}", origin_, key, v);
     return static_cast<int>(v);
@@ -43,20 +43,20 @@ class ConfigReader {
   }
 
   double number(const json& value, const std::string& key) const {
-    FULCRUM_CHECK(value.is_number(), "{}: key '{}' must be a number, got {}", origin_, key, value.dump());
+    FULCRUM_CHECK(value.is_number(), "{}: key '{}' must be a number, got {}", origin_, key, eplb::json_excerpt(value));
     return value.get<double>();
   }
 
   bool boolean(const std::string& key, bool fallback) const {
     if (!has(key)) return fallback;
     const json& value = root_.at(key);
-    FULCRUM_CHECK(value.is_boolean(), "{}: key '{}' must be true or false, got {}", origin_, key, value.dump());
+    FULCRUM_CHECK(value.is_boolean(), "{}: key '{}' must be true or false, got {}", origin_, key, eplb::json_excerpt(value));
     return value.get<bool>();
   }
 
   std::string text(const std::string& key) const {
     const json& value = at(key);
-    FULCRUM_CHECK(value.is_string(), "{}: key '{}' must be a string, got {}", origin_, key, value.dump());
+    FULCRUM_CHECK(value.is_string(), "{}: key '{}' must be a string, got {}", origin_, key, eplb::json_excerpt(value));
     return value.get<std::string>();
   }
 
@@ -91,7 +91,7 @@ double read_rope_theta(const ConfigReader& reader, const json& root) {
     const bool is_default = scaling.is_object() && scaling.contains(type_key) && scaling[type_key].is_string() &&
                             scaling[type_key].get<std::string>() == "default";
     FULCRUM_CHECK(is_default, "{}: key 'rope_scaling': unsupported rope scaling {} (only rope_type \"default\")",
-                  origin, scaling.dump());
+                  origin, eplb::json_excerpt(scaling));
   }
   std::optional<double> theta;
   if (reader.has("rope_parameters")) {
@@ -101,7 +101,7 @@ double read_rope_theta(const ConfigReader& reader, const json& root) {
       const json& type = params["rope_type"];
       FULCRUM_CHECK(type.is_string() && type.get<std::string>() == "default",
                     "{}: key 'rope_parameters.rope_type': unsupported rope type {} (only \"default\")", origin,
-                    type.dump());
+                    eplb::json_excerpt(type));
     }
     if (params.contains("rope_theta") && !params["rope_theta"].is_null()) {
       theta = reader.number(params["rope_theta"], "rope_parameters.rope_theta");
@@ -238,7 +238,7 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& root, const std::string& origi
     for (const json& entry : layers) {
       FULCRUM_CHECK(entry.is_number_integer() && entry.get<int64_t>() >= 0 &&
                         entry.get<int64_t>() < config.num_hidden_layers,
-                    "{}: key 'mlp_only_layers': {} is not a layer index in [0, {})", origin, entry.dump(),
+                    "{}: key 'mlp_only_layers': {} is not a layer index in [0, {})", origin, eplb::json_excerpt(entry),
                     config.num_hidden_layers);
       config.mlp_only_layers.push_back(entry.get<int>());
     }

@@ -63,11 +63,11 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
   FULCRUM_CHECK(entry.contains("shape") && entry["shape"].is_array(), "{}: missing or non-list shape", origin);
   uint64_t numel = 1;
   for (const json& dim : entry["shape"]) {
-    FULCRUM_CHECK(dim.is_number_unsigned(), "{}: shape entry {} is not a non-negative integer", origin, dim.dump());
+    FULCRUM_CHECK(dim.is_number_unsigned(), "{}: shape entry {} is not a non-negative integer", origin, eplb::json_excerpt(dim));
     const uint64_t d = dim.get<uint64_t>();
     FULCRUM_CHECK(d <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) &&
                       (d == 0 || numel <= std::numeric_limits<uint64_t>::max() / 16 / d),
-                  "{}: shape {} is too large", origin, entry["shape"].dump());
+                  "{}: shape {} is too large", origin, eplb::json_excerpt(entry["shape"]));
     numel *= d;
     info.shape.push_back(static_cast<int64_t>(d));
   }
@@ -83,7 +83,7 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
   const uint64_t expected_bytes = numel * dtype_size(info.dtype);
   FULCRUM_CHECK(info.data_end - info.data_begin == expected_bytes,
                 "{}: data_offsets span {} bytes but shape {} of {} needs {}", origin, info.data_end - info.data_begin,
-                entry["shape"].dump(), dtype, expected_bytes);
+                eplb::json_excerpt(entry["shape"]), dtype, expected_bytes);
   return info;
 }
 

@@ -24,6 +24,29 @@ void send_json(httplib::Response& res, int status, const json& body) {
   res.set_content(body.dump() + "\n", "application/json");
 }
 
+// Client bytes for an error message: at most `max_bytes`, anything but printable ASCII as \xNN.
+std::string printable_excerpt(std::string_view text, size_t max_bytes = 64) {
+  std::string shown;
+  for (size_t i = 0; i < text.size() && i < max_bytes; ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    shown += byte < 0x20 || byte >= 0x7f || byte == '\\' ? fmt::format("\\x{:02x}", byte) : std::string(1, text[i]);
+  }
+  if (text.size() > max_bytes) shown += "...";
+  return shown;
+}
+
+// NOTES: a dump name is one plain file name in --expert-distribution-dir: 1 to 240 bytes (the file is written
+// through ".NAME.tmp.PID", 13 bytes longer, which must fit NAME_MAX = 255), no NUL (the OS would cut the name
+// there), no '/', not "." or "..". Anything else is a 400 that quotes none of it.
+constexpr size_t kMaxDumpNameBytes = 240;
+void check_dump_name(const std::string& name) {
+  FULCRUM_REQUIRE(!name.empty() && name.size() <= kMaxDumpNameBytes,
+                  "'name' must be 1 to {} bytes, got {}", kMaxDumpNameBytes, name.size());
+  FULCRUM_REQUIRE(name.find('\0') == std::string::npos, "'name' must not contain a NUL character");
+  FULCRUM_REQUIRE(name.find('/') == std::string::npos && name != "." && name != "..",
+                  "'name' must be a plain file name (no '/', not '.' or '..')");
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -121,12 +144,18 @@ struct HttpServer::Impl {
         if (body.contains("name")) {
           FULCRUM_REQUIRE(body["name"].is_string(), "'name' must be a string");
           name = body["name"].get<std::string>();
-          FULCRUM_REQUIRE(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
-                          "'name' must be a plain file name");
+          check_dump_name(name);
         }
       }
       const std::string path = (std::filesystem::absolute(options.expert_distribution_dir) / name).string();
-      json out = recorder->dump(path);
+      json out;
+      try {
+        out = recorder->dump(path);
+      } catch (const std::exception& e) {
+        // The full reason (with the server's path) goes to the log only.
+        fmt::print(stderr, "fulcrum serve: expert distribution dump failed: {}\n", e.what());
+        throw ApiError(500, "internal_error", "the expert distribution could not be written; see the server log");
+      }
       out["path"] = path;
       send_json(res, 200, out);
     }
@@ -164,9 +193,12 @@ struct HttpServer::Impl {
       http.Get(path, handler);
     }
     // Unrouted paths and refusals by httplib itself (413, 400 on a bad request line) get a JSON body.
-    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    // Our handlers always write a body (and count their refusals in guarded()); an empty one is httplib's own.
+    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
-      const std::string message = res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
+      metrics.on_request_rejected();
+      const std::string message = res.status == 404 ? fmt::format("no route for {} {}", printable_excerpt(req.method),
+                                                                  printable_excerpt(req.path))
                                                     : fmt::format("HTTP {}", res.status);
       res.set_content(error_body(message, res.status == 404 ? "not_found" : "invalid_request_error").dump() + "\n",
                       "application/json");

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 #include "model/rng.hpp"
 
 namespace fulcrum::server {
@@ -32,7 +33,7 @@ ServedModel query_model(const std::string& url) {
   client.set_connection_timeout(5);
   const httplib::Result res = client.Get("/v1/models");
   FULCRUM_CHECK(res && res->status == 200, "{}/v1/models: {}", url, res ? fmt::format("HTTP {}", res->status) : httplib::to_string(res.error()));
-  const json body = json::parse(res->body);
+  const json body = eplb::parse_json_text(res->body, url + "/v1/models");
   const json& model = body.at("data").at(0);
   return {model.at("id").get<std::string>(), model.at("vocab_size").get<int>()};
 }
@@ -66,7 +67,9 @@ std::string one_request(httplib::Client& client, const ServedModel& model, const
         saw_done = true;
         continue;
       }
-      const json chunk = json::parse(event.substr(6), nullptr, false);
+      const std::string_view data_text = std::string_view(event).substr(6);
+      const json chunk = eplb::find_json_depth_overflow(data_text) ? json(json::value_t::discarded)
+                                                                   : json::parse(data_text, nullptr, false);
       if (chunk.is_discarded()) {
         error = "unparsable SSE event";
         return false;

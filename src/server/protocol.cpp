@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "eplb/json_text.hpp"
 #include "server/api_error.hpp"
 #include "tokenizer/chat.hpp"
 
@@ -26,7 +27,7 @@ const json* field(const json& obj, const char* name) {
 int64_t integer(const json& v, const char* name, int64_t lo, int64_t hi) {
   FULCRUM_REQUIRE(v.is_number_integer(), "'{}' must be an integer", name);
   const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi) ? hi + 1 : v.get<int64_t>();
-  FULCRUM_REQUIRE(x >= lo && x <= hi, "'{}' must be in [{}, {}], got {}", name, lo, hi, v.dump());
+  FULCRUM_REQUIRE(x >= lo && x <= hi, "'{}' must be in [{}, {}], got {}", name, lo, hi, eplb::json_excerpt(v));
   return x;
 }
 
@@ -104,6 +105,9 @@ void parse_openai_common(const json& body, const ProtocolContext& ctx, std::init
 }  // namespace
 
 json parse_json_body(const std::string& body) {
+  // Nesting is bounded before parsing: a 100k-deep body would overflow the parser's stack (and cost its memory).
+  FULCRUM_REQUIRE(!eplb::find_json_depth_overflow(body), "the request body nests JSON deeper than {} levels",
+                  eplb::kMaxJsonDepth);
   json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
   FULCRUM_REQUIRE(!parsed.is_discarded(), "the request body is not valid JSON");
   FULCRUM_REQUIRE(parsed.is_object(), "the request body must be a JSON object");

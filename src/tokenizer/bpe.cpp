@@ -4,6 +4,7 @@
 #include <queue>
 
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 #include "tokenizer/unicode.hpp"
 
 namespace fulcrum::tokenizer {
@@ -19,7 +20,7 @@ uint64_t pair_key(int32_t left, int32_t right) {
 
 std::pair<std::string, std::string> parse_merge(const nlohmann::json& entry, const std::string& file) {
   if (entry.is_array()) {
-    FULCRUM_CHECK(entry.size() == 2, "{}: merge {} is not a pair", file, entry.dump());
+    FULCRUM_CHECK(entry.size() == 2, "{}: merge {} is not a pair", file, eplb::json_excerpt(entry));
     return {entry[0].get<std::string>(), entry[1].get<std::string>()};
   }
   const std::string text = entry.get<std::string>();

@@ -2,8 +2,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 #include "tokenizer/byte_level.hpp"
 #include "tokenizer/unicode.hpp"
 
@@ -23,13 +25,9 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   if (std::filesystem::is_directory(path)) file = (std::filesystem::path(path) / "tokenizer.json").string();
   std::ifstream in(file, std::ios::binary);
   FULCRUM_CHECK(in.good(), "cannot open tokenizer file '{}'", file);
-  nlohmann::json spec;
-  try {
-    spec = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    FULCRUM_CHECK(false, "{}: not valid JSON ({})", file, e.what());
-  }
-  return from_json(spec, file);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return from_json(eplb::parse_json_text(text.str(), file), file);
 }
 
 Tokenizer Tokenizer::from_json(const nlohmann::json& spec, const std::string& source) {
