@@ -6,6 +6,8 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# pip downloads the pinned kernel-header wheels (scripts/fetch_kernel_headers.sh) on machines with nvcc.
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "installing missing packages: ${missing[*]}"
 SUDO=""

@@ -28,7 +28,9 @@ void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& 
   options.max_batch_seqs = std::max<int>(1, static_cast<int>(prompts.size()));
   options.max_batch_tokens = std::max<int64_t>(options.max_batch_seqs, 8192);
   int64_t pages = 0;
-  for (const auto& p : prompts) pages += (static_cast<int64_t>(p.size()) + run.decode.max_new_tokens + 15) / 16;
+  for (const auto& p : prompts) {
+    pages += (static_cast<int64_t>(p.size()) + run.decode.max_new_tokens + options.page_size - 1) / options.page_size;
+  }
   options.kv_pages = std::max<int64_t>(pages, 1);
   gpu::GpuEngine engine(config, options);
   {

@@ -66,8 +66,8 @@ DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Pl
   FULCRUM_CHECK(needed <= static_cast<int64_t>(free_bytes),
                 "the model's bf16 weights need {:.2f} GiB on GPU {}, which has {:.2f} GiB free of {:.2f} GiB",
                 needed / kGiB, device_idx, free_bytes / kGiB, total_bytes / kGiB);
-  bytes_ = 2 * non_expert_elems(config);
-  FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(bytes_)));
+  bytes_ = needed;
+  FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(2 * non_expert_elems(config))));
 
   const int64_t h = config.hidden_size, d = config.head_dim, q = int64_t{config.num_attention_heads} * d;
   uint16_t* cursor = base_;

@@ -62,7 +62,7 @@ class DeviceWeights {
   const uint16_t* final_norm() const { return norm_; }   // [H]
   const uint16_t* lm_head() const { return lm_head_; }   // [V, H] (the embedding when tied)
   backend::GpuSlotPool* slot_pool() { return slots_.get(); }  // null for a model without MoE layers
-  int64_t bytes() const { return bytes_; }
+  int64_t bytes() const { return bytes_; }  // every weight on the device, the slot pool's spare layer included
 
  private:
   struct Entry;  // a checkpoint tensor -> a device region
