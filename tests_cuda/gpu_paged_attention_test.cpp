@@ -215,7 +215,10 @@ PagedAttentionShape shape_of(const HostBatch& b, bool force_cuda_cores, int max_
 struct DeviceBatch {
   explicit DeviceBatch(const HostBatch& b)
       : q(b.q), out(sizeof(uint16_t) * b.q.size()), k_pool(b.k_pool), v_pool(b.v_pool), q_indptr(b.q_indptr),
-        kv_page_indptr(b.kv_page_indptr), page_ids(b.page_ids), kv_len(b.kv_len) {
+        kv_page_indptr(b.kv_page_indptr), page_ids(b.page_ids), kv_len(b.kv_len),
+        split_counters(sizeof(int32_t) * std::max<size_t>(1, b.spec.seqs.size() * b.spec.num_kv_heads)) {
+    EXPECT_EQ(cudaMemset(split_counters.as<void>(), 0, split_counters.bytes()), cudaSuccess);
+    view.split_counters = split_counters.as<int32_t>();
     view.q = q.as<uint16_t>();
     view.out = out.as<uint16_t>();
     view.k_pool = k_pool.as<uint16_t>();
@@ -243,7 +246,12 @@ struct DeviceBatch {
     kv_len.write(b.kv_len);
   }
   void poison() { ASSERT_EQ(cudaMemset(out.as<void>(), 0xff, out.bytes()), cudaSuccess); }
-  Buffer q, out, k_pool, v_pool, q_indptr, kv_page_indptr, page_ids, kv_len;
+  // The launch contract: the decode splits' counters are left zero for the next launch.
+  int64_t nonzero_counters() const {
+    const std::vector<int32_t> c = split_counters.read<int32_t>();
+    return std::count_if(c.begin(), c.end(), [](int32_t v) { return v != 0; });
+  }
+  Buffer q, out, k_pool, v_pool, q_indptr, kv_page_indptr, page_ids, kv_len, split_counters;
   gpu::AttentionBatch view;
 };
 
@@ -273,6 +281,7 @@ class GpuPagedAttentionTest : public ::testing::Test {
     Buffer workspace(gpu::paged_attention_workspace_bytes(plan));
     EXPECT_EQ(gpu::launch_paged_attention(d.view, plan, workspace.as<void>(), workspace.bytes(), stream_), cudaSuccess);
     EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    EXPECT_EQ(d.nonzero_counters(), 0) << "decode split counters not reset";
     return d.out.read<uint16_t>();
   }
 
@@ -449,6 +458,7 @@ TEST_F(GpuPagedAttentionTest, CapturedGraphReplaysWithNewLengths) {
       ASSERT_EQ(cudaGraphLaunch(exec, stream_), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
       expect_matches(*b, d.out.read<uint16_t>(), reference_output(*b), !force, "graph replay");
+      EXPECT_EQ(d.nonzero_counters(), 0) << "decode split counters not reset";
     }
     EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
     EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
@@ -474,6 +484,10 @@ TEST_F(GpuPagedAttentionTest, LauncherRefusesMismatches) {
   other.page_size = 0;
   EXPECT_EQ(gpu::launch_paged_attention(other, plan, workspace.as<void>(), bytes, stream_), cudaErrorInvalidValue);
   EXPECT_EQ(gpu::launch_paged_attention(d.view, plan, workspace.as<void>(), bytes - 1, stream_), cudaErrorInvalidValue);
+  ASSERT_GT(plan.decode_splits, 1);
+  other = d.view;
+  other.split_counters = nullptr;  // decode splits need their counters
+  EXPECT_EQ(gpu::launch_paged_attention(other, plan, workspace.as<void>(), bytes, stream_), cudaErrorInvalidValue);
   EXPECT_EQ(gpu::launch_paged_attention(d.view, plan, workspace.as<unsigned char>() + 16, bytes, stream_),
             cudaErrorInvalidValue);
   PagedAttentionShape odd = shape_of(b, false);

@@ -22,7 +22,7 @@ namespace {
 // The engine's own kernels. The workspace grows (between steps, never inside a capture) to what a plan needs.
 class OwnAttention final : public AttentionRunner {
  public:
-  OwnAttention(const model::Qwen3MoeConfig& config, int device_idx) : config_(config) {
+  OwnAttention(const model::Qwen3MoeConfig& config, int max_seqs, int device_idx) : config_(config) {
     cudaDeviceProp prop{};
     FULCRUM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_idx));
     num_sms_ = prop.multiProcessorCount;
@@ -39,10 +39,17 @@ class OwnAttention final : public AttentionRunner {
     probe.head_dim = config.head_dim;
     probe.max_kv_len = 1;
     plan_ = plan_paged_attention(probe);
+    // The decode splits' counters: zero once here, left zero by every launch.
+    counter_capacity_ = static_cast<int64_t>(std::max(1, max_seqs)) * config.num_key_value_heads;
+    FULCRUM_CUDA_CHECK(cudaMalloc(&split_counters_, sizeof(int32_t) * counter_capacity_));
+    FULCRUM_CUDA_CHECK(cudaMemset(split_counters_, 0, sizeof(int32_t) * counter_capacity_));
   }
   ~OwnAttention() override {
     if (workspace_ != nullptr) cudaFree(workspace_);
+    if (split_counters_ != nullptr) cudaFree(split_counters_);
   }
+  OwnAttention(const OwnAttention&) = delete;
+  OwnAttention& operator=(const OwnAttention&) = delete;
   std::string name() const override { return plan_.tensor_cores ? "fulcrum (tensor cores)" : "fulcrum (CUDA cores)"; }
 
   bool graph_safe() const override { return true; }
@@ -70,7 +77,12 @@ class OwnAttention final : public AttentionRunner {
   }
 
   void run(const AttentionBatch& batch, CUstream_st* stream) override {
-    const cudaError_t status = launch_paged_attention(batch, plan_, workspace_, workspace_bytes_, stream);
+    FULCRUM_CHECK(static_cast<int64_t>(batch.num_seqs) * batch.num_kv_heads <= counter_capacity_,
+                  "GPU attention: {} sequences, the runner was made for at most {}", batch.num_seqs,
+                  counter_capacity_ / std::max(1, batch.num_kv_heads));
+    AttentionBatch with_counters = batch;
+    with_counters.split_counters = split_counters_;
+    const cudaError_t status = launch_paged_attention(with_counters, plan_, workspace_, workspace_bytes_, stream);
     FULCRUM_CHECK(status == cudaSuccess, "GPU attention: {}", cudaGetErrorString(status));
   }
 
@@ -80,6 +92,8 @@ class OwnAttention final : public AttentionRunner {
   PagedAttentionPlan plan_;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  int32_t* split_counters_ = nullptr;
+  int64_t counter_capacity_ = 0;
 };
 
 // FlashInfer (head_dim 128): its SM90 kernel for steps with prefill chunks, its tensor-core decode otherwise.
@@ -89,7 +103,7 @@ class FlashInferRunner final : public AttentionRunner {
  public:
   FlashInferRunner(const model::Qwen3MoeConfig& config, int page_size, int64_t max_tokens, int max_seqs, int device_idx,
                    bool decode_too)
-      : own_(config, device_idx),
+      : own_(config, max_seqs, device_idx),
         fi_(config.num_attention_heads, config.num_key_value_heads, config.head_dim, page_size,
             static_cast<int>(max_tokens), max_seqs, device_idx),
         decode_too_(decode_too) {}
@@ -134,7 +148,7 @@ std::unique_ptr<AttentionRunner> make_attention_runner(const std::string& which,
   FULCRUM_CHECK(which == "auto" || which == "fulcrum" || which == "flashinfer",
                 "--attention must be auto, fulcrum or flashinfer, got '{}'", which);
   if (which == "fulcrum" || (which == "auto" && !flashinfer_applies(config, device_idx))) {
-    return std::make_unique<OwnAttention>(config, device_idx);
+    return std::make_unique<OwnAttention>(config, max_seqs, device_idx);
   }
   FULCRUM_CHECK(flashinfer_applies(config, device_idx),
                 "--attention flashinfer: FlashInfer's kernels here need head_dim 128, at most 16 q heads per kv head and "

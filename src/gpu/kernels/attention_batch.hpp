@@ -22,6 +22,9 @@ struct AttentionBatch {
   const int32_t* kv_page_indptr = nullptr;  // [S + 1]
   const int32_t* page_ids = nullptr;        // [kv_page_indptr[S]]
   const int32_t* kv_len = nullptr;          // [S]
+  // [S * num_kv_heads] int32, zero before the launch and left zero by it: the engine's kernels count the finished
+  // KV splits of each (sequence, kv head) here, and the last split merges them (FlashInfer ignores it).
+  int32_t* split_counters = nullptr;
   int num_seqs = 0;
   int num_tokens = 0;
   int num_heads = 0;

@@ -47,70 +47,30 @@ WorkspaceLayout workspace_layout(const PagedAttentionPlan& plan) {
   return w;
 }
 
-// Merges the split partials of one token, one head per warp (blockIdx.y: heads 4y .. 4y + 3): weights
-// exp2(lse_z - max) in split order. blockIdx.x < decode_blocks: sequence x (1-token sequences with > 1 split);
-// then one per token of the prefill sequences whose tile was split.
-__global__ void __launch_bounds__(attention::kThreads) merge_splits_kernel(const Params p, int head_dim, int decode_blocks,
-                                                                           int num_tokens) {
-  static_assert(kPagedAttentionMaxSplits == 64, "two splits per lane");
+// Merges the split partials of the prefill tokens whose tile was split, one block per token, one head per
+// warp (blockIdx.y: heads 4y .. 4y + 3). Decode splits are merged inside the decode launch (finish_decode_splits).
+__global__ void __launch_bounds__(attention::kThreads) merge_prefill_splits_kernel(const Params p, int head_dim,
+                                                                                   int num_tokens) {
   __shared__ float weights[kMergeWarps][kPagedAttentionMaxSplits];
-  const int b = static_cast<int>(blockIdx.x);
-  int token, index, splits, max_splits;
-  const float *part_o, *part_lse;
-  if (b < decode_blocks) {
-    const int s = b;
-    if (p.q_indptr[s + 1] - p.q_indptr[s] != 1) return;
-    splits = attention::split_keys(p.kv_len[s], p.decode_splits).count;
-    token = p.q_indptr[s];
-    index = s;
-    max_splits = p.decode_splits;
-    part_o = p.decode_o;
-    part_lse = p.decode_lse;
-  } else {
-    token = b - decode_blocks;
-    if (token >= num_tokens) return;
-    int lo = 0, hi = p.num_seqs;  // the last sequence whose first token is <= token
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (p.q_indptr[mid] <= token) lo = mid; else hi = mid;
-    }
-    const int s = lo, q_begin = p.q_indptr[s], n = p.q_indptr[s + 1] - q_begin;
-    if (token < q_begin || token - q_begin >= n || n < 2) return;
-    const int tile = (token - q_begin) * p.group / p.prefill_rows;
-    const int row_end = min(n * p.group, (tile + 1) * p.prefill_rows);
-    splits = attention::split_keys(p.kv_len[s] - n + (row_end - 1) / p.group + 1, p.prefill_splits).count;
-    index = token;
-    max_splits = p.prefill_splits;
-    part_o = p.prefill_o;
-    part_lse = p.prefill_lse;
+  const int token = static_cast<int>(blockIdx.x);
+  if (token >= num_tokens) return;
+  int lo = 0, hi = p.num_seqs;  // the last sequence whose first token is <= token
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.q_indptr[mid] <= token) lo = mid; else hi = mid;
   }
+  const int s = lo, q_begin = p.q_indptr[s], n = p.q_indptr[s + 1] - q_begin;
+  if (token < q_begin || token - q_begin >= n || n < 2) return;
+  const int tile = (token - q_begin) * p.group / p.prefill_rows;
+  const int row_end = min(n * p.group, (tile + 1) * p.prefill_rows);
+  const int splits = attention::split_keys(p.kv_len[s] - n + (row_end - 1) / p.group + 1, p.prefill_splits).count;
   if (splits <= 1) return;  // the attention kernel wrote this token's output itself
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int H = p.num_heads, D = head_dim;
-  const int h = static_cast<int>(blockIdx.y) * kMergeWarps + warp;
-  if (h < H) {
-    const int64_t first = static_cast<int64_t>(index) * max_splits * H + h;  // split z at first + z * H
-    // Lane z and z + 32 hold split z's and z + 32's log2-sum-exp (kPagedAttentionMaxSplits = 64).
-    const float lse_lo = lane < splits ? part_lse[first + static_cast<int64_t>(lane) * H] : -INFINITY;
-    const float lse_hi = lane + 32 < splits ? part_lse[first + static_cast<int64_t>(lane + 32) * H] : -INFINITY;
-    float max_lse = fmaxf(lse_lo, lse_hi);
-    for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
-    const float base = max_lse == -INFINITY ? 0.0f : max_lse;
-    const float w_lo = exp2f(lse_lo - base), w_hi = exp2f(lse_hi - base);
-    float total = w_lo + w_hi;
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-    weights[warp][lane] = w_lo;
-    weights[warp][lane + 32] = w_hi;
-    __syncwarp();
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    uint16_t* dst = p.out + (static_cast<int64_t>(token) * H + h) * D;
-    for (int d = lane; d < D; d += 32) {
-      float acc = 0.0f;
-#pragma unroll 8
-      for (int z = 0; z < splits; ++z) acc += weights[warp][z] * part_o[(first + static_cast<int64_t>(z) * H) * D + d];
-      dst[d] = attention::f32_to_bf16(acc * inv);
-    }
-  }
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int H = p.num_heads, h = static_cast<int>(blockIdx.y) * kMergeWarps + warp;
+  if (h >= H) return;
+  const int64_t first = static_cast<int64_t>(token) * p.prefill_splits * H + h;  // split z at first + z * H
+  attention::merge_head_splits(p.prefill_o, p.prefill_lse, first, H, head_dim, splits, weights[warp],
+                               p.out + (static_cast<int64_t>(token) * H + h) * head_dim);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -165,6 +125,7 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   if (!aligned16(batch.q) || !aligned16(batch.out) || !aligned16(batch.k_pool) || !aligned16(batch.v_pool)) {
     return cudaErrorInvalidValue;
   }
+  if (plan.decode_splits > 1 && batch.split_counters == nullptr) return cudaErrorInvalidValue;
 
   unsigned char* ws = static_cast<unsigned char*>(workspace);
   Params p{};
@@ -183,6 +144,7 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   p.page_size = batch.page_size;
   p.scale_log2 = batch.sm_scale * 1.4426950408889634f;
   p.decode_splits = plan.decode_splits;
+  p.split_counters = batch.split_counters;
   p.prefill_splits = plan.prefill_splits;
   p.prefill_rows = plan.prefill_rows;
   if (layout.total > 0) {
@@ -204,12 +166,9 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
                     stream);
     if (status != cudaSuccess) return status;
   }
-  const int decode_blocks = plan.decode_splits > 1 ? s.num_seqs : 0;
-  const int prefill_blocks = plan.prefill_tiles > 0 && plan.prefill_splits > 1 ? s.num_tokens : 0;
-  if (decode_blocks + prefill_blocks > 0) {
-    const dim3 grid(static_cast<unsigned>(decode_blocks + prefill_blocks),
-                    static_cast<unsigned>((s.num_heads + kMergeWarps - 1) / kMergeWarps));
-    merge_splits_kernel<<<grid, attention::kThreads, 0, stream>>>(p, s.head_dim, decode_blocks, s.num_tokens);
+  if (plan.prefill_tiles > 0 && plan.prefill_splits > 1) {
+    const dim3 grid(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>((s.num_heads + kMergeWarps - 1) / kMergeWarps));
+    merge_prefill_splits_kernel<<<grid, attention::kThreads, 0, stream>>>(p, s.head_dim, s.num_tokens);
     status = cudaGetLastError();
   }
   return status;

@@ -10,7 +10,9 @@
 //           16-row tile, so every K/V row is read once for all of them;
 //   prefill (n_s >= 2): CTAs over tiles of query rows (row = token x group head; rows of one kv head), causal.
 // When a row's keys are cut into splits, each split writes (normalized partial output, log2-sum-exp) into the
-// workspace and a third launch merges them in split order. Splits cut positions at multiples of 64 chosen from
+// workspace and they are merged in split order: for decode rows by the last CTA of the (sequence, kv head) to
+// finish (counted in AttentionBatch::split_counters; no third launch, which cost more than the attention itself at
+// batch 1), for prefill rows by a third launch. Splits cut positions at multiples of 64 chosen from
 // kv_len and the plan alone, every sum runs in position order: the output does not depend on the page layout
 // (page ids, page size), bit for bit.
 //
@@ -73,8 +75,8 @@ size_t paged_attention_workspace_bytes(const PagedAttentionPlan& plan);
 // plan's. A kv_len above max_kv_len is still right (its splits get longer); with max_q_len 1 a sequence of more
 // tokens is not computed. The workspace (device, 256-byte aligned, at least paged_attention_workspace_bytes) is
 // scratch, overwritten; q, out, k_pool and v_pool must be 16-byte aligned.
-// cudaErrorInvalidValue for a batch that does not match the plan, an unsupported shape, page_size < 1 or a
-// small / misaligned workspace; otherwise the launch status.
+// cudaErrorInvalidValue for a batch that does not match the plan, an unsupported shape, page_size < 1, a
+// small / misaligned workspace or decode splits without split_counters; otherwise the launch status.
 cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAttentionPlan& plan, void* workspace,
                                    size_t workspace_bytes, CUstream_st* stream);
 

@@ -9,7 +9,8 @@
 // sum l adds the rounded values, so O / l is a weighted mean with the weights actually used).
 //   prefill: kWarpsM = 4 (64 rows), every warp takes the whole 64-key tile;
 //   decode:  kWarpsM = 1 (the group's q heads, <= 16 rows), the 4 warps take 16 keys each of every tile and
-//            their (m, l, O) are merged through shared memory at the end, warps in order.
+//            their (m, l, O) are merged through shared memory at the end, warps in order; with KV splits the
+//            last split's CTA merges the splits (finish_decode_splits).
 #include <cuda_bf16.h>
 
 #include "gpu/kernels/paged_attention_ptx.cuh"
@@ -300,6 +301,10 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
         }
         if (tid % 8 == 0) w.part_lse[slot] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;
       }
+    }
+    if (w.num_splits > 1) {
+      __shared__ float merge_weights[kThreads / 32][kPagedAttentionMaxSplits];
+      finish_decode_splits(p, w, D, merge_weights);
     }
   }
 }

@@ -166,6 +166,12 @@ __global__ void __launch_bounds__(kThreads) simt_attention_kernel(const Params p
       if (lane == 0) w.part_lse[slot] = l_all > 0.0f ? m[rr] + log2f(l_all) : -INFINITY;
     }
   }
+  if constexpr (kDecode) {
+    if (w.num_splits > 1) {
+      __shared__ float merge_weights[kThreads / 32][kPagedAttentionMaxSplits];
+      finish_decode_splits(p, w, D, merge_weights);
+    }
+  }
 }
 
 template <int D, bool kDecode>

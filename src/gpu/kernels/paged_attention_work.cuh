@@ -33,6 +33,7 @@ struct Params {
   float* decode_o;
   float* decode_lse;
   int decode_splits;
+  int32_t* split_counters;   // [S][Hkv]: finished decode splits (AttentionBatch::split_counters)
   float* prefill_o;
   float* prefill_lse;
   int prefill_splits;
@@ -177,6 +178,72 @@ __device__ __forceinline__ int64_t row_token(const WorkItem& w, int R, int group
 __device__ __forceinline__ int row_head(const WorkItem& w, int R, int group) { return w.kv_head * group + R % group; }
 __device__ __forceinline__ int64_t partial_slot(const WorkItem& w, int R, int group, int num_heads) {
   return (static_cast<int64_t>(w.part_index + R / group) * w.max_splits + w.split) * num_heads + row_head(w, R, group);
+}
+
+// Merges the split partials of one (token, head): weights exp2(lse_z - max) in split order, so the result does
+// not depend on which CTA merges or when. One warp; `weights` is shared scratch of kPagedAttentionMaxSplits
+// floats for this warp. Partials are read through L2 (__ldcg): other CTAs wrote them during this launch.
+__device__ inline void merge_head_splits(const float* part_o, const float* part_lse, int64_t first, int H, int D,
+                                         int splits, float* weights, uint16_t* dst) {
+  static_assert(kPagedAttentionMaxSplits == 64, "two splits per lane");
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const float lse_lo = lane < splits ? __ldcg(part_lse + first + static_cast<int64_t>(lane) * H) : -INFINITY;
+  const float lse_hi = lane + 32 < splits ? __ldcg(part_lse + first + static_cast<int64_t>(lane + 32) * H) : -INFINITY;
+  float max_lse = fmaxf(lse_lo, lse_hi);
+  for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
+  const float base = max_lse == -INFINITY ? 0.0f : max_lse;
+  const float w_lo = exp2f(lse_lo - base), w_hi = exp2f(lse_hi - base);
+  float total = w_lo + w_hi;
+  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  weights[lane] = w_lo;
+  weights[lane + 32] = w_hi;
+  __syncwarp();
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  // Lane l owns d = l + 32 c (c < 8: D <= 256); the loads of one split are independent of each other.
+  constexpr int kMaxPerLane = 8;
+  float acc[kMaxPerLane];
+#pragma unroll
+  for (int c = 0; c < kMaxPerLane; ++c) acc[c] = 0.0f;
+  for (int z = 0; z < splits; ++z) {
+    const float wz = weights[z];
+    const float* src = part_o + (first + static_cast<int64_t>(z) * H) * D;
+#pragma unroll
+    for (int c = 0; c < kMaxPerLane; ++c) {
+      const int d = lane + 32 * c;
+      if (d < D) acc[c] += wz * __ldcg(src + d);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxPerLane; ++c) {
+    const int d = lane + 32 * c;
+    if (d < D) dst[d] = f32_to_bf16(acc[c] * inv);
+  }
+  __syncwarp();  // weights is reused by the warp's next head
+}
+
+// End of a decode CTA that wrote split partials: the last of its (sequence, kv head)'s splits to finish merges
+// the group's heads (one warp per head) and resets the counter for the next launch. Every thread of the CTA
+// calls it. `weights` is shared scratch [kThreads / 32][kPagedAttentionMaxSplits].
+__device__ inline void finish_decode_splits(const Params& p, const WorkItem& w, int D, float (*weights)[kPagedAttentionMaxSplits]) {
+  __shared__ int is_last;
+  __threadfence();  // this CTA's partials are visible to the CTA that merges
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.split_counters + static_cast<int64_t>(w.seq) * p.num_kv_heads + w.kv_head;
+    const int finished = atomicAdd(counter, 1) + 1;
+    is_last = finished == w.num_splits;
+    if (is_last) atomicExch(counter, 0);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int warp = static_cast<int>(threadIdx.x) / 32, H = p.num_heads;
+  for (int r = warp; r < p.group; r += kThreads / 32) {
+    const int h = w.kv_head * p.group + r;
+    const int64_t first = static_cast<int64_t>(w.seq) * w.max_splits * H + h;
+    merge_head_splits(w.part_o, w.part_lse, first, H, D, w.num_splits, weights[warp],
+                      p.out + (static_cast<int64_t>(w.q_begin) * H + h) * D);
+  }
 }
 
 template <bool kDecode>
