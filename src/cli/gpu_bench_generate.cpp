@@ -37,6 +37,7 @@ struct BenchGenerateOptions {
   int warmup = 4;
   int prefill_reps = 3;
   std::string attention = "auto";
+  int64_t skinny_max_entries = backend::kDefaultSkinnyMaxEntries;
   std::string peer_script;  // empty: no peer
   std::vector<int> peer_batches = {1, 16, 64};
   int peer_context = 512;
@@ -109,6 +110,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   gpu::GpuEngineOptions eo;
   eo.attention = o.attention;
   eo.cuda_graphs = o.cuda_graphs;
+  eo.skinny_max_entries = o.skinny_max_entries;
   int max_seqs = 1;
   int64_t max_tokens = 1, positions = 1;
   for (const int b : o.batches) {
@@ -270,6 +272,10 @@ void register_bench_generate_command(CLI::App& bench) {
   cmd->add_option("--warmup", o->warmup, "Untimed decode steps first")->capture_default_str();
   cmd->add_option("--prefill-reps", o->prefill_reps, "Timed prefills (median)")->capture_default_str();
   cmd->add_option("--attention", o->attention, "auto | fulcrum | flashinfer")->capture_default_str();
+  cmd->add_option("--skinny-max-entries", o->skinny_max_entries,
+                  "MoE steps of at most this many tokens x top-k run the skinny expert GEMMs (0: always CUTLASS)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1024}));
   cmd->add_option("--peer", o->peer_script, "HF transformers peer script (bench/peer/hf_decode_peer.py); empty: none");
   cmd->add_option("--peer-batch", o->peer_batches, "Peer decode batch sizes")->capture_default_str();
   cmd->add_option("--peer-context", o->peer_context, "Peer decode context")->capture_default_str();

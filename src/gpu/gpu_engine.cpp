@@ -157,6 +157,7 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
       if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));
       layer->set_replica_choice(model::moe::make_replica_choice(options_.dispatch, map, config.num_experts, topo, t, streams));
       layer->set_recorder(w.histogram + int64_t{m} * config.num_experts);
+      layer->set_skinny_max_entries(options_.skinny_max_entries);
       moe_.push_back(std::move(layer));
     }
   }

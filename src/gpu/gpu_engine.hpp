@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/moe_layer.hpp"
 #include "eplb/dispatch.hpp"
 #include "eplb/placement.hpp"
 #include "gpu/device_kv_pool.hpp"
@@ -53,6 +54,9 @@ struct GpuEngineOptions {
   eplb::Placement placement;        // expert slots of the MoE layers (all on this GPU); empty: trivial
   eplb::DispatchAlgorithm dispatch = eplb::DispatchAlgorithm::kStatic;
   uint64_t dispatch_seed = 0x5eed;
+  // MoE steps of at most this many entries (tokens x top-k) run the skinny expert path (backend::GpuMoeLayer;
+  // 0: never), the rest CUTLASS's grouped GEMMs.
+  int64_t skinny_max_entries = backend::kDefaultSkinnyMaxEntries;
 };
 
 class GpuEngine final : public model::StepModel {

@@ -1,5 +1,6 @@
 // Kernels of the GPU MoE layer: router (softmax, top-k, renormalization, replica choice, recorder
 // histogram), permutation by physical slot, SwiGLU activation, combine. See moe_kernels.hpp.
+#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
 #include "backend/cuda/launch_util.cuh"
@@ -210,6 +211,57 @@ __global__ void permute_rows_kernel(const uint16_t* x, int64_t num_entries, int 
     } else {
       for (int c = lane; c < hidden_size; c += 32) dst[c] = src[c];
     }
+  }
+}
+
+// One block of kSmallPlanThreads: counts in shared memory, block scans over the slots in chunks of the block
+// (offsets, and which slots have rows), then each entry's rank among the earlier entries of its slot.
+constexpr int kSmallPlanThreads = 1024;
+__global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
+    const int32_t* slots, int num_entries, int top_k, int num_slots, int32_t* slot_counts, int32_t* offsets,
+    int32_t* entry_row, int32_t* row_token, int32_t* active) {
+  using Scan = cub::BlockScan<int, kSmallPlanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  extern __shared__ int32_t plan_smem[];
+  int32_t* counts = plan_smem;                 // [P]
+  int32_t* first_row = counts + num_slots;     // [P]
+  int32_t* entry_slot = first_row + num_slots; // [N]
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int q = tid; q < num_slots; q += kSmallPlanThreads) counts[q] = 0;
+  for (int e = tid; e < num_entries; e += kSmallPlanThreads) entry_slot[e] = slots[e];
+  __syncthreads();
+  for (int e = tid; e < num_entries; e += kSmallPlanThreads) atomicAdd(&counts[entry_slot[e]], 1);
+  __syncthreads();
+  int rows_before = 0, active_before = 0;
+  for (int base = 0; base < num_slots; base += kSmallPlanThreads) {
+    const int q = base + tid;
+    const int count = q < num_slots ? counts[q] : 0;
+    int row = 0, rows_total = 0, rank = 0, active_total = 0;
+    Scan(scan_storage).ExclusiveSum(count, row, rows_total);
+    __syncthreads();
+    Scan(scan_storage).ExclusiveSum(count > 0 ? 1 : 0, rank, active_total);
+    __syncthreads();
+    if (q < num_slots) {
+      slot_counts[q] = count;
+      offsets[q] = rows_before + row;
+      first_row[q] = rows_before + row;
+      if (count > 0) active[1 + active_before + rank] = q;
+    }
+    rows_before += rows_total;
+    active_before += active_total;
+  }
+  if (tid == 0) {
+    offsets[num_slots] = rows_before;
+    active[0] = active_before;
+  }
+  __syncthreads();
+  for (int e = tid; e < num_entries; e += kSmallPlanThreads) {
+    const int slot = entry_slot[e];
+    int rank = 0;
+    for (int f = 0; f < e; ++f) rank += entry_slot[f] == slot;
+    const int row = first_row[slot] + rank;
+    entry_row[e] = row;
+    row_token[row] = e / top_k;
   }
 }
 
@@ -432,6 +484,23 @@ cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k
   if (num_entries == 0) return cudaSuccess;
   permute_rows_kernel<<<blocks_for(num_entries, 8), 256, 0, stream>>>(x, num_entries, top_k, hidden_size, slots, cursor,
                                                                       entry_row, permuted);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, int top_k, int num_slots,
+                                     int32_t* slot_counts, int32_t* offsets, int32_t* entry_row, int32_t* row_token,
+                                     int32_t* active, cudaStream_t stream) {
+  if (num_entries < 0 || num_entries > kSmallPlanMaxEntries || num_slots < 1 || num_slots > kSmallPlanMaxSlots ||
+      top_k < 1) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(num_slots) + static_cast<size_t>(num_entries));
+  cudaError_t status = cudaFuncSetAttribute(small_permutation_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem));
+  if (status != cudaSuccess) return status;
+  small_permutation_kernel<<<1, kSmallPlanThreads, smem, stream>>>(slots, static_cast<int>(num_entries), top_k,
+                                                                   num_slots, slot_counts, offsets, entry_row,
+                                                                   row_token, active);
   return cudaGetLastError();
 }
 

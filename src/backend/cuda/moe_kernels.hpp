@@ -76,6 +76,17 @@ cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k
                                 const int32_t* slots, int32_t* cursor, int32_t* entry_row, uint16_t* permuted,
                                 cudaStream_t stream);
 
+// The permutation of a small step in one launch (T * k <= kSmallPlanMaxEntries, P <= kSmallPlanMaxSlots):
+// slot_counts [P] and offsets [P + 1] as launch_slot_counts; entry_row [T * k] with a slot's entries in entry
+// order (deterministic); row_token [T * k], the token of each permuted row; active [1 + min(T * k, P)], how many
+// slots have rows, then those slots ascending. No permuted copy of x: the expert skinny GEMMs
+// (gpu/kernels/expert_skinny_gemm.hpp) read token rows through row_token.
+constexpr int64_t kSmallPlanMaxEntries = 1024;
+constexpr int kSmallPlanMaxSlots = 4096;
+cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, int top_k, int num_slots,
+                                     int32_t* slot_counts, int32_t* offsets, int32_t* entry_row, int32_t* row_token,
+                                     int32_t* active, cudaStream_t stream);
+
 // act [n, I] = bf16(silu(gate) * up) from h [n, 2I] (gate | up), fp32 math.
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
                                  cudaStream_t stream);

@@ -10,6 +10,8 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "backend/cuda/moe_kernels.hpp"
 #include "eplb/error.hpp"
+#include "gpu/kernels/expert_skinny_gemm.hpp"
+#include "gpu/kernels/skinny_gemm.hpp"
 #include "model/random_weights.hpp"
 
 namespace fulcrum::backend {
@@ -93,6 +95,8 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
   offsets = device_array<int32_t>(p + 1);
   cursor = device_array<int32_t>(p);
   entry_row = device_array<int32_t>(n);
+  row_token = device_array<int32_t>(n);
+  active = device_array<int32_t>(n + 1);
   permuted = device_array<uint16_t>(n * h);
   expert_out = device_array<uint16_t>(n * h);
   reserve_expert_rows(n);
@@ -482,6 +486,12 @@ void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
                 shape_.max_tokens);
   FULCRUM_CHECK(router_ != nullptr, "MoE layer: no router weights (external_weights: set_router_weights first)");
   if (num_tokens == 0) return;
+  if (num_tokens <= gpu::kSkinnyGemmMaxRows && shape_.hidden_size % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(router_) % 16 == 0) {
+    FULCRUM_CUDA_CHECK(gpu::launch_skinny_gemm(x, router_, static_cast<int>(num_tokens), shape_.num_experts,
+                                               shape_.hidden_size, ws().logits.as<float>(), nullptr, stream_));
+    return;
+  }
   // Row-major logits [T, E] = x [T, H] @ router [E, H]^T, i.e. column-major logits^T = router^T(op T) x.
   const float alpha = 1.0f, beta = 0.0f;
   FULCRUM_CUBLAS_CHECK(cublasGemmEx(ws().cublas_on(stream_), CUBLAS_OP_T, CUBLAS_OP_N, shape_.num_experts,
@@ -780,11 +790,55 @@ void GpuMoeLayer::combine_rows(const uint16_t* rows, int64_t num_tokens, float* 
                                                    stream_));
 }
 
+bool GpuMoeLayer::uses_skinny(int64_t num_tokens) const {
+  const int64_t entries = num_tokens * shape_.num_experts_per_tok;
+  return (expert_gemm_ == ExpertGemm::kAuto || expert_gemm_ == ExpertGemm::kCutlass) && entries > 0 &&
+         entries <= std::min(skinny_max_entries_, cuda::moe::kSmallPlanMaxEntries) &&
+         shape_.local_slots() == shape_.num_slots && shape_.num_slots <= cuda::moe::kSmallPlanMaxSlots &&
+         shape_.hidden_size % 8 == 0 && shape_.moe_intermediate_size % 8 == 0 && slot_pointers_aligned_ &&
+         has_expert_weights_;
+}
+
+void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
+  MoeWorkspace& w = ws();
+  const int p = shape_.num_slots, k = shape_.num_experts_per_tok;
+  const int64_t entries = num_tokens * k;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_small_permutation(w.slots.as<int32_t>(), entries, k, p, w.counts.as<int32_t>(),
+                                                         w.offsets.as<int32_t>(), w.entry_row.as<int32_t>(),
+                                                         w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+  own_problems_built_ = false;
+  gpu::ExpertSkinnyArgs gemm;
+  gemm.x = x;  // token rows [T, H], read through row_token
+  gemm.row_source = w.row_token.as<int32_t>();
+  gemm.offsets = w.offsets.as<int32_t>();
+  gemm.active = w.active.as<int32_t>();
+  gemm.weights = gate_up_ptrs_.as<const uint16_t* const>();
+  gemm.n = shape_.moe_intermediate_size;
+  gemm.k = shape_.hidden_size;
+  gemm.max_rows = static_cast<int>(entries);
+  gemm.num_slots = p;
+  gemm.swiglu = true;
+  gemm.out = w.act.as<uint16_t>();  // [rows, I]
+  FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
+  gemm.x = w.act.as<uint16_t>();
+  gemm.row_source = nullptr;
+  gemm.weights = down_ptrs_.as<const uint16_t* const>();
+  gemm.n = shape_.hidden_size;
+  gemm.k = shape_.moe_intermediate_size;
+  gemm.swiglu = false;
+  gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
+  FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
+}
+
 void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out) {
   check_holds_all_slots();
   route(logits, num_tokens);
-  permute(x, num_tokens);
-  run_experts(0, shape_.num_slots);
+  if (uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    skinny_experts(x, num_tokens);
+  } else {
+    permute(x, num_tokens);
+    run_experts(0, shape_.num_slots);
+  }
   combine(num_tokens, out);
 }
 

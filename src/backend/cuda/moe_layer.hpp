@@ -6,7 +6,8 @@
 //
 // Expert GEMMs: CUTLASS's grouped GEMM with the group sizes read on the device (gpu/cutlass/grouped_gemm.hpp,
 // ExpertGemm::kCutlass, the default for a layer holding all its slots), or cuBLAS, which takes the per-slot
-// row counts as host arrays.
+// row counts as host arrays; small steps of a layer holding all its slots take the skinny path
+// (kDefaultSkinnyMaxEntries). Router logits of up to 8 tokens come from the skinny GEMM, else cuBLAS.
 //
 // Host synchronization and CUDA graphs: with CUTLASS and static or dynamic replica choice, forward /
 // forward_from_logits issue only kernels, a device-to-device copy, a memset and cuBLAS's router GEMM on the
@@ -69,6 +70,12 @@ struct MoeLayerShape {
 //             crossover lies between 0.31 and 1.2 TFLOP per call at both Qwen3 shapes.
 enum class ExpertGemm { kGrouped, kPerSlot, kAuto, kCutlass };
 constexpr double kPerSlotMinFlops = 0.7e12;
+
+// Small steps of a layer holding all its slots (kAuto / kCutlass): at most this many entries (T x k) run the
+// skinny path instead (one-launch permutation without a copy of x, expert skinny GEMMs with SwiGLU fused:
+// gpu/kernels/expert_skinny_gemm.hpp); decode batches up to 16 tokens at top-8. Chosen by T x k only, so the
+// path, like CUTLASS's tile config, never depends on the placement. set_skinny_max_entries changes it.
+constexpr int64_t kDefaultSkinnyMaxEntries = 128;
 
 // A device allocation freed with the object.
 class DeviceBuffer {
@@ -137,6 +144,8 @@ class MoeWorkspace {
   DeviceBuffer h;            // bf16 [expert_rows, 2I]
   DeviceBuffer act;          // bf16 [expert_rows, I]
   DeviceBuffer entry_rank;   // int32 [N] (balanced only; reserve_entry_ranks)
+  DeviceBuffer row_token;    // int32 [N] token of each permuted row (the skinny path)
+  DeviceBuffer active;       // int32 [N + 1] how many slots have rows, then those slots (the skinny path)
 
  private:
   MoeLayerShape shape_;
@@ -195,6 +204,10 @@ class GpuMoeLayer {
   // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
   void set_recorder(unsigned long long* histogram_row) { histogram_row_ = histogram_row; }
   void set_expert_gemm(ExpertGemm gemm) { expert_gemm_ = gemm; }
+  // Entries (T x k) up to which forward / forward_from_logits take the skinny path (0: never).
+  void set_skinny_max_entries(int64_t entries) { skinny_max_entries_ = entries; }
+  // Whether a forward of num_tokens tokens takes the skinny path.
+  bool uses_skinny(int64_t num_tokens) const;
   // What the permutation's expert GEMMs use now (kAuto resolved; kCutlass falls back to kAuto's cuBLAS
   // choice when it cannot run) and, when kCutlass was asked for or kAuto would pick it but cannot run, why.
   bool uses_cutlass() const;
@@ -270,6 +283,8 @@ class GpuMoeLayer {
   // `in` -> `out`, group g using local slot (first_local + g) % num_weights's weights.
   void cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
                        int64_t max_rows, int64_t total_rows, uint16_t* out);
+  // The skinny path after route: permutation, both expert GEMMs (SwiGLU fused) -> expert_out rows.
+  void skinny_experts(const uint16_t* x, int64_t num_tokens);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
@@ -277,6 +292,7 @@ class GpuMoeLayer {
   bool owns_stream_ = false;
   std::shared_ptr<MoeWorkspace> workspace_;
   ExpertGemm expert_gemm_ = ExpertGemm::kAuto;
+  int64_t skinny_max_entries_ = kDefaultSkinnyMaxEntries;
   model::moe::ReplicaChoiceSpec spec_;
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;

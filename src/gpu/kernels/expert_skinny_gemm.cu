@@ -1,0 +1,124 @@
+// Expert skinny GEMMs (expert_skinny_gemm.hpp). Grid (column blocks, max active slots): block (x, y) takes
+// active slot y's rows 8 at a time and its column block x. A warp owns 4 W rows: plain, 4 consecutive output
+// columns; SwiGLU, 2 output columns j, j + 1 as gate rows j, j + 1 and up rows I + j, I + j + 1, so the
+// activation is formed where the sums are. K slices as in the dense skinny GEMM (skinny_gemm_core.cuh), chosen
+// from the grid's warps at max_rows rows.
+#include <algorithm>
+
+#include "gpu/kernels/expert_skinny_gemm.hpp"
+#include "gpu/kernels/skinny_gemm_core.cuh"
+
+namespace fulcrum::gpu {
+namespace {
+
+using namespace skinny;
+
+constexpr int kSwiGluColumnsPerWarp = kRowsPerWarp / 2;
+
+__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(static_cast<uint32_t>(to_bf16(v)) << 16); }
+
+// Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
+template <int M, bool kSwiGlu>
+__device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[kRowsPerWarp],
+                                             int r0, int64_t begin, int64_t end, int warp, int lane, int k_split,
+                                             int64_t first_col, float (*partial)[kRowsPerWarp * kMaxRows]) {
+  const int64_t chunks = a.k / 8;
+  const uint4* x_rows[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
+    x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
+  }
+  float acc[kRowsPerWarp][M];
+  warp_dot<M>(w_rows, x_rows, begin, end, lane, acc);
+  sum_slices<M>(acc, warp, lane, k_split, partial);
+  const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
+  if constexpr (kSwiGlu) {
+    // Thread (group, column c, row i): gate at W row c, up at W row 2 + c of the group.
+    if (t < groups * kSwiGluColumnsPerWarp * M) {
+      const int group = t / (kSwiGluColumnsPerWarp * M), c = t % (kSwiGluColumnsPerWarp * M) / M, i = t % M;
+      const int64_t col = first_col + group * kSwiGluColumnsPerWarp + c;
+      if (col < a.n) {
+        const float g = bf16_round(partial[group * k_split][c * M + i]);
+        const float u = bf16_round(partial[group * k_split][(2 + c) * M + i]);
+        a.out[static_cast<int64_t>(r0 + i) * a.n + col] = to_bf16(g / (1.0f + expf(-g)) * u);
+      }
+    }
+  } else {
+    if (t < groups * kRowsPerWarp * M) {
+      const int group = t / (kRowsPerWarp * M), j = t % (kRowsPerWarp * M), r = j / M, i = j % M;
+      const int64_t col = first_col + group * kRowsPerWarp + r;
+      if (col < a.n) a.out[static_cast<int64_t>(r0 + i) * a.n + col] = to_bf16(partial[group * k_split][j]);
+    }
+  }
+  __syncthreads();  // partial is rewritten by the next rows
+}
+
+template <bool kSwiGlu>
+__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split) {
+  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
+  if (static_cast<int>(blockIdx.y) >= __ldg(a.active)) return;
+  const int slot = __ldg(a.active + 1 + blockIdx.y);
+  const int row_begin = __ldg(a.offsets + slot), row_end = __ldg(a.offsets + slot + 1);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
+  constexpr int kColsPerGroup = kSwiGlu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
+  const int64_t first_col = static_cast<int64_t>(blockIdx.x) * groups_per_block * kColsPerGroup;
+  const int64_t chunks = a.k / 8;
+  const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
+  const uint4* w = reinterpret_cast<const uint4*>(a.weights[slot]);
+  // Columns past n read the last column's rows and store nothing.
+  const uint4* w_rows[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    int64_t row;
+    if constexpr (kSwiGlu) {
+      const int64_t col = min(first_col + group * kColsPerGroup + r % 2, static_cast<int64_t>(a.n - 1));
+      row = r < 2 ? col : a.n + col;
+    } else {
+      row = min(first_col + group * kColsPerGroup + r, static_cast<int64_t>(a.n - 1));
+    }
+    w_rows[r] = w + row * chunks;
+  }
+  for (int r0 = row_begin; r0 < row_end; r0 += kMaxRows) {
+    switch (min(kMaxRows, row_end - r0)) {  // uniform over the block
+      case 1: rows_times_w<1, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      case 2: rows_times_w<2, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      case 3: rows_times_w<3, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      case 4: rows_times_w<4, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      case 5: rows_times_w<5, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      case 6: rows_times_w<6, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      case 7: rows_times_w<7, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      default: rows_times_w<8, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t stream) {
+  if (a.n < 1 || a.k <= 0 || a.k % 8 != 0 || a.max_rows < 1 || a.num_slots < 1) return cudaErrorInvalidValue;
+  if (a.x == nullptr || a.offsets == nullptr || a.active == nullptr || a.weights == nullptr || a.out == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (!aligned16(a.x) || reinterpret_cast<uintptr_t>(a.out) % alignof(uint16_t) != 0) return cudaErrorInvalidValue;
+  const int cols_per_group = a.swiglu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
+  const int64_t col_groups = (static_cast<int64_t>(a.n) + cols_per_group - 1) / cols_per_group;
+  // The grid's warps if every row had its own slot: at most max_rows slots have rows.
+  const int k_split = choose_k_split(col_groups * a.max_rows, a.k / 8);
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int64_t blocks = (col_groups + groups_per_block - 1) / groups_per_block;
+  const int max_active = std::min(a.max_rows, a.num_slots);
+  if (blocks > INT32_MAX || max_active > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(max_active));
+  if (a.swiglu) {
+    expert_skinny_kernel<true><<<grid, kThreads, 0, stream>>>(a, k_split);
+  } else {
+    expert_skinny_kernel<false><<<grid, kThreads, 0, stream>>>(a, k_split);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace fulcrum::gpu

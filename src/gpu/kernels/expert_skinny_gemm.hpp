@@ -1,0 +1,45 @@
+#pragma once
+// Expert skinny GEMMs for small MoE steps (decode batches): the rows of each expert slot times that slot's
+// weights, with the group sizes and the list of slots that got rows read on the device (capture-safe), bf16
+// operands (uint16_t bits), fp32 accumulation, bf16 output. Memory-bound like the dense skinny GEMM
+// (skinny_gemm.hpp, the same dot products: skinny_gemm_core.cuh): each used slot's weights are read once, 8 rows
+// at a time. CPU reference: src/gpu/reference/skinny_gemm_reference.hpp per slot.
+//
+//   gate_up + SwiGLU  out [r, j] = bf16(silu(g) * u), g = bf16(x_r . W[j]), u = bf16(x_r . W[I + j]) for
+//                     W = weights[slot] [2I, k] (gate rows, then up rows): the two GEMM outputs are rounded to
+//                     bf16 as the unfused path stores them, and never leave the chip.
+//   plain             out [r, j] = bf16(x_r . W[j]), W = weights[slot] [n, k].
+//
+// Rows: slot s owns permuted rows [offsets[s], offsets[s + 1]); row r reads x row row_source[r] (a token: no
+// permuted copy of x is made) or x row r when row_source is null. active = [count, slot...]: the slots with
+// rows, any order. Each row's result is the same whatever the slot's row count and the other slots (the
+// arithmetic is per row), and the K split depends only on n, k and max_rows: expert outputs do not depend on
+// the placement.
+//
+// Capture-safe: no allocation, no synchronization; the grid depends on n, k, max_rows and num_slots only.
+// Returns cudaErrorInvalidValue for n < 1, k <= 0, k % 8 != 0, max_rows < 1, num_slots < 1, x or out misaligned,
+// null arrays.
+// Weight pointers must be 16-byte aligned (the slot pool's are).
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace fulcrum::gpu {
+
+struct ExpertSkinnyArgs {
+  const uint16_t* x = nullptr;               // [*, k] bf16 rows
+  const int32_t* row_source = nullptr;       // [rows] x row of each permuted row, or null (row r reads x row r)
+  const int32_t* offsets = nullptr;          // [P + 1] permuted row range of each slot
+  const int32_t* active = nullptr;           // [1 + max_active]: how many slots have rows, then those slots
+  const uint16_t* const* weights = nullptr;  // [P] device pointers: [2n, k] (swiglu) or [n, k]
+  int n = 0;                                 // output columns (swiglu: the intermediate size I)
+  int k = 0;
+  int max_rows = 0;                          // rows over all slots (T x top-k); bounds active and the K split
+  int num_slots = 0;                         // P (also bounds active)
+  bool swiglu = false;
+  uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
+};
+
+cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream);
+
+}  // namespace fulcrum::gpu

@@ -1,0 +1,152 @@
+#pragma once
+// What the skinny GEMMs share (skinny_gemm.cu: one dense matrix; expert_skinny_gemm.cu: a matrix per expert
+// slot): the warp's dot products of 4 W rows with up to 8 x rows over one K slice, and the block's sum of the
+// K slices in slice order. Internal to those files.
+//
+// Arithmetic, the same for every M (so a row's result does not depend on how many rows ran with it): lane l of
+// a warp takes 16-byte chunks c = begin + l, begin + l + 32, ... of its slice (8 bf16 each), two chunks per row
+// per loop trip (8 independent 16-byte W loads in flight per lane), and accumulates with fp32 FMAs in K order;
+// lanes are combined by an xor butterfly, slices in slice order. W is read once, so its loads bypass L1 (x, a
+// few rows, stays in L1 / L2).
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+namespace fulcrum::gpu::skinny {
+
+constexpr int kRowsPerWarp = 4;
+constexpr int kWarpsPerBlock = 4;  // small blocks: at 160 registers (M = 8) 12 warps fit per SM, not 8
+constexpr int kThreads = kWarpsPerBlock * 32;
+constexpr int kMaxKSplit = kWarpsPerBlock;
+constexpr int kMaxRows = 8;
+constexpr int64_t kTargetWarps = 4096;  // ~2 waves of 132 SMs x 12..16 resident warps
+constexpr int kMinSliceChunks = 64;     // 2 chunks per lane: one full loop trip
+constexpr int kChunksPerTrip = 2;
+
+// K slices per row group (1, 2 or 4): more while the grid has fewer than kTargetWarps warps and each slice keeps
+// at least kMinSliceChunks chunks, so small-N shapes still fill the GPU.
+inline int choose_k_split(int64_t row_groups, int64_t chunks) {
+  int k_split = 1;
+  while (k_split < kMaxKSplit && row_groups * k_split < kTargetWarps && chunks / (2 * k_split) >= kMinSliceChunks) {
+    k_split *= 2;
+  }
+  return k_split;
+}
+
+// A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
+__device__ __forceinline__ uint4 load_w(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// bf16 value 2j of a 16-byte chunk is the low half of word j (little endian), value 2j + 1 the high half.
+__device__ __forceinline__ float lo_bf16(uint32_t word) { return __uint_as_float(word << 16); }
+__device__ __forceinline__ float hi_bf16(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ uint16_t to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+// acc[r][i] += w[r] . x[i] over one chunk of 8 values, in value order (explicit FMAs: the same arithmetic for
+// every M).
+template <int M>
+__device__ __forceinline__ void fma_chunk(float (&acc)[kRowsPerWarp][M], const uint4 (&w)[kRowsPerWarp],
+                                          const uint4 (&x)[M]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const uint32_t xw = word_of(x[i], j);
+        const float xv = half == 0 ? lo_bf16(xw) : hi_bf16(xw);
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          const uint32_t ww = word_of(w[r], j);
+          const float wv = half == 0 ? lo_bf16(ww) : hi_bf16(ww);
+          acc[r][i] = __fmaf_rn(wv, xv, acc[r][i]);
+        }
+      }
+    }
+  }
+}
+
+// acc[r][i] = w_rows[r] . x_rows[i] over chunks [begin, end) of a row, summed over the warp: every lane ends
+// with the warp's sums (a + b == b + a in the butterfly).
+template <int M>
+__device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[kRowsPerWarp], const uint4* const (&x_rows)[M],
+                                         int64_t begin, int64_t end, int lane, float (&acc)[kRowsPerWarp][M]) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
+  }
+  int64_t c = begin + lane;
+  for (; c + 32 * (kChunksPerTrip - 1) < end; c += 32 * kChunksPerTrip) {
+    uint4 wv[kChunksPerTrip][kRowsPerWarp];
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
+    }
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+      uint4 xv[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
+      fma_chunk<M>(acc, wv[t], xv);
+    }
+  }
+  for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
+    uint4 wv[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) wv[r] = load_w(w_rows[r] + c);
+    uint4 xv[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
+    fma_chunk<M>(acc, wv, xv);
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        acc[r][i] = __fadd_rn(acc[r][i], __shfl_xor_sync(0xffffffffu, acc[r][i], offset));
+      }
+    }
+  }
+}
+
+// The block's K slices summed in slice order: warp w holds slice w % k_split of row group w / k_split; after
+// the call partial[g * k_split][r * M + i] holds row group g's full sum for (W row r, x row i). Every thread of
+// the block calls it (it synchronizes); callers synchronize again before reusing `partial`.
+template <int M>
+__device__ __forceinline__ void sum_slices(const float (&acc)[kRowsPerWarp][M], int warp, int lane, int k_split,
+                                           float (*partial)[kRowsPerWarp * kMaxRows]) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      if (lane == r * M + i) partial[warp][r * M + i] = acc[r][i];
+    }
+  }
+  __syncthreads();
+  if (k_split == 1) return;
+  const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
+  float sum = 0.0f;
+  const bool mine = t < groups * kRowsPerWarp * M;
+  const int group = t / (kRowsPerWarp * M), j = t % (kRowsPerWarp * M);
+  if (mine) {
+    sum = partial[group * k_split][j];
+    for (int s = 1; s < k_split; ++s) sum = __fadd_rn(sum, partial[group * k_split + s][j]);
+  }
+  __syncthreads();
+  if (mine) partial[group * k_split][j] = sum;
+  __syncthreads();
+}
+
+}  // namespace fulcrum::gpu::skinny

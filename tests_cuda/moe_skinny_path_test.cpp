@@ -1,0 +1,245 @@
+// The MoE layer's skinny path for small steps (T x k <= kDefaultSkinnyMaxEntries on a layer holding all its
+// slots): the one-launch permutation (cuda::moe::launch_small_permutation) against a host counting sort, the
+// expert skinny GEMMs (gpu::launch_expert_skinny_gemm) against the CPU reference (reference::skinny_gemm, plus
+// the bf16 roundings of the unfused path), and the whole layer against the bf16 reference and against its own
+// CUTLASS path.
+//
+// Tolerances and why:
+//   exact      slot counts, offsets, entry rows (a slot's entries in entry order), row tokens, the active list;
+//              a row's expert output computed with other rows or alone (the arithmetic is per row)
+//   1e-3       expert rows and the layer output vs the bf16 references and vs the CUTLASS path,
+//              ||gpu - ref|| / ||ref|| (kBf16Tolerance: the same bf16 roundings, fp32 sums in another order)
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "backend/cuda/cuda_backend.hpp"
+#include "backend/cuda/moe_kernels.hpp"
+#include "backend/cuda/moe_layer.hpp"
+#include "gpu/kernels/expert_skinny_gemm.hpp"
+#include "gpu/reference/skinny_gemm_reference.hpp"
+#include "model/moe_reference.hpp"
+#include "moe_cuda_test_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+using backend::DeviceBuffer;
+using backend::GpuMoeLayer;
+namespace moe = model::moe;
+
+class MoeSkinnyPathTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the GPU MoE tests need a GPU";
+  }
+};
+
+float bf16_round(float v) { return to_floats(to_bits({v}))[0]; }
+
+// Expected output rows of the expert skinny GEMM: row r of slot s = f(x[source[r]] . W_s).
+std::vector<float> expected_rows(const std::vector<uint16_t>& x, const std::vector<int32_t>& source,
+                                 const std::vector<int32_t>& offsets, const std::vector<std::vector<uint16_t>>& weights,
+                                 int n, int k, bool swiglu) {
+  const int rows = offsets.back();
+  std::vector<float> out(static_cast<size_t>(rows) * n);
+  const int w_rows = swiglu ? 2 * n : n;
+  std::vector<float> y(static_cast<size_t>(w_rows));
+  for (size_t s = 0; s + 1 < offsets.size(); ++s) {
+    for (int r = offsets[s]; r < offsets[s + 1]; ++r) {
+      const std::span<const uint16_t> xr(x.data() + static_cast<size_t>(source[r]) * k, static_cast<size_t>(k));
+      gpu::reference::skinny_gemm(xr, weights[s], 1, w_rows, k, y);
+      for (int j = 0; j < n; ++j) {
+        float v = y[j];
+        if (swiglu) {
+          const float g = bf16_round(y[j]), u = bf16_round(y[n + j]);
+          v = g / (1.0f + std::exp(-g)) * u;
+        }
+        out[static_cast<size_t>(r) * n + j] = bf16_round(v);
+      }
+    }
+  }
+  return out;
+}
+
+// One launch gives what a host counting sort gives, for slot counts beyond one block's scan (P = 1500) and the
+// largest small step (1024 entries).
+TEST_F(MoeSkinnyPathTest, SmallPermutationMatchesHostCountingSort) {
+  for (const auto& [entries, slots, top_k] : {std::tuple{1, 16, 1}, std::tuple{8, 136, 8}, std::tuple{37, 20, 1},
+                                             std::tuple{128, 128, 8}, std::tuple{1024, 1500, 8}, std::tuple{0, 16, 8}}) {
+    SCOPED_TRACE(fmt::format("entries {} slots {} top-k {}", entries, slots, top_k));
+    std::mt19937 rng(static_cast<uint32_t>(entries * 31 + slots));
+    std::vector<int32_t> slot_of(static_cast<size_t>(entries));
+    // Skewed: half the entries on the first few slots, so some slots get many rows and most get none.
+    for (auto& s : slot_of) s = rng() % 2 == 0 ? static_cast<int32_t>(rng() % 3) : static_cast<int32_t>(rng() % slots);
+    const DeviceBuffer d_slots = to_device(slot_of.empty() ? std::vector<int32_t>{0} : slot_of);
+    DeviceBuffer counts(sizeof(int32_t) * slots), offsets(sizeof(int32_t) * (slots + 1)),
+        entry_row(sizeof(int32_t) * std::max(entries, 1)), row_token(sizeof(int32_t) * std::max(entries, 1)),
+        active(sizeof(int32_t) * (entries + 1));
+    ASSERT_EQ(cuda::moe::launch_small_permutation(d_slots.as<int32_t>(), entries, top_k, slots, counts.as<int32_t>(),
+                                                  offsets.as<int32_t>(), entry_row.as<int32_t>(),
+                                                  row_token.as<int32_t>(), active.as<int32_t>(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+    std::vector<int32_t> want_counts(static_cast<size_t>(slots), 0), want_offsets(static_cast<size_t>(slots) + 1, 0);
+    for (const int32_t s : slot_of) ++want_counts[s];
+    std::partial_sum(want_counts.begin(), want_counts.end(), want_offsets.begin() + 1);
+    std::vector<int32_t> cursor(want_offsets.begin(), want_offsets.end() - 1), want_row(slot_of.size()),
+        want_token(slot_of.size());
+    for (size_t e = 0; e < slot_of.size(); ++e) {
+      want_row[e] = cursor[slot_of[e]]++;
+      want_token[want_row[e]] = static_cast<int32_t>(e) / top_k;
+    }
+    std::vector<int32_t> want_active{0};
+    for (int s = 0; s < slots; ++s) {
+      if (want_counts[s] > 0) want_active.push_back(s);
+    }
+    want_active[0] = static_cast<int32_t>(want_active.size()) - 1;
+    EXPECT_EQ(to_host(counts.as<int32_t>(), slots), want_counts);
+    EXPECT_EQ(to_host(offsets.as<int32_t>(), slots + 1), want_offsets);
+    EXPECT_EQ(to_host(entry_row.as<int32_t>(), entries), want_row);
+    EXPECT_EQ(to_host(row_token.as<int32_t>(), entries), want_token);
+    EXPECT_EQ(to_host(active.as<int32_t>(), static_cast<int64_t>(want_active.size())), want_active);
+  }
+  EXPECT_EQ(cuda::moe::launch_small_permutation(nullptr, cuda::moe::kSmallPlanMaxEntries + 1, 8, 16, nullptr, nullptr,
+                                                nullptr, nullptr, nullptr, nullptr),
+            cudaErrorInvalidValue);
+}
+
+// Both GEMMs over slots with 19, 0 and 5 rows (19: three passes of 8, 8 and 3 rows) at the Qwen3-30B-A3B expert
+// shape, against the reference; a row computed alone gives the same bits as with 18 others.
+TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
+  const int h = 2048, i = 768, tokens = 24;
+  const std::vector<int32_t> offsets{0, 19, 19, 24};
+  std::mt19937 rng(5);
+  std::vector<int32_t> source(24);
+  for (auto& s : source) s = static_cast<int32_t>(rng() % tokens);
+  const std::vector<uint16_t> x = to_bits(random_bf16_values(int64_t{tokens} * h, 6, 1.0f));
+  std::vector<std::vector<uint16_t>> gate_up, down;
+  std::vector<DeviceBuffer> d_gate_up, d_down;
+  std::vector<const uint16_t*> gate_up_ptrs, down_ptrs;
+  for (int s = 0; s < 3; ++s) {
+    gate_up.push_back(to_bits(random_bf16_values(int64_t{2} * i * h, 10 + s, 1.0f / std::sqrt(float(h)))));
+    down.push_back(to_bits(random_bf16_values(int64_t{h} * i, 20 + s, 1.0f / std::sqrt(float(i)))));
+    d_gate_up.push_back(to_device(gate_up.back()));
+    d_down.push_back(to_device(down.back()));
+    gate_up_ptrs.push_back(d_gate_up.back().as<uint16_t>());
+    down_ptrs.push_back(d_down.back().as<uint16_t>());
+  }
+  const DeviceBuffer d_x = to_device(x), d_source = to_device(source), d_offsets = to_device(offsets),
+                     d_active = to_device(std::vector<int32_t>{2, 2, 0}), d_gate_up_ptrs = to_device(gate_up_ptrs),
+                     d_down_ptrs = to_device(down_ptrs);
+  DeviceBuffer act(sizeof(uint16_t) * 24 * i), out(sizeof(uint16_t) * 24 * h);
+  gpu::ExpertSkinnyArgs a;
+  a.x = d_x.as<uint16_t>();
+  a.row_source = d_source.as<int32_t>();
+  a.offsets = d_offsets.as<int32_t>();
+  a.active = d_active.as<int32_t>();
+  a.weights = d_gate_up_ptrs.as<const uint16_t* const>();
+  a.n = i;
+  a.k = h;
+  a.max_rows = 24;
+  a.num_slots = 3;
+  a.swiglu = true;
+  a.out = act.as<uint16_t>();
+  ASSERT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaSuccess);
+  gpu::ExpertSkinnyArgs b = a;
+  b.x = act.as<uint16_t>();
+  b.row_source = nullptr;
+  b.weights = d_down_ptrs.as<const uint16_t* const>();
+  b.n = h;
+  b.k = i;
+  b.swiglu = false;
+  b.out = out.as<uint16_t>();
+  ASSERT_EQ(gpu::launch_expert_skinny_gemm(b, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> act_bits = to_host(act.as<uint16_t>(), 24 * i);
+  const std::vector<float> act_ref = expected_rows(x, source, offsets, gate_up, i, h, true);
+  const double act_error = relative_error(to_floats(act_bits), act_ref);
+  EXPECT_LE(act_error, kBf16Tolerance);
+  std::vector<int32_t> identity(24);
+  std::iota(identity.begin(), identity.end(), 0);
+  const std::vector<float> out_ref = expected_rows(act_bits, identity, offsets, down, h, i, false);
+  const std::vector<uint16_t> out_bits = to_host(out.as<uint16_t>(), 24 * h);
+  const double out_error = relative_error(to_floats(out_bits), out_ref);
+  EXPECT_LE(out_error, kBf16Tolerance);
+  fmt::print("  expert skinny GEMMs: gate_up + SwiGLU rel err {:.2e}, down rel err {:.2e}\n", act_error, out_error);
+
+  // Row 7 alone (slot 0 holding one row, its token): the same bits as among slot 0's 19 rows.
+  const DeviceBuffer one_offsets = to_device(std::vector<int32_t>{0, 1, 1, 1}),
+                     one_active = to_device(std::vector<int32_t>{1, 0}),
+                     one_source = to_device(std::vector<int32_t>{source[7]});
+  DeviceBuffer one_act(sizeof(uint16_t) * i);
+  gpu::ExpertSkinnyArgs c = a;
+  c.row_source = one_source.as<int32_t>();
+  c.offsets = one_offsets.as<int32_t>();
+  c.active = one_active.as<int32_t>();
+  c.out = one_act.as<uint16_t>();
+  ASSERT_EQ(gpu::launch_expert_skinny_gemm(c, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(to_host(one_act.as<uint16_t>(), i), std::vector<uint16_t>(act_bits.begin() + 7 * i, act_bits.begin() + 8 * i));
+
+  a.k = 100;  // not a multiple of 8
+  EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
+}
+
+// The layer on the skinny path vs the bf16 reference and vs its CUTLASS path (set_skinny_max_entries(0)), for
+// every replica choice; the path is taken up to the entry bound and not above it.
+TEST_F(MoeSkinnyPathTest, LayerMatchesReferenceAndCutlassPath) {
+  struct Case {
+    int hidden, intermediate, experts, top_k, extra;
+    int64_t tokens;
+  };
+  for (const Case c : {Case{2048, 768, 16, 4, 4, 1}, Case{2048, 768, 16, 4, 4, 32}, Case{4096, 1536, 16, 4, 4, 3},
+                       Case{64, 48, 128, 8, 8, 16}, Case{64, 48, 128, 8, 8, 17}}) {
+    const int p = c.experts + c.extra;
+    const std::vector<int32_t> map = layer_map_for(c.experts, c.extra, 41);
+    const MoeWeights w = random_moe_weights(c.hidden, c.intermediate, c.experts, map, 42);
+    GpuMoeLayer layer(moe_shape(c.hidden, c.intermediate, c.experts, c.top_k, p, c.tokens));
+    layer.upload_weights(to_bits(w.router), to_bits(w.gate_up), to_bits(w.down));
+    EXPECT_EQ(layer.uses_skinny(c.tokens), c.tokens * c.top_k <= backend::kDefaultSkinnyMaxEntries);
+    const std::vector<float> x = random_bf16_values(c.tokens * c.hidden, 43, 1.0f);
+    const DeviceBuffer d_x = to_device(to_bits(x));
+    DeviceBuffer d_out(sizeof(float) * c.tokens * c.hidden);
+    for (const auto algorithm : {eplb::DispatchAlgorithm::kStatic, eplb::DispatchAlgorithm::kDynamic,
+                                 eplb::DispatchAlgorithm::kBalanced}) {
+      SCOPED_TRACE(fmt::format("H{} I{} E{} k{} T{} {}", c.hidden, c.intermediate, c.experts, c.top_k, c.tokens,
+                               eplb::to_string(algorithm)));
+      const eplb::Topology topo{p, 1, 1};
+      const moe::ReplicaChoiceSpec spec = moe::make_replica_choice(
+          algorithm, map, c.experts, topo, c.tokens,
+          algorithm == eplb::DispatchAlgorithm::kDynamic ? std::vector<uint64_t>{0x5eedull} : std::vector<uint64_t>{});
+      layer.set_replica_choice(spec);
+      layer.set_skinny_max_entries(backend::kDefaultSkinnyMaxEntries);
+      layer.forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>());
+      layer.synchronize();
+      const std::vector<float> skinny = to_host(d_out.as<float>(), c.tokens * c.hidden);
+      const std::vector<float> logits = to_host(layer.logits(), c.tokens * c.experts);
+      const std::vector<float> ref = moe::moe_layer_reference(x, logits, c.tokens, w.gate_up, w.down, c.hidden,
+                                                              c.intermediate, c.top_k, true, spec);
+      const model::RouterChoice choice = moe::route_reference(logits, c.tokens, c.experts, c.top_k, true);
+      const std::span<const int32_t> counts = layer.fetch_slot_counts();
+      EXPECT_EQ(std::vector<int32_t>(counts.begin(), counts.end()),
+                moe::slot_layout_reference(moe::choose_slots_reference(choice, spec), p).counts);
+      layer.set_skinny_max_entries(0);
+      EXPECT_FALSE(layer.uses_skinny(c.tokens));
+      layer.forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>());
+      layer.synchronize();
+      const std::vector<float> cutlass = to_host(d_out.as<float>(), c.tokens * c.hidden);
+      const double ref_error = relative_error(skinny, ref), cutlass_error = relative_error(skinny, cutlass);
+      EXPECT_LE(ref_error, kBf16Tolerance);
+      EXPECT_LE(cutlass_error, kBf16Tolerance);
+      fmt::print("  skinny path H{} T{} {}: rel err vs reference {:.2e}, vs CUTLASS path {:.2e}\n", c.hidden, c.tokens,
+                 eplb::to_string(algorithm), ref_error, cutlass_error);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum::test
