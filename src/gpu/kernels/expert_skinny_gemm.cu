@@ -1,5 +1,5 @@
-// Expert skinny GEMMs (expert_skinny_gemm.hpp). Grid (column blocks, max active slots): block (x, y) takes
-// active slot y's rows 8 at a time and its column block x. A warp owns 4 W rows: plain, 4 consecutive output
+// Expert skinny GEMMs (expert_skinny_gemm.hpp). A persistent 1-D grid over the (active slot, column tile) items:
+// an item is one slot's rows, 8 at a time, against one column tile. A warp owns 4 W rows: plain, 4 consecutive output
 // columns; SwiGLU, 2 output columns j, j + 1 as gate rows j, j + 1 and up rows I + j, I + j + 1, so the
 // activation is formed where the sums are. K slices as in the dense skinny GEMM (skinny_gemm_core.cuh), chosen
 // from the grid's warps at max_rows rows.
@@ -54,42 +54,55 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
   __syncthreads();  // partial is rewritten by the next rows
 }
 
+// Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
+// slot-major, so consecutive items of a block mostly share a slot and its row range.
 template <bool kSwiGlu>
-__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split) {
+__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
-  if (static_cast<int>(blockIdx.y) >= __ldg(a.active)) return;
-  const int slot = __ldg(a.active + 1 + blockIdx.y);
-  const int row_begin = __ldg(a.offsets + slot), row_end = __ldg(a.offsets + slot + 1);
+  const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
+  const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
+  const int64_t item_begin = blockIdx.x * per_block, item_end = min(items, item_begin + per_block);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
   constexpr int kColsPerGroup = kSwiGlu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
-  const int64_t first_col = static_cast<int64_t>(blockIdx.x) * groups_per_block * kColsPerGroup;
   const int64_t chunks = a.k / 8;
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
-  const uint4* w = reinterpret_cast<const uint4*>(a.weights[slot]);
-  // Columns past n read the last column's rows and store nothing.
-  const uint4* w_rows[kRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    int64_t row;
-    if constexpr (kSwiGlu) {
-      const int64_t col = min(first_col + group * kColsPerGroup + r % 2, static_cast<int64_t>(a.n - 1));
-      row = r < 2 ? col : a.n + col;
-    } else {
-      row = min(first_col + group * kColsPerGroup + r, static_cast<int64_t>(a.n - 1));
+  int slot_index = -1, row_begin = 0, row_end = 0;
+  const uint4* w = nullptr;
+  for (int64_t item = item_begin; item < item_end; ++item) {
+    const int y = static_cast<int>(item / tiles);
+    if (y != slot_index) {
+      slot_index = y;
+      const int slot = __ldg(a.active + 1 + y);
+      row_begin = __ldg(a.offsets + slot);
+      row_end = __ldg(a.offsets + slot + 1);
+      w = reinterpret_cast<const uint4*>(a.weights[slot]);
     }
-    w_rows[r] = w + row * chunks;
-  }
-  for (int r0 = row_begin; r0 < row_end; r0 += kMaxRows) {
-    switch (min(kMaxRows, row_end - r0)) {  // uniform over the block
-      case 1: rows_times_w<1, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      case 2: rows_times_w<2, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      case 3: rows_times_w<3, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      case 4: rows_times_w<4, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      case 5: rows_times_w<5, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      case 6: rows_times_w<6, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      case 7: rows_times_w<7, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
-      default: rows_times_w<8, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+    const int64_t first_col = (item % tiles) * groups_per_block * kColsPerGroup;
+    // Columns past n read the last column's rows and store nothing.
+    const uint4* w_rows[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      int64_t row;
+      if constexpr (kSwiGlu) {
+        const int64_t col = min(first_col + group * kColsPerGroup + r % 2, static_cast<int64_t>(a.n - 1));
+        row = r < 2 ? col : a.n + col;
+      } else {
+        row = min(first_col + group * kColsPerGroup + r, static_cast<int64_t>(a.n - 1));
+      }
+      w_rows[r] = w + row * chunks;
+    }
+    for (int r0 = row_begin; r0 < row_end; r0 += kMaxRows) {
+      switch (min(kMaxRows, row_end - r0)) {  // uniform over the block
+        case 1: rows_times_w<1, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        case 2: rows_times_w<2, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        case 3: rows_times_w<3, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        case 4: rows_times_w<4, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        case 5: rows_times_w<5, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        case 6: rows_times_w<6, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        case 7: rows_times_w<7, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+        default: rows_times_w<8, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial); break;
+      }
     }
   }
 }
@@ -109,14 +122,15 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
   // The grid's warps if every row had its own slot: at most max_rows slots have rows.
   const int k_split = choose_k_split(col_groups * a.max_rows, a.k / 8);
   const int groups_per_block = kWarpsPerBlock / k_split;
-  const int64_t blocks = (col_groups + groups_per_block - 1) / groups_per_block;
-  const int max_active = std::min(a.max_rows, a.num_slots);
-  if (blocks > INT32_MAX || max_active > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(max_active));
+  const int64_t tiles = (col_groups + groups_per_block - 1) / groups_per_block;
+  const int64_t max_items = tiles * std::min(a.max_rows, a.num_slots);
+  const int64_t blocks = skinny_grid_blocks(max_items);
+  if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
   if (a.swiglu) {
-    expert_skinny_kernel<true><<<grid, kThreads, 0, stream>>>(a, k_split);
+    expert_skinny_kernel<true><<<grid, kThreads, 0, stream>>>(a, k_split, static_cast<int>(tiles));
   } else {
-    expert_skinny_kernel<false><<<grid, kThreads, 0, stream>>>(a, k_split);
+    expert_skinny_kernel<false><<<grid, kThreads, 0, stream>>>(a, k_split, static_cast<int>(tiles));
   }
   return cudaGetLastError();
 }

@@ -16,7 +16,7 @@
 // arithmetic is per row), and the K split depends only on n, k and max_rows: expert outputs do not depend on
 // the placement.
 //
-// Capture-safe: no allocation, no synchronization; the grid depends on n, k, max_rows and num_slots only.
+// Capture-safe: no allocation, no synchronization; the grid depends on n, k, max_rows, num_slots and the device.
 // Returns cudaErrorInvalidValue for n < 1, k <= 0, k % 8 != 0, max_rows < 1, num_slots < 1, x or out misaligned,
 // null arrays.
 // Weight pointers must be 16-byte aligned (the slot pool's are).

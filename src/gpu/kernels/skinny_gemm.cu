@@ -3,6 +3,9 @@
 //   - k_split (1, 2 or 4) warps of a block share a row group, each with a contiguous K slice; a block of 4
 //     warps holds 4 / k_split row groups (skinny::choose_k_split);
 //   - the dot products and the slice sums are skinny_gemm_core.cuh's, shared with the expert skinny GEMMs.
+#include <algorithm>
+#include <cstdlib>
+
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm_core.cuh"
 
@@ -22,14 +25,13 @@ __device__ __forceinline__ void store_out(void* out, int64_t idx, float v) {
 
 // Grid: ceil(row_groups / (4 / k_split)) blocks of 128 threads. x [M, k], w [n, k], out [M, n].
 template <int M, bool kBf16Out>
-__global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
-                                                               const uint16_t* __restrict__ w, int n, int k,
-                                                               int k_split, void* __restrict__ out) {
-  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
+__device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int n,
+                                            int k, int k_split, void* __restrict__ out, int64_t tile,
+                                            float (*partial)[kRowsPerWarp * kMaxRows]) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split;
-  const int64_t first_row = (static_cast<int64_t>(blockIdx.x) * groups_per_block + warp / k_split) * kRowsPerWarp;
+  const int64_t first_row = (tile * groups_per_block + warp / k_split) * kRowsPerWarp;
   const int slice = warp % k_split;
   const int64_t chunks = k / 8;  // per row
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
@@ -52,8 +54,20 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
   if (t < groups_per_block * kRowsPerWarp * M) {
     const int group = t / (kRowsPerWarp * M), j = t % (kRowsPerWarp * M);
     const int r = j / M, i = j % M;
-    const int64_t row = (static_cast<int64_t>(blockIdx.x) * groups_per_block + group) * kRowsPerWarp + r;
+    const int64_t row = (tile * groups_per_block + group) * kRowsPerWarp + r;
     if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
+  }
+  __syncthreads();  // partial is rewritten by the block's next tile
+}
+
+// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups).
+template <int M, bool kBf16Out>
+__global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
+                                                               const uint16_t* __restrict__ w, int n, int k,
+                                                               int k_split, int64_t tiles, void* __restrict__ out) {
+  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    skinny_tile<M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
   }
 }
 
@@ -63,13 +77,14 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   const int64_t row_groups = (static_cast<int64_t>(n) + kRowsPerWarp - 1) / kRowsPerWarp;
   const int k_split = choose_k_split(row_groups, k / 8);
   const int groups_per_block = kWarpsPerBlock / k_split;
-  const int64_t blocks = (row_groups + groups_per_block - 1) / groups_per_block;
+  const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
+  const int64_t blocks = skinny_grid_blocks(tiles);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
-    skinny_gemm_kernel<M, true><<<grid, kThreads, 0, stream>>>(x, w, n, k, k_split, out);
+    skinny_gemm_kernel<M, true><<<grid, kThreads, 0, stream>>>(x, w, n, k, k_split, tiles, out);
   } else {
-    skinny_gemm_kernel<M, false><<<grid, kThreads, 0, stream>>>(x, w, n, k, k_split, out);
+    skinny_gemm_kernel<M, false><<<grid, kThreads, 0, stream>>>(x, w, n, k, k_split, tiles, out);
   }
   return cudaGetLastError();
 }
@@ -77,6 +92,30 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
+
+namespace skinny {
+
+int skinny_blocks_per_sm() {
+  static const int value = [] {
+    const char* env = std::getenv("FULCRUM_SKINNY_BLOCKS_PER_SM");
+    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : kDefaultBlocksPerSm;
+  }();
+  return value;
+}
+
+int64_t skinny_grid_blocks(int64_t tiles) {
+  const int per_sm = skinny_blocks_per_sm();
+  if (per_sm == 0) return tiles;
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    sms = 132;
+  }
+  return std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{sms} * per_sm));
+}
+
+}  // namespace skinny
 
 cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int n, int k, float* out_f32,
                                uint16_t* out_bf16, cudaStream_t stream) {

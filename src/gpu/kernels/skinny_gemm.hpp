@@ -8,7 +8,8 @@
 // each lane sums its products in K order with fp32 FMAs, lanes are combined by a fixed butterfly and K slices in
 // slice order. So row i of out is bitwise the same for every m and every run.
 //
-// Capture-safe: no allocation, no synchronization; the grid depends on n and k only.
+// Capture-safe: no allocation, no synchronization; the grid depends on n, k and the device only (a persistent
+// grid: skinny_gemm_core.cuh).
 // Returns cudaErrorInvalidValue for m outside 1..8, n < 0, k <= 0 or k % 8 != 0, x or w not 16-byte aligned,
 // out not aligned to its element, or not exactly one of out_f32 / out_bf16 non-null. n == 0: no launch.
 #include <cstdint>

@@ -22,6 +22,7 @@ constexpr int kMaxRows = 8;
 constexpr int64_t kTargetWarps = 4096;  // ~2 waves of 132 SMs x 12..16 resident warps
 constexpr int kMinSliceChunks = 64;     // 2 chunks per lane: one full loop trip
 constexpr int kChunksPerTrip = 2;
+constexpr int kDefaultBlocksPerSm = 4;  // 16 resident warps per SM at most
 
 // K slices per row group (1, 2 or 4): more while the grid has fewer than kTargetWarps warps and each slice keeps
 // at least kMinSliceChunks chunks, so small-N shapes still fill the GPU.
@@ -32,6 +33,13 @@ inline int choose_k_split(int64_t row_groups, int64_t chunks) {
   }
   return k_split;
 }
+
+// Blocks per SM of the persistent grids (each block loops over its share of the tiles, so a block's setup and
+// launch are paid once, not per tile; the numerics do not depend on it). FULCRUM_SKINNY_BLOCKS_PER_SM overrides
+// it for measurement (0: one block per tile); read once.
+int skinny_blocks_per_sm();
+// The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm()), or tiles.
+int64_t skinny_grid_blocks(int64_t tiles);
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
