@@ -189,8 +189,9 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
 }
 
-// The layer on the skinny path vs the bf16 reference and vs its CUTLASS path (set_skinny_max_entries(0)), for
-// every replica choice; the path is taken up to the entry bound and not above it.
+// The layer on the skinny path (up to 136 entries, past the default bound) vs the bf16 reference and vs its
+// CUTLASS path (set_skinny_max_entries(0)), for every replica choice; by default the path is taken up to the
+// entry bound and not above it.
 TEST_F(MoeSkinnyPathTest, LayerMatchesReferenceAndCutlassPath) {
   struct Case {
     int hidden, intermediate, experts, top_k, extra;
@@ -216,7 +217,8 @@ TEST_F(MoeSkinnyPathTest, LayerMatchesReferenceAndCutlassPath) {
           algorithm, map, c.experts, topo, c.tokens,
           algorithm == eplb::DispatchAlgorithm::kDynamic ? std::vector<uint64_t>{0x5eedull} : std::vector<uint64_t>{});
       layer.set_replica_choice(spec);
-      layer.set_skinny_max_entries(backend::kDefaultSkinnyMaxEntries);
+      layer.set_skinny_max_entries(cuda::moe::kSmallPlanMaxEntries);  // every case here, past the default bound
+      EXPECT_TRUE(layer.uses_skinny(c.tokens));
       layer.forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>());
       layer.synchronize();
       const std::vector<float> skinny = to_host(d_out.as<float>(), c.tokens * c.hidden);
