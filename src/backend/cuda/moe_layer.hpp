@@ -75,9 +75,9 @@ constexpr double kPerSlotMinFlops = 0.7e12;
 // skinny path instead (one-launch permutation without a copy of x, expert skinny GEMMs with SwiGLU fused:
 // gpu/kernels/expert_skinny_gemm.hpp); decode batches up to 4 tokens at top-8. Chosen by T x k only, so the
 // path, like CUTLASS's tile config, never depends on the placement. set_skinny_max_entries changes it.
-// Measured on an H200, the 48-layer Qwen3-30B-A3B decode step at context 512 (bench/results/generate_h200.json
-// and skinny_crossover_h200.json): batch 1 4.32 ms against CUTLASS's 5.11, batch 4 even (7.48 / 7.51), batch 16
-// slower (16.7 / 13.7).
+// Measured on an H200, the 48-layer Qwen3-30B-A3B decode step at context 512, one run at 3159e85
+// (bench/results/skinny_crossover_h200.json): batch 1 4.32 ms against CUTLASS's 5.11, batch 4 even (7.48 / 7.51),
+// batch 16 slower (16.7 / 13.7).
 constexpr int64_t kDefaultSkinnyMaxEntries = 32;
 
 // A device allocation freed with the object.

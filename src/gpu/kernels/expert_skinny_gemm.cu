@@ -57,8 +57,7 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
 // Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
 // slot-major, so consecutive items of a block mostly share a slot and its row range.
 template <bool kSwiGlu>
-// At most 128 registers: 4 blocks (16 warps) per SM, the loads in flight that a memory-bound kernel needs.
-__global__ void __launch_bounds__(kThreads, 4) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
+__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;

@@ -4,8 +4,8 @@
 // K slices in slice order. Internal to those files.
 //
 // Arithmetic, the same for every M (so a row's result does not depend on how many rows ran with it): lane l of
-// a warp takes 16-byte chunks c = begin + l, begin + l + 32, ... of its slice (8 bf16 each), two or four chunks per
-// row per loop trip (8 or 16 independent 16-byte W loads in flight per lane), and accumulates with fp32 FMAs in K order;
+// a warp takes 16-byte chunks c = begin + l, begin + l + 32, ... of its slice (8 bf16 each), two chunks per row
+// per loop trip (8 independent 16-byte W loads in flight per lane), and accumulates with fp32 FMAs in K order;
 // lanes are combined by an xor butterfly, slices in slice order. W is read once, so its loads bypass L1 (x, a
 // few rows, stays in L1 / L2).
 #include <cstdint>
@@ -21,10 +21,7 @@ constexpr int kMaxKSplit = kWarpsPerBlock;
 constexpr int kMaxRows = 8;
 constexpr int64_t kTargetWarps = 4096;  // ~2 waves of 132 SMs x 12..16 resident warps
 constexpr int kMinSliceChunks = 64;     // 2 chunks per lane: one full loop trip
-// Chunks per row per loop trip: 4 for one or two x rows (more loads in flight where registers allow), else 2.
-// A lane still adds its chunks in K order, so the trip length changes no bit of the result.
-template <int M>
-constexpr int kChunksPerTrip = M <= 2 ? 4 : 2;
+constexpr int kChunksPerTrip = 2;
 constexpr int kDefaultBlocksPerSm = 4;  // 16 resident warps per SM at most
 
 // K slices per row group (1, 2 or 4): more while the grid has fewer than kTargetWarps warps and each slice keeps
@@ -85,31 +82,8 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRowsPerWarp][M], const u
   }
 }
 
-// Trips of kTrip chunks per row from chunk c of this lane while they fit before `end`: all kTrip x 4 W loads are
-// issued before the FMAs, which take the chunks in K order.
-template <int M, int kTrip>
-__device__ __forceinline__ void dot_trips(const uint4* const (&w_rows)[kRowsPerWarp], const uint4* const (&x_rows)[M],
-                                          int64_t& c, int64_t end, float (&acc)[kRowsPerWarp][M]) {
-  for (; c + 32 * (kTrip - 1) < end; c += 32 * kTrip) {
-    uint4 wv[kTrip][kRowsPerWarp];
-#pragma unroll
-    for (int t = 0; t < kTrip; ++t) {
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
-    }
-#pragma unroll
-    for (int t = 0; t < kTrip; ++t) {
-      uint4 xv[M];
-#pragma unroll
-      for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
-      fma_chunk<M>(acc, wv[t], xv);
-    }
-  }
-}
-
 // acc[r][i] = w_rows[r] . x_rows[i] over chunks [begin, end) of a row, summed over the warp: every lane ends
-// with the warp's sums (a + b == b + a in the butterfly). Trips of kChunksPerTrip<M>, then of 2, then single
-// chunks: the same chunks in the same order whatever the trips.
+// with the warp's sums (a + b == b + a in the butterfly).
 template <int M>
 __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[kRowsPerWarp], const uint4* const (&x_rows)[M],
                                          int64_t begin, int64_t end, int lane, float (&acc)[kRowsPerWarp][M]) {
@@ -119,9 +93,30 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[kRowsPerWa
     for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
   }
   int64_t c = begin + lane;
-  dot_trips<M, kChunksPerTrip<M>>(w_rows, x_rows, c, end, acc);
-  if constexpr (kChunksPerTrip<M> > 2) dot_trips<M, 2>(w_rows, x_rows, c, end, acc);
-  dot_trips<M, 1>(w_rows, x_rows, c, end, acc);
+  for (; c + 32 * (kChunksPerTrip - 1) < end; c += 32 * kChunksPerTrip) {
+    uint4 wv[kChunksPerTrip][kRowsPerWarp];
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
+    }
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+      uint4 xv[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
+      fma_chunk<M>(acc, wv[t], xv);
+    }
+  }
+  for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
+    uint4 wv[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) wv[r] = load_w(w_rows[r] + c);
+    uint4 xv[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
+    fma_chunk<M>(acc, wv, xv);
+  }
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
 #pragma unroll
