@@ -2,6 +2,7 @@
 """Markdown tables for docs/benchmarks.md from `fulcrum bench generate --json` and `fulcrum bench serve --json`.
 
 Usage: scripts/engine_bench_tables.py bench/results/generate_h200.json [bench/results/serve_h200.json]
+       scripts/engine_bench_tables.py --crossover SKINNY.json CUTLASS.json
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
 """
 import json
@@ -49,6 +50,26 @@ def serve(doc):
     print()
 
 
-for path in sys.argv[1:]:
+def decode_ms(doc):
+    return {(r["batch"], r["context"]): r["ms_per_step"] for r in doc["runs"] if r["phase"] == "decode"}
+
+
+def crossover(skinny_doc, cutlass_doc):
+    """Decode ms/step of two runs side by side (same call on the device): skinny expert path vs CUTLASS only."""
+    a, b = decode_ms(skinny_doc), decode_ms(cutlass_doc)
+    print(f"Runs: `{skinny_doc['command']}` and `{cutlass_doc['command']}` (commit {skinny_doc['git_commit']}).\n")
+    print(row(["batch", "context", "skinny path ms/step", "CUTLASS ms/step", "skinny / CUTLASS"]))
+    print(row(["---:"] * 5))
+    for key in sorted(a):
+        if key in b:
+            print(row([key[0], key[1], f"{a[key]:.3f}", f"{b[key]:.3f}", f"{a[key] / b[key]:.2f}"]))
+    print()
+
+
+args = sys.argv[1:]
+if args and args[0] == "--crossover":
+    crossover(json.load(open(args[1])), json.load(open(args[2])))
+    args = []
+for path in args:
     doc = json.load(open(path))
     (generate if "runs" in doc else serve)(doc)
