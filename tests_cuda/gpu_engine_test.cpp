@@ -24,7 +24,9 @@
 #include "gpu/gpu_engine.hpp"
 #include "model/rng.hpp"
 #include "model/synthetic_model.hpp"
+#include "eplb/error.hpp"
 #include "model_golden_util.hpp"
+#include "model_test_util.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -291,6 +293,52 @@ TEST_F(GpuEngineTest, PlacementDoesNotChangeLogits) {
     EXPECT_EQ(a[i], b[i]) << "prompt " << i << " permuted + replicated, static";
     EXPECT_EQ(a[i], c[i]) << "prompt " << i << " permuted + replicated, dynamic";
   }
+}
+
+// --weight-cache: the first start loads the checkpoint and writes the cache, the second loads the cache and gives
+// the same logits bit for bit; a cache written for another placement, or a truncated one, is a one-line error.
+TEST_F(GpuEngineTest, WeightCacheRoundTripsAndRefusesAnotherPlacement) {
+  const std::string dir = golden_model_dir("qwen3moe-tiny-128e");
+  const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(dir);
+  const TempDir cache("gpu_weight_cache");
+  const std::vector<std::vector<int32_t>> prompts = {random_tokens(40, config.vocab_size, 3)};
+  gpu::GpuEngineOptions o = small_options();
+  o.kv_pages = 64;
+  std::vector<std::vector<float>> first, second;
+  {
+    gpu::GpuEngine engine(config, o);
+    EXPECT_FALSE(engine.load_weights(dir, cache.path()));
+    first = last_logits(engine, prompts, 0, true);
+  }
+  ASSERT_TRUE(std::filesystem::exists(gpu::DeviceWeights::cache_file(cache.path())));
+  {
+    gpu::GpuEngine engine(config, o);
+    EXPECT_TRUE(engine.load_weights(dir, cache.path()));
+    second = last_logits(engine, prompts, 0, true);
+  }
+  EXPECT_EQ(first, second);
+
+  const int num_moe = static_cast<int>(config.moe_layer_indices().size());
+  eplb::Placement moved(eplb::Topology{config.num_experts, 1, 1}, num_moe, config.num_experts);
+  for (int l = 0; l < num_moe; ++l) {
+    for (int s = 0; s < config.num_experts; ++s) moved.layer(l)[s] = (s + 1) % config.num_experts;
+  }
+  gpu::GpuEngineOptions other = o;
+  other.placement = moved;
+  {
+    gpu::GpuEngine engine(config, other);
+    try {
+      engine.load_weights(dir, cache.path());
+      ADD_FAILURE() << "a cache of another placement was loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("slot_map"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    }
+  }
+  const std::string file = gpu::DeviceWeights::cache_file(cache.path());
+  std::filesystem::resize_file(file, std::filesystem::file_size(file) / 2);
+  gpu::GpuEngine engine(config, o);
+  EXPECT_THROW(engine.load_weights(dir, cache.path()), Error);
 }
 
 TEST_F(GpuEngineTest, BadRequestsAreOneLineErrors) {

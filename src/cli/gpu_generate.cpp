@@ -16,7 +16,6 @@ namespace fulcrum::cli {
 void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& config,
                      const engine::ParallelLayout& layout, const engine::InProcessRun& run,
                      const std::vector<std::vector<int32_t>>& prompts, const std::string& dump_logits_file) {
-  FULCRUM_CHECK(run.weight_cache_dir.empty(), "--weight-cache is not supported by the one-GPU engine yet");
   const auto start = std::chrono::steady_clock::now();
   gpu::GpuEngineOptions options;
   options.placement = engine::prepare_in_process_run(config, layout, run);
@@ -33,12 +32,9 @@ void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& 
   }
   options.kv_pages = std::max<int64_t>(pages, 1);
   gpu::GpuEngine engine(config, options);
-  {
-    model::Checkpoint checkpoint(model_dir);
-    engine.load(checkpoint, [&](int done, int total) {
-      if (run.on_layer_loaded) run.on_layer_loaded(0, done, total);
-    });
-  }
+  engine.load_weights(model_dir, run.weight_cache_dir, [&](int done, int total) {
+    if (run.on_layer_loaded) run.on_layer_loaded(0, done, total);
+  });
   gpu::GpuGenerateStats stats;
   const model::GenerateResult result = gpu::gpu_generate(engine, prompts, run.decode, !dump_logits_file.empty(), &stats);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

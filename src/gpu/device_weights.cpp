@@ -1,7 +1,10 @@
 #include "gpu/device_weights.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <set>
+
+#include <fmt/ranges.h>
 
 #include "backend/cuda/cuda_check.hpp"
 #include "backend/cuda/moe_kernels.hpp"
@@ -209,6 +212,123 @@ void DeviceWeights::fill_random(uint64_t seed) {
   }
   FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
   for (int moe = 0; slots_ && moe < placement_.num_layers; ++moe) slots_->fill_layer(moe, placement_.layer(moe), seed);
+}
+
+namespace {
+
+constexpr const char* kCacheFormat = "fulcrum-gpu-weight-cache-1";
+
+std::string slot_tensor(int moe, const char* what) { return fmt::format("slots.{}.{}", moe, what); }
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t s : shape) n *= s;
+  return n;
+}
+
+}  // namespace
+
+std::string DeviceWeights::cache_file(const std::string& dir) { return dir + "/gpu-rank0/model.safetensors"; }
+
+std::map<std::string, std::string> DeviceWeights::cache_identity() const {
+  std::map<std::string, std::string> identity = {{"format", kCacheFormat},
+                                                 {"config", model::weight_cache_config_identity(config_)}};
+  for (int moe = 0; slots_ && moe < placement_.num_layers; ++moe) {
+    identity[fmt::format("slot_map.{}", moe)] = fmt::format("{}", fmt::join(placement_.layer(moe), " "));
+  }
+  return identity;
+}
+
+void DeviceWeights::save_cache(const std::string& dir) const {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
+  const std::vector<Entry> all = entries();
+  std::vector<model::TensorSpec> specs;
+  for (const Entry& e : all) specs.push_back({e.name, e.shape, std::nullopt});
+  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
+  const int num_moe = slots_ ? placement_.num_layers : 0;
+  const int64_t p = slots_ ? placement_.num_physical_experts() : 0;
+  for (int moe = 0; moe < num_moe; ++moe) {
+    specs.push_back({slot_tensor(moe, "gate_up"), {p, 2 * im, h}, std::nullopt});
+    specs.push_back({slot_tensor(moe, "down"), {p, h, im}, std::nullopt});
+  }
+  std::map<std::string, size_t> index_of;
+  for (size_t k = 0; k < specs.size(); ++k) index_of[specs[k].name] = k;
+  std::vector<float> chunk;
+  const auto emit_bf16 = [&](const std::vector<uint16_t>& bits, const std::function<void(std::span<const float>)>& emit) {
+    chunk.resize(bits.size());
+    for (size_t i = 0; i < bits.size(); ++i) chunk[i] = model::bf16_bits_to_f32(bits[i]);
+    emit(chunk);
+  };
+  const auto produce = [&](const model::TensorSpec& spec, const std::function<void(std::span<const float>)>& emit) {
+    const size_t k = index_of.at(spec.name);
+    if (k < all.size()) {
+      std::vector<uint16_t> bits(static_cast<size_t>(numel_of(spec.shape)));
+      FULCRUM_CUDA_CHECK(cudaMemcpy(bits.data(), all[k].dst, bits.size() * 2, cudaMemcpyDeviceToHost));
+      emit_bf16(bits, emit);
+      return;
+    }
+    const int moe = static_cast<int>((k - all.size()) / 2);
+    const bool gate_up = (k - all.size()) % 2 == 0;
+    for (int s = 0; s < p; ++s) {
+      const auto [gu, dn] = slots_->download_slot(moe, s);
+      emit_bf16(gate_up ? gu : dn, emit);
+    }
+  };
+  const std::string file = cache_file(dir);
+  std::filesystem::create_directories(std::filesystem::path(file).parent_path());
+  // One file (no shard limit): the cache is read back whole by this engine only.
+  model::write_checkpoint(std::filesystem::path(file).parent_path().string(), specs, model::Dtype::kBF16, UINT64_MAX,
+                          produce, cache_identity());
+}
+
+void DeviceWeights::load_cache(const std::string& dir, const std::function<void(int, int)>& on_layer) {
+  FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
+  const std::string path = cache_file(dir);
+  const model::SafetensorsFile file(path);
+  for (const auto& [key, expected] : cache_identity()) {
+    const auto found = file.metadata().find(key);
+    FULCRUM_CHECK(found != file.metadata().end() && found->second == expected,
+                  "{}: weight cache written for another {} ({}; this model: {}): delete it to rebuild it", path, key,
+                  found == file.metadata().end() ? std::string("missing") : found->second, expected);
+  }
+  const std::vector<Entry> all = entries();
+  const int num_moe = slots_ ? placement_.num_layers : 0;
+  FULCRUM_CHECK(file.names().size() == all.size() + 2 * static_cast<size_t>(num_moe),
+                "{}: weight cache holds {} tensors, this model {}", path, file.names().size(), all.size() + 2 * num_moe);
+  std::vector<float> host;
+  std::vector<uint16_t> bits;
+  const auto read = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    const model::TensorInfo& info = file.info(name);
+    FULCRUM_CHECK(info.shape == shape, "{}: tensor '{}' has shape {}, expected {}", path, name, model::shape_text(info.shape),
+                  model::shape_text(shape));
+    FULCRUM_CHECK(info.dtype == model::Dtype::kBF16, "{}: tensor '{}' is {}, the cache holds BF16", path, name,
+                  model::dtype_name(info.dtype));
+    host.resize(static_cast<size_t>(numel_of(shape)));
+    file.read_f32_into(name, host);
+    bits.resize(host.size());
+    for (size_t i = 0; i < host.size(); ++i) bits[i] = model::f32_to_bf16_bits(host[i]);  // exact: bf16 values
+  };
+  size_t next = 0;
+  const auto upload_until = [&](int layer_idx) {
+    for (; next < all.size() && all[next].layer_idx == layer_idx; ++next) {
+      read(all[next].name, all[next].shape);
+      FULCRUM_CUDA_CHECK(cudaMemcpy(all[next].dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+    }
+  };
+  upload_until(-1);
+  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    upload_until(l);
+    const int moe = layers_[static_cast<size_t>(l)].moe_layer_idx;
+    if (moe >= 0) {
+      const int64_t p = placement_.num_physical_experts();
+      read(slot_tensor(moe, "gate_up"), {p, 2 * im, h});
+      const std::vector<uint16_t> gate_up = bits;
+      read(slot_tensor(moe, "down"), {p, h, im});
+      slots_->upload_layer(moe, gate_up, bits);
+    }
+    if (on_layer) on_layer(l + 1, config_.num_hidden_layers);
+  }
 }
 
 }  // namespace fulcrum::gpu

@@ -11,6 +11,8 @@
 // No CUDA header here.
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -55,6 +57,16 @@ class DeviceWeights {
   // pool's generated weights (model::expert_weights_reference) of their logical expert.
   void fill_random(uint64_t seed);
 
+  // The weight cache (`--weight-cache DIR`): every tensor as it lies on the device, bf16, in one safetensors
+  // file DIR/gpu-rank0/model.safetensors, the experts as each MoE layer's slot array [P, ...] under
+  // "slots.{moe layer}.gate_up" / ".down". Its metadata records the config, the placement's slot maps and the
+  // format; load_cache refuses a cache written for another model or placement (one line naming what differs).
+  // Loading fills the same buffers load() does, so the slot pool and the layers' slot pointers (EPLB's view)
+  // are the ones built at construction on both paths. Written to a temporary name and renamed: never half there.
+  static std::string cache_file(const std::string& dir);
+  void save_cache(const std::string& dir) const;
+  void load_cache(const std::string& dir, const std::function<void(int, int)>& on_layer = {});
+
   const model::Qwen3MoeConfig& config() const { return config_; }
   const eplb::Placement& placement() const { return placement_; }
   const LayerWeights& layer(int layer_idx) const { return layers_[static_cast<size_t>(layer_idx)]; }
@@ -67,6 +79,7 @@ class DeviceWeights {
  private:
   struct Entry;  // a checkpoint tensor -> a device region
   std::vector<Entry> entries() const;
+  std::map<std::string, std::string> cache_identity() const;
 
   model::Qwen3MoeConfig config_;
   eplb::Placement placement_;

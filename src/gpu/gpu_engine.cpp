@@ -2,6 +2,7 @@
 #include "gpu/gpu_engine.hpp"
 
 #include <algorithm>
+#include <filesystem>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -198,6 +199,20 @@ void GpuEngine::load(model::Checkpoint& checkpoint, const std::function<void(int
 }
 
 void GpuEngine::fill_random(uint64_t seed) { weights_->fill_random(seed); }
+
+bool GpuEngine::load_weights(const std::string& model_dir, const std::string& cache_dir,
+                             const std::function<void(int, int)>& on_layer) {
+  if (!cache_dir.empty() && std::filesystem::exists(DeviceWeights::cache_file(cache_dir))) {
+    weights_->load_cache(cache_dir, on_layer);
+    return true;
+  }
+  {
+    model::Checkpoint checkpoint(model_dir);
+    weights_->load(checkpoint, on_layer);
+  }
+  if (!cache_dir.empty()) weights_->save_cache(cache_dir);
+  return false;
+}
 
 int64_t GpuEngine::max_sequence_length() const {
   return std::min<int64_t>(config_.max_position_embeddings > 0 ? config_.max_position_embeddings : INT32_MAX,

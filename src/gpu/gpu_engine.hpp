@@ -70,6 +70,10 @@ class GpuEngine final : public model::StepModel {
 
   void load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer = {});
   void fill_random(uint64_t seed);
+  // `--weight-cache`: with a cache_dir holding this engine's cache (DeviceWeights::cache_file), loads it (true);
+  // else loads the checkpoint in model_dir and, with a cache_dir, writes the cache for the next start (false).
+  bool load_weights(const std::string& model_dir, const std::string& cache_dir,
+                    const std::function<void(int, int)>& on_layer = {});
 
   int vocab_size() const override { return config_.vocab_size; }
   int64_t max_sequence_length() const override;

@@ -6,6 +6,9 @@
 #include <optional>
 #include <sstream>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "eplb/error.hpp"
 #include "eplb/json_text.hpp"
 
@@ -263,6 +266,16 @@ Qwen3MoeConfig load_qwen3_moe_config(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return parse_qwen3_moe_config(eplb::parse_json_text(text.str(), file.string()), file.string());
+}
+
+std::string weight_cache_config_identity(const Qwen3MoeConfig& c) {
+  return fmt::format("vocab {} hidden {} intermediate {} moe_intermediate {} layers {} heads {} kv_heads {} "
+                     "head_dim {} experts {} top_k {} sparse_step {} mlp_only [{}] tie {}",
+                     c.vocab_size, c.hidden_size, c.intermediate_size, c.moe_intermediate_size, c.num_hidden_layers,
+                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.num_experts, c.num_experts_per_tok,
+                     c.decoder_sparse_step, fmt::join(c.mlp_only_layers, " "), c.tie_word_embeddings) +
+         // The dequantized weights of an FP8 checkpoint are cached; its identity says so.
+         (c.quantization ? " fp8_block 128x128" : "");
 }
 
 }  // namespace fulcrum::model

@@ -70,4 +70,8 @@ Qwen3MoeConfig parse_qwen3_moe_config(const nlohmann::json& json, const std::str
 // Reads `path` (a config.json file) or `path`/config.json when `path` is a folder.
 Qwen3MoeConfig load_qwen3_moe_config(const std::string& path);
 
+// One line naming every field the weights' shapes and layout depend on (and FP8 dequantization): what a weight
+// cache written for this config records, so that a cache of another model is refused.
+std::string weight_cache_config_identity(const Qwen3MoeConfig& config);
+
 }  // namespace fulcrum::model

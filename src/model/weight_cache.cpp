@@ -50,14 +50,7 @@ std::map<std::string, std::string> Qwen3MoeModel::weight_cache_identity() {
   const ShardSpec& s = parallel_.shard;
   std::map<std::string, std::string> identity = {
       {"format", kFormat},
-      {"config", fmt::format("vocab {} hidden {} intermediate {} moe_intermediate {} layers {} heads {} kv_heads {} "
-                             "head_dim {} experts {} top_k {} sparse_step {} mlp_only [{}] tie {}",
-                             c.vocab_size, c.hidden_size, c.intermediate_size, c.moe_intermediate_size,
-                             c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                             c.num_experts, c.num_experts_per_tok, c.decoder_sparse_step,
-                             fmt::join(c.mlp_only_layers, " "), c.tie_word_embeddings) +
-                     // The dequantized weights of an FP8 checkpoint are cached; its identity says so.
-                     (c.quantization ? " fp8_block 128x128" : "")},
+      {"config", weight_cache_config_identity(c)},
       {"stage", fmt::format("[{}, {})", start_layer_, end_layer_)},
       {"shard", fmt::format("attn_tp {}/{} ep {}/{} moe_tp {}/{}", s.attn_tp_rank, s.attn_tp_size, s.ep_rank,
                             s.ep_size, s.moe_tp_rank, s.moe_tp_size)}};

@@ -63,7 +63,6 @@ bool serves_on_gpu(const engine::ParallelFlags& p, const engine::InProcessRun& r
 }
 
 GpuStepExecutor::GpuStepExecutor(const GpuExecutorOptions& options) {
-  FULCRUM_CHECK(options.run.weight_cache_dir.empty(), "--weight-cache is not supported by the one-GPU engine yet");
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(options.model_dir);
   const engine::ParallelLayout layout(options.parallel, config);
   gpu::GpuEngineOptions eo;
@@ -79,8 +78,7 @@ GpuStepExecutor::GpuStepExecutor(const GpuExecutorOptions& options) {
   if (options.random_weights) {
     engine_->fill_random(0x5eed);
   } else {
-    model::Checkpoint checkpoint(options.model_dir);
-    engine_->load(checkpoint, options.on_layers_loaded);
+    engine_->load_weights(options.model_dir, options.run.weight_cache_dir, options.on_layers_loaded);
   }
   recorder_ = std::make_unique<Recorder>(*this);
 }
