@@ -40,6 +40,7 @@
 #include "gpu/reference/step_ops_reference.hpp"
 #include "model/backend.hpp"
 #include "model/checkpoint_writer.hpp"
+#include "model/moe_reference.hpp"
 #include "moe_cuda_test_util.hpp"
 
 namespace fulcrum::test {
@@ -242,6 +243,71 @@ TEST_F(StepOpsTest, AddRmsNormMatchesReference) {
     EXPECT_TRUE(bitwise_equal(to_host(d_residual.ptr, n), expected_residual));  // rows outside `rows` untouched too
     EXPECT_TRUE(within_one_bf16_step(to_host(d_out.ptr, static_cast<int64_t>(expected_out.size())), expected_out));
   }
+}
+
+// The MoE combine fused into add + RMSNorm against combine_reference then add_rms_norm: the residual within
+// 2^-20 of its scale (the kernel sums the k products with FMAs, the reference rounds each product; a few fp32
+// ulps), the normed output within one bf16 step (as add_rms_norm above, from residuals a few ulps apart).
+TEST_F(StepOpsTest, MoeCombineAddRmsNormMatchesReference) {
+  uint32_t seed = 900;
+  for (const int hidden : {64, 2048, 4096}) {
+    for (const int64_t tokens : {1, 7, 33}) {
+      for (const int top_k : {1, 8}) {
+        for (const bool gathered : {false, true}) {
+          SCOPED_TRACE(fmt::format("H{} T{} k{}{}", hidden, tokens, top_k, gathered ? " gathered" : ""));
+          const int64_t n = tokens * hidden, entries = tokens * top_k;
+          const std::vector<float> residual = random_values(n, ++seed, -3.0f, 3.0f);
+          const std::vector<uint16_t> expert_rows = random_bf16(entries * hidden, ++seed, -1.0f, 1.0f);
+          const std::vector<float> weights = random_values(entries, ++seed, 0.0f, 1.0f);
+          std::vector<int32_t> entry_row(static_cast<size_t>(entries));
+          std::iota(entry_row.begin(), entry_row.end(), 0);
+          std::shuffle(entry_row.begin(), entry_row.end(), std::mt19937(++seed));
+          const std::vector<uint16_t> weight = random_bf16(hidden, ++seed, 0.25f, 2.0f);
+          std::vector<int32_t> rows;
+          if (gathered) {
+            rows.resize(static_cast<size_t>(tokens));
+            std::iota(rows.begin(), rows.end(), 0);
+            std::shuffle(rows.begin(), rows.end(), std::mt19937(++seed));
+            rows.resize(static_cast<size_t>((tokens + 1) / 2));
+          }
+          const int64_t num_out = gathered ? static_cast<int64_t>(rows.size()) : tokens;
+          const std::vector<float> delta =
+              model::moe::combine_reference(to_floats(expert_rows), entry_row, weights, tokens, top_k, hidden);
+          std::vector<float> expected_residual = residual;
+          std::vector<uint16_t> expected_out(static_cast<size_t>(num_out * hidden));
+          // Gathered: only the listed rows take the delta, as the kernel does.
+          ref::add_rms_norm(expected_residual, delta, weight, kEps, rows, hidden, expected_out);
+
+          auto d_residual = device_array(residual);
+          const auto d_rows_bits = device_array(expert_rows);
+          const auto d_entry_row = device_array(entry_row);
+          const auto d_weights = device_array(weights);
+          const auto d_weight = device_array(weight);
+          const auto d_rows = device_array(rows);
+          auto d_out = device_array(std::vector<uint16_t>(expected_out.size(), kPoisonBf16));
+          gpu::MoeCombineDelta moe;
+          moe.expert_rows = d_rows_bits.ptr;
+          moe.entry_row = d_entry_row.ptr;
+          moe.weights = d_weights.ptr;
+          moe.top_k = top_k;
+          ASSERT_EQ(gpu::launch_moe_combine_add_rms_norm(d_residual.ptr, moe, d_weight.ptr, kEps,
+                                                         gathered ? d_rows.ptr : nullptr, num_out, hidden, d_out.ptr,
+                                                         nullptr),
+                    cudaSuccess);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const std::vector<float> got = to_host(d_residual.ptr, n);
+          double worst = 0;
+          for (size_t q = 0; q < got.size(); ++q) worst = std::max(worst, std::abs(double(got[q]) - expected_residual[q]));
+          EXPECT_LE(worst, std::ldexp(8.0 + top_k, -20)) << "residual |difference|";
+          EXPECT_TRUE(within_one_bf16_step(to_host(d_out.ptr, static_cast<int64_t>(expected_out.size())), expected_out));
+        }
+      }
+    }
+  }
+  gpu::MoeCombineDelta none;
+  EXPECT_EQ(gpu::launch_moe_combine_add_rms_norm(nullptr, none, nullptr, kEps, nullptr, 1, 64, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_FALSE(gpu::moe_combine_add_rms_norm_supported(50));
 }
 
 // ---- q/k norm + RoPE + KV append

@@ -289,6 +289,7 @@ void GpuEngine::forward_layers(const StepShape& shape) {
   const int h = config_.hidden_size, hd = config_.head_dim, hq = config_.num_attention_heads,
             hkv = config_.num_key_value_heads;
   const float eps = config_.rms_norm_eps;
+  pending_combine_ = nullptr;  // a step whose head sampled no row left one behind
   check_launch(launch_embedding(weights_->embedding(), d.token_ids, t, h, w.residual, stream_), "embedding");
   AttentionBatch batch;
   batch.q = w.q;
@@ -307,8 +308,7 @@ void GpuEngine::forward_layers(const StepShape& shape) {
   const int64_t qkv_width = int64_t{hq + 2 * hkv} * hd;
   for (int l = 0; l < config_.num_hidden_layers; ++l) {
     const LayerWeights& lw = weights_->layer(l);
-    check_launch(launch_add_rms_norm(w.residual, l == 0 ? nullptr : w.delta, lw.input_norm, eps, nullptr, t, h, w.x, stream_),
-                 "input RMSNorm");
+    add_norm(l > 0, lw.input_norm, nullptr, t, w.x, "input RMSNorm");
     gemm_->run(w.x, lw.qkv, t, qkv_width, h, w.qkv, GemmOut::kF32);
     check_launch(launch_qk_norm_rope_kv_append(w.qkv, lw.q_norm, lw.k_norm, eps, d.positions, w.inv_freq, d.kv_rows, t, hq,
                                                hkv, hd, w.q, kv_->k(l), kv_->v(l), stream_),
@@ -317,9 +317,15 @@ void GpuEngine::forward_layers(const StepShape& shape) {
     batch.v_pool = kv_->v(l);
     attention_->run(batch, stream_);
     gemm_->run(w.attn, lw.o, t, h, int64_t{hq} * hd, w.delta, GemmOut::kF32);
-    check_launch(launch_add_rms_norm(w.residual, w.delta, lw.post_norm, eps, nullptr, t, h, w.x, stream_), "post RMSNorm");
+    add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
     if (lw.moe_layer_idx >= 0) {
-      moe_[static_cast<size_t>(lw.moe_layer_idx)]->forward(w.x, t, w.delta);
+      backend::GpuMoeLayer& moe = *moe_[static_cast<size_t>(lw.moe_layer_idx)];
+      if (moe_combine_add_rms_norm_supported(h)) {
+        moe.forward_experts(w.x, t);  // its combine runs inside the next add + RMSNorm
+        pending_combine_ = &moe;
+      } else {
+        moe.forward(w.x, t, w.delta);
+      }
     } else {
       const int64_t i = config_.intermediate_size;
       gemm_->run(w.x, lw.mlp_gate_up, t, 2 * i, h, w.mlp, GemmOut::kF32);
@@ -329,11 +335,29 @@ void GpuEngine::forward_layers(const StepShape& shape) {
   }
 }
 
+void GpuEngine::add_norm(bool with_delta, const uint16_t* weight, const int32_t* rows, int64_t num_rows, uint16_t* out,
+                         const char* what) {
+  Workspace& w = *ws_;
+  if (with_delta && pending_combine_ != nullptr) {
+    MoeCombineDelta moe;
+    moe.expert_rows = pending_combine_->expert_out();
+    moe.entry_row = pending_combine_->entry_row();
+    moe.weights = pending_combine_->weights();
+    moe.top_k = config_.num_experts_per_tok;
+    pending_combine_ = nullptr;
+    check_launch(launch_moe_combine_add_rms_norm(w.residual, moe, weight, config_.rms_norm_eps, rows, num_rows,
+                                                 config_.hidden_size, out, stream_),
+                 what);
+    return;
+  }
+  check_launch(launch_add_rms_norm(w.residual, with_delta ? w.delta : nullptr, weight, config_.rms_norm_eps, rows,
+                                   num_rows, config_.hidden_size, out, stream_),
+               what);
+}
+
 void GpuEngine::head(const int32_t* rows, int num_rows, float* logits) {
   if (num_rows == 0) return;
-  check_launch(launch_add_rms_norm(ws_->residual, ws_->delta, weights_->final_norm(), config_.rms_norm_eps, rows, num_rows,
-                                   config_.hidden_size, ws_->head_x, stream_),
-               "final RMSNorm");
+  add_norm(true, weights_->final_norm(), rows, num_rows, ws_->head_x, "final RMSNorm");
   gemm_->run(ws_->head_x, weights_->lm_head(), num_rows, config_.vocab_size, config_.hidden_size, logits, GemmOut::kF32);
 }
 

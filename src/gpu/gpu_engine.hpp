@@ -112,6 +112,9 @@ class GpuEngine final : public model::StepModel {
   void plan_attention(const StepShape& shape);
   void forward_layers(const StepShape& shape);
   void head(const int32_t* rows, int num_rows, float* logits);
+  // residual += the last layer output (delta, or the pending MoE combine), then RMSNorm of `rows` into out.
+  void add_norm(bool with_delta, const uint16_t* weight, const int32_t* rows, int64_t num_rows, uint16_t* out,
+                const char* what);
   void sample(const StepShape& shape);
   void run_decode_graph(const StepShape& shape);
   void advance(std::span<const model::StepSequence> batch);
@@ -130,6 +133,8 @@ class GpuEngine final : public model::StepModel {
   StepLayout layout_;
   int64_t workspace_bytes_ = 0;
   Counters counters_;
+  // The MoE layer whose combine the next add_norm fuses (null: the delta buffer holds the layer output).
+  backend::GpuMoeLayer* pending_combine_ = nullptr;
 };
 
 }  // namespace fulcrum::gpu

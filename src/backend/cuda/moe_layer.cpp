@@ -830,7 +830,7 @@ void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
   FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
 
-void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out) {
+void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens) {
   check_holds_all_slots();
   route(logits, num_tokens);
   if (uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
@@ -839,13 +839,22 @@ void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, in
     permute(x, num_tokens);
     run_experts(0, shape_.num_slots);
   }
+}
+
+void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out) {
+  experts_from_logits(x, logits, num_tokens);
   combine(num_tokens, out);
 }
 
-void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {
+void GpuMoeLayer::forward_experts(const uint16_t* x, int64_t num_tokens) {
   check_holds_all_slots();
   router_logits(x, num_tokens);
-  forward_from_logits(x, ws().logits.as<float>(), num_tokens, out);
+  experts_from_logits(x, ws().logits.as<float>(), num_tokens);
+}
+
+void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {
+  forward_experts(x, num_tokens);
+  combine(num_tokens, out);
 }
 
 std::span<const int32_t> GpuMoeLayer::slot_counts() const {

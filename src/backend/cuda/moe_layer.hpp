@@ -220,6 +220,9 @@ class GpuMoeLayer {
   void forward(const uint16_t* x, int64_t num_tokens, float* out);
   // The same from given router logits (device fp32 [T, E]), skipping the router GEMM.
   void forward_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens, float* out);
+  // forward without its combine: the expert output rows (expert_out, entry_row, weights) for a caller that fuses
+  // the combine into its next kernel (the GPU engine's add + RMSNorm).
+  void forward_experts(const uint16_t* x, int64_t num_tokens);
 
   // Stages, in order (forward runs them all); tests and the benchmark call them one by one.
   void router_logits(const uint16_t* x, int64_t num_tokens);  // -> logits()
@@ -286,6 +289,8 @@ class GpuMoeLayer {
   // `in` -> `out`, group g using local slot (first_local + g) % num_weights's weights.
   void cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
                        int64_t max_rows, int64_t total_rows, uint16_t* out);
+  // route, then the skinny path or permute + run_experts: expert_out rows for combine.
+  void experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens);
   // The skinny path after route: permutation, both expert GEMMs (SwiGLU fused) -> expert_out rows.
   void skinny_experts(const uint16_t* x, int64_t num_tokens);
 

@@ -67,9 +67,11 @@ __global__ void embedding_kernel(const uint16_t* table, const int32_t* token_ids
 
 // ---- add + RMSNorm, fast path: one block per output row, thread v holds values [8v, 8v + 8) of the row in
 // registers from the add through the scaling (blockDim.x = hidden / 8 rounded up to a warp).
+// With moe.expert_rows set (and delta null), the delta is the MoE combine of row r: sum over its top-k entries
+// in router order of weight * expert row, fp32 FMAs (launch_moe_combine_add_rms_norm).
 __global__ void __launch_bounds__(1024)
     add_rms_norm_vector_kernel(float* residual, const float* delta, const uint16_t* weight, float eps,
-                               const int32_t* rows, int hidden, uint16_t* out) {
+                               const int32_t* rows, int hidden, uint16_t* out, MoeCombineDelta moe) {
   __shared__ double scratch[32];
   const int64_t i = blockIdx.x;
   const int64_t r = rows ? rows[i] : i;
@@ -85,6 +87,20 @@ __global__ void __launch_bounds__(1024)
       const float4* d = reinterpret_cast<const float4*>(delta + r * hidden) + 2 * v;
       lo = add4(lo, d[0]);
       hi = add4(hi, d[1]);
+      res[0] = lo;
+      res[1] = hi;
+    } else if (moe.expert_rows) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < moe.top_k; ++j) {
+        const int64_t e = r * moe.top_k + j;
+        const float wj = moe.weights[e];
+        float f[8];
+        unpack8(reinterpret_cast<const uint4*>(moe.expert_rows + static_cast<int64_t>(moe.entry_row[e]) * hidden)[v], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fmaf_rn(wj, f[q], acc[q]);
+      }
+      lo = add4(lo, make_float4(acc[0], acc[1], acc[2], acc[3]));
+      hi = add4(hi, make_float4(acc[4], acc[5], acc[6], acc[7]));
       res[0] = lo;
       res[1] = hi;
     }
@@ -256,10 +272,28 @@ cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint1
                       (delta == nullptr || aligned(delta, 16)) && aligned(weight, 16) && aligned(out, 16);
   if (vector) {
     add_rms_norm_vector_kernel<<<blocks, warps_for(hidden / 8), 0, stream>>>(residual, delta, weight, eps, rows, hidden,
-                                                                             out);
+                                                                             out, MoeCombineDelta{});
   } else {
     add_rms_norm_scalar_kernel<<<blocks, kScalarThreads, 0, stream>>>(residual, delta, weight, eps, rows, hidden, out);
   }
+  return cudaGetLastError();
+}
+
+bool moe_combine_add_rms_norm_supported(int hidden) { return hidden > 0 && hidden % 8 == 0 && hidden <= kMaxVectorHidden; }
+
+cudaError_t launch_moe_combine_add_rms_norm(float* residual, const MoeCombineDelta& moe, const uint16_t* weight,
+                                            float eps, const int32_t* rows, int64_t num_out_rows, int hidden,
+                                            uint16_t* out, cudaStream_t stream) {
+  if (num_out_rows < 0 || !moe_combine_add_rms_norm_supported(hidden) || moe.expert_rows == nullptr ||
+      moe.entry_row == nullptr || moe.weights == nullptr || moe.top_k < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (!aligned(residual, 16) || !aligned(moe.expert_rows, 16) || !aligned(weight, 16) || !aligned(out, 16)) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_out_rows == 0) return cudaSuccess;
+  add_rms_norm_vector_kernel<<<static_cast<unsigned int>(num_out_rows), warps_for(hidden / 8), 0, stream>>>(
+      residual, nullptr, weight, eps, rows, hidden, out, moe);
   return cudaGetLastError();
 }
 

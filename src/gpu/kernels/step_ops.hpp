@@ -27,6 +27,22 @@ cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint1
                                 const int32_t* rows, int64_t num_out_rows, int hidden, uint16_t* out,
                                 cudaStream_t stream);
 
+// The MoE layer's combine as the delta of add + RMSNorm (one launch instead of combine, then add + RMSNorm):
+// delta[r] = sum_j weights[r * k + j] * expert_rows[entry_row[r * k + j]] (bf16 rows [T * k, H], fp32 FMAs in j
+// order, the router's order), the rest as launch_add_rms_norm. The vector path only: hidden % 8 == 0, <= 8192,
+// residual, expert_rows, weight and out 16-byte aligned (moe_combine_add_rms_norm_supported says whether a hidden
+// size can), else cudaErrorInvalidValue. CPU reference: reference::add_rms_norm on model::moe::combine_reference.
+struct MoeCombineDelta {
+  const uint16_t* expert_rows = nullptr;
+  const int32_t* entry_row = nullptr;
+  const float* weights = nullptr;
+  int top_k = 0;
+};
+bool moe_combine_add_rms_norm_supported(int hidden);
+cudaError_t launch_moe_combine_add_rms_norm(float* residual, const MoeCombineDelta& moe, const uint16_t* weight,
+                                            float eps, const int32_t* rows, int64_t num_out_rows, int hidden,
+                                            uint16_t* out, cudaStream_t stream);
+
 // Head dims launch_qk_norm_rope_kv_append supports: 16, 32, 64, 128, 256.
 constexpr bool step_ops_supports_head_dim(int head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
