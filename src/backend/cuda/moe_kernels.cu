@@ -5,6 +5,7 @@
 
 #include "backend/cuda/launch_util.cuh"
 #include "backend/cuda/moe_kernels.hpp"
+#include "gpu/kernels/dependent_launch.cuh"
 
 namespace fulcrum::cuda::moe {
 namespace {
@@ -29,6 +30,7 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float v) {
 }
 
 __global__ void moe_router_kernel(RouterArgs a, int tokens_per_block) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   extern __shared__ unsigned int s_hist[];  // [E] when recording
   const bool record = a.histogram != nullptr;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_experts = a.num_experts, top_k = a.top_k;
@@ -220,6 +222,7 @@ constexpr int kSmallPlanThreads = 1024;
 __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
     const int32_t* slots, int num_entries, int top_k, int num_slots, int32_t* slot_counts, int32_t* offsets,
     int32_t* entry_row, int32_t* row_token, int32_t* active) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   using Scan = cub::BlockScan<int, kSmallPlanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   extern __shared__ int32_t plan_smem[];
@@ -293,6 +296,7 @@ __global__ void silu_mul_bf16_rows_kernel(const uint16_t* h, const int32_t* row_
 // One block per token: its k rows and weights in shared memory, columns spread over the threads.
 __global__ void combine_kernel(const uint16_t* rows, const int32_t* entry_row, const float* weights, int64_t num_tokens,
                                int top_k, int hidden_size, float* out) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ int32_t s_row[kMaxTopK];
   __shared__ float s_weight[kMaxTopK];
   for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
@@ -419,8 +423,7 @@ cudaError_t launch_moe_router(const RouterArgs& args, cudaStream_t stream) {
   const size_t shared = args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0;
   const int per_block = args.num_tokens < kRouterSpreadBelowTokens ? kRouterWarps : kTokensPerRouterBlock;
   const auto blocks = static_cast<unsigned int>((args.num_tokens + per_block - 1) / per_block);
-  moe_router_kernel<<<blocks, kRouterWarps * 32, shared, stream>>>(args, per_block);
-  return cudaGetLastError();
+  return gpu::launch_dependent(moe_router_kernel, dim3(blocks), dim3(kRouterWarps * 32), shared, stream, args, per_block);
 }
 
 cudaError_t launch_dynamic_pick(const int32_t* expert_ids, const int32_t* draw_base, int64_t num_tokens, int top_k,
@@ -498,10 +501,9 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
   cudaError_t status = cudaFuncSetAttribute(small_permutation_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem));
   if (status != cudaSuccess) return status;
-  small_permutation_kernel<<<1, kSmallPlanThreads, smem, stream>>>(slots, static_cast<int>(num_entries), top_k,
-                                                                   num_slots, slot_counts, offsets, entry_row,
-                                                                   row_token, active);
-  return cudaGetLastError();
+  return gpu::launch_dependent(small_permutation_kernel, dim3(1), dim3(kSmallPlanThreads), smem, stream, slots,
+                               static_cast<int>(num_entries), top_k, num_slots, slot_counts, offsets, entry_row,
+                               row_token, active);
 }
 
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
@@ -524,9 +526,8 @@ cudaError_t launch_silu_mul_bf16_rows(const uint16_t* h, const int32_t* row_begi
 cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, const float* weights,
                                int64_t num_tokens, int top_k, int hidden_size, float* out, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
-  combine_kernel<<<blocks_for(num_tokens, 1), 256, 0, stream>>>(rows, entry_row, weights, num_tokens, top_k,
-                                                                hidden_size, out);
-  return cudaGetLastError();
+  return gpu::launch_dependent(combine_kernel, dim3(blocks_for(num_tokens, 1)), dim3(256), 0, stream, rows, entry_row,
+                               weights, num_tokens, top_k, hidden_size, out);
 }
 
 cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream,

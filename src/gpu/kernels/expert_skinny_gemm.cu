@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "gpu/kernels/expert_skinny_gemm.hpp"
+#include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm_core.cuh"
 
 namespace fulcrum::gpu {
@@ -58,6 +59,7 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
 // slot-major, so consecutive items of a block mostly share a slot and its row range.
 template <bool kSwiGlu>
 __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
@@ -128,11 +130,9 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
   if (a.swiglu) {
-    expert_skinny_kernel<true><<<grid, kThreads, 0, stream>>>(a, k_split, static_cast<int>(tiles));
-  } else {
-    expert_skinny_kernel<false><<<grid, kThreads, 0, stream>>>(a, k_split, static_cast<int>(tiles));
+    return launch_dependent(expert_skinny_kernel<true>, grid, dim3(kThreads), 0, stream, a, k_split, static_cast<int>(tiles));
   }
-  return cudaGetLastError();
+  return launch_dependent(expert_skinny_kernel<false>, grid, dim3(kThreads), 0, stream, a, k_split, static_cast<int>(tiles));
 }
 
 }  // namespace fulcrum::gpu

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "gpu/kernels/paged_attention.hpp"
+#include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/paged_attention_work.cuh"
 
 namespace fulcrum::gpu {
@@ -51,6 +52,7 @@ WorkspaceLayout workspace_layout(const PagedAttentionPlan& plan) {
 // warp (blockIdx.y: heads 4y .. 4y + 3). Decode splits are merged inside the decode launch (finish_decode_splits).
 __global__ void __launch_bounds__(attention::kThreads) merge_prefill_splits_kernel(const Params p, int head_dim,
                                                                                    int num_tokens) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float weights[kMergeWarps][kPagedAttentionMaxSplits];
   const int token = static_cast<int>(blockIdx.x);
   if (token >= num_tokens) return;
@@ -168,8 +170,8 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   }
   if (plan.prefill_tiles > 0 && plan.prefill_splits > 1) {
     const dim3 grid(static_cast<unsigned>(s.num_tokens), static_cast<unsigned>((s.num_heads + kMergeWarps - 1) / kMergeWarps));
-    merge_prefill_splits_kernel<<<grid, attention::kThreads, 0, stream>>>(p, s.head_dim, s.num_tokens);
-    status = cudaGetLastError();
+    status = launch_dependent(merge_prefill_splits_kernel, grid, dim3(attention::kThreads), 0, stream, p, s.head_dim,
+                              s.num_tokens);
   }
   return status;
 }

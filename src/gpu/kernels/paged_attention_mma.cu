@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include "gpu/kernels/paged_attention_ptx.cuh"
+#include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/paged_attention_work.cuh"
 
 namespace fulcrum::gpu::attention {
@@ -44,6 +45,7 @@ __device__ __forceinline__ int swizzled(int key, int chunk) {
 
 template <int D, bool kDecode>
 __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   using Cfg = MmaConfig<D, kDecode>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int scratch[kThreads / 32 + 2];
@@ -315,8 +317,7 @@ cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
   cudaError_t status = cudaFuncSetAttribute(mma_attention_kernel<D, kDecode>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (status != cudaSuccess) return status;
-  mma_attention_kernel<D, kDecode><<<grid, kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(mma_attention_kernel<D, kDecode>, grid, dim3(kThreads), kSmem, stream, p);
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 // accumulates d = j + 32 c of its 4 rows over the tile's keys in order.
 #include <cuda_bf16.h>
 
+#include "gpu/kernels/dependent_launch.cuh"
+
 #include "gpu/kernels/paged_attention_work.cuh"
 
 namespace fulcrum::gpu::attention {
@@ -37,6 +39,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 template <int D, bool kDecode>
 __global__ void __launch_bounds__(kThreads) simt_attention_kernel(const Params p) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   using Cfg = SimtConfig<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int scratch[kThreads / 32 + 2];
@@ -182,8 +185,7 @@ cudaError_t launch_simt(const Params& p, dim3 grid, cudaStream_t stream) {
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
     if (status != cudaSuccess) return status;
   }
-  simt_attention_kernel<D, kDecode><<<grid, kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(simt_attention_kernel<D, kDecode>, grid, dim3(kThreads), kSmem, stream, p);
 }
 
 template <bool kDecode>

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm_core.cuh"
 
@@ -65,6 +66,7 @@ template <int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
                                                                int k_split, int64_t tiles, void* __restrict__ out) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     skinny_tile<M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
@@ -82,11 +84,9 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
-    skinny_gemm_kernel<M, true><<<grid, kThreads, 0, stream>>>(x, w, n, k, k_split, tiles, out);
-  } else {
-    skinny_gemm_kernel<M, false><<<grid, kThreads, 0, stream>>>(x, w, n, k, k_split, tiles, out);
+    return launch_dependent(skinny_gemm_kernel<M, true>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles, out);
   }
-  return cudaGetLastError();
+  return launch_dependent(skinny_gemm_kernel<M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles, out);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

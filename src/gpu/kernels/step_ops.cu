@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include "backend/cuda/launch_util.cuh"
+#include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/step_ops.hpp"
 
 namespace fulcrum::gpu {
@@ -50,6 +51,7 @@ __device__ __forceinline__ float norm_scale(float weight, float x, float inv_rms
 // ---- embedding: one block per token.
 template <bool kVector>
 __global__ void embedding_kernel(const uint16_t* table, const int32_t* token_ids, int hidden, float* residual) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   const int64_t t = blockIdx.x;
   const uint16_t* src = table + static_cast<int64_t>(token_ids[t]) * hidden;  // [H]
   float* dst = residual + t * hidden;                                         // [H]
@@ -72,6 +74,7 @@ __global__ void embedding_kernel(const uint16_t* table, const int32_t* token_ids
 __global__ void __launch_bounds__(1024)
     add_rms_norm_vector_kernel(float* residual, const float* delta, const uint16_t* weight, float eps,
                                const int32_t* rows, int hidden, uint16_t* out, MoeCombineDelta moe) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ double scratch[32];
   const int64_t i = blockIdx.x;
   const int64_t r = rows ? rows[i] : i;
@@ -122,6 +125,7 @@ __global__ void __launch_bounds__(1024)
 // Any hidden size or alignment: block-stride loops; the second pass re-reads the values this thread wrote.
 __global__ void add_rms_norm_scalar_kernel(float* residual, const float* delta, const uint16_t* weight, float eps,
                                            const int32_t* rows, int hidden, uint16_t* out) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ double scratch[32];
   const int64_t i = blockIdx.x;
   const int64_t r = rows ? rows[i] : i;
@@ -152,6 +156,7 @@ __global__ void __launch_bounds__(kQkWarps * 32)
                                   const int32_t* positions, const float* inv_freq, const int32_t* kv_rows,
                                   int num_heads, int num_kv_heads, int head_dim, int head_blocks, uint16_t* q_out,
                                   uint16_t* k_pool, uint16_t* v_pool) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float s_cos[kPairs * 32], s_sin[kPairs * 32];
   const int64_t t = blockIdx.x / head_blocks;
   const int head = static_cast<int>(blockIdx.x % head_blocks) * kQkWarps + static_cast<int>(threadIdx.x) / 32;
@@ -220,6 +225,7 @@ __device__ __forceinline__ float silu_times(float gate, float up) {
 
 template <bool kVector>
 __global__ void silu_mul_kernel(const float* gate_up, int64_t num_rows, int width, uint16_t* act) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   const int per_row = kVector ? width / 4 : width;
   const int64_t n = num_rows * per_row;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n; idx += int64_t{gridDim.x} * blockDim.x) {
@@ -254,12 +260,12 @@ cudaError_t launch_embedding(const uint16_t* table, const int32_t* token_ids, in
   const auto blocks = static_cast<unsigned int>(num_tokens);
   if (hidden % 8 == 0 && aligned(table, 16) && aligned(residual, 16)) {
     const unsigned int threads = std::min(warps_for(hidden / 8), 256u);
-    embedding_kernel<true><<<blocks, threads, 0, stream>>>(table, token_ids, hidden, residual);
-  } else {
-    const unsigned int threads = std::min(warps_for(hidden), 256u);
-    embedding_kernel<false><<<blocks, threads, 0, stream>>>(table, token_ids, hidden, residual);
+    return launch_dependent(embedding_kernel<true>, dim3(blocks), dim3(threads), 0, stream, table, token_ids, hidden,
+                            residual);
   }
-  return cudaGetLastError();
+  const unsigned int threads = std::min(warps_for(hidden), 256u);
+  return launch_dependent(embedding_kernel<false>, dim3(blocks), dim3(threads), 0, stream, table, token_ids, hidden,
+                          residual);
 }
 
 cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint16_t* weight, float eps,
@@ -271,12 +277,11 @@ cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint1
   const bool vector = hidden % 8 == 0 && hidden <= kMaxVectorHidden && aligned(residual, 16) &&
                       (delta == nullptr || aligned(delta, 16)) && aligned(weight, 16) && aligned(out, 16);
   if (vector) {
-    add_rms_norm_vector_kernel<<<blocks, warps_for(hidden / 8), 0, stream>>>(residual, delta, weight, eps, rows, hidden,
-                                                                             out, MoeCombineDelta{});
-  } else {
-    add_rms_norm_scalar_kernel<<<blocks, kScalarThreads, 0, stream>>>(residual, delta, weight, eps, rows, hidden, out);
+    return launch_dependent(add_rms_norm_vector_kernel, dim3(blocks), dim3(warps_for(hidden / 8)), 0, stream, residual,
+                            delta, weight, eps, rows, hidden, out, MoeCombineDelta{});
   }
-  return cudaGetLastError();
+  return launch_dependent(add_rms_norm_scalar_kernel, dim3(blocks), dim3(kScalarThreads), 0, stream, residual, delta,
+                          weight, eps, rows, hidden, out);
 }
 
 bool moe_combine_add_rms_norm_supported(int hidden) { return hidden > 0 && hidden % 8 == 0 && hidden <= kMaxVectorHidden; }
@@ -292,9 +297,9 @@ cudaError_t launch_moe_combine_add_rms_norm(float* residual, const MoeCombineDel
     return cudaErrorInvalidValue;
   }
   if (num_out_rows == 0) return cudaSuccess;
-  add_rms_norm_vector_kernel<<<static_cast<unsigned int>(num_out_rows), warps_for(hidden / 8), 0, stream>>>(
-      residual, nullptr, weight, eps, rows, hidden, out, moe);
-  return cudaGetLastError();
+  return launch_dependent(add_rms_norm_vector_kernel, dim3(static_cast<unsigned int>(num_out_rows)),
+                          dim3(warps_for(hidden / 8)), 0, stream, residual, static_cast<const float*>(nullptr), weight,
+                          eps, rows, hidden, out, moe);
 }
 
 cudaError_t launch_qk_norm_rope_kv_append(const float* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float eps,
@@ -310,32 +315,22 @@ cudaError_t launch_qk_norm_rope_kv_append(const float* qkv, const uint16_t* q_no
   if (num_tokens * head_blocks > 0x7fffffff) return cudaErrorInvalidValue;  // the grid's x limit
   const auto blocks = static_cast<unsigned int>(num_tokens * head_blocks);
   const unsigned int threads = kQkWarps * 32;
-#define FULCRUM_QK_LAUNCH(pairs)                                                                                      \
-  qk_norm_rope_kv_append_kernel<pairs><<<blocks, threads, 0, stream>>>(qkv, q_norm, k_norm, eps, positions, inv_freq, \
-                                                                       kv_rows, num_heads, num_kv_heads, head_dim,    \
-                                                                       head_blocks, q_out, k_pool, v_pool)
-  if (head_dim <= 64) {
-    FULCRUM_QK_LAUNCH(1);
-  } else if (head_dim == 128) {
-    FULCRUM_QK_LAUNCH(2);
-  } else {
-    FULCRUM_QK_LAUNCH(4);
-  }
-#undef FULCRUM_QK_LAUNCH
-  return cudaGetLastError();
+  const auto kernel = head_dim <= 64    ? qk_norm_rope_kv_append_kernel<1>
+                      : head_dim == 128 ? qk_norm_rope_kv_append_kernel<2>
+                                        : qk_norm_rope_kv_append_kernel<4>;
+  return launch_dependent(kernel, dim3(blocks), dim3(threads), 0, stream, qkv, q_norm, k_norm, eps, positions, inv_freq,
+                          kv_rows, num_heads, num_kv_heads, head_dim, head_blocks, q_out, k_pool, v_pool);
 }
 
 cudaError_t launch_silu_mul(const float* gate_up, int64_t num_rows, int width, uint16_t* act, cudaStream_t stream) {
   if (num_rows < 0 || width < 0) return cudaErrorInvalidValue;
   if (num_rows == 0 || width == 0) return cudaSuccess;
   if (width % 4 == 0 && aligned(gate_up, 16) && aligned(act, 8)) {
-    silu_mul_kernel<true>
-        <<<cuda::grid_for(num_rows * (width / 4)), cuda::kThreadsPerBlock, 0, stream>>>(gate_up, num_rows, width, act);
-  } else {
-    silu_mul_kernel<false>
-        <<<cuda::grid_for(num_rows * width), cuda::kThreadsPerBlock, 0, stream>>>(gate_up, num_rows, width, act);
+    return launch_dependent(silu_mul_kernel<true>, dim3(cuda::grid_for(num_rows * (width / 4))),
+                            dim3(cuda::kThreadsPerBlock), 0, stream, gate_up, num_rows, width, act);
   }
-  return cudaGetLastError();
+  return launch_dependent(silu_mul_kernel<false>, dim3(cuda::grid_for(num_rows * width)), dim3(cuda::kThreadsPerBlock), 0,
+                          stream, gate_up, num_rows, width, act);
 }
 
 }  // namespace fulcrum::gpu
