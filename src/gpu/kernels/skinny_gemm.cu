@@ -61,11 +61,27 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
   __syncthreads();  // partial is rewritten by the block's next tile
 }
 
+// L2 prefetch of the W chunks this thread reads in `tile` (the rows and slice skinny_tile gives it).
+__device__ __forceinline__ void prefetch_tile_w(const uint16_t* w, int n, int k, int k_split, int64_t tile) {
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t first_row = (tile * (kWarpsPerBlock / k_split) + warp / k_split) * kRowsPerWarp;
+  const int slice = warp % k_split;
+  const int64_t chunks = k / 8, begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (first_row + r >= n) break;
+    const uint4* row = reinterpret_cast<const uint4*>(w) + (first_row + r) * chunks;
+    for (int64_t c = begin + lane; c < end; c += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + c));
+  }
+}
+
 // Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups).
 template <int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
                                                                int k_split, int64_t tiles, void* __restrict__ out) {
+  // W is no earlier kernel's output: its first tile is fetched into L2 while the previous kernel finishes.
+  if (blockIdx.x < tiles) prefetch_tile_w(w, n, k, k_split, blockIdx.x);
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
