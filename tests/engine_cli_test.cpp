@@ -60,9 +60,19 @@ TEST(EngineCli, ImpossibleLayoutsAreOneLineErrors) {
       {" --init-expert-location " + dir.file("missing.json"), "missing.json"},
   };
   expect_one_line_errors(dir, base, cases);
-  const CliRun bad_backend = run_cli(dir, base + " --moe-a2a-backend deepep");
-  EXPECT_NE(bad_backend.exit_code, 0);
-  EXPECT_NE(bad_backend.err.find("--moe-a2a-backend"), std::string::npos) << bad_backend.err;
+  const std::vector<std::pair<std::string, std::string>> sglang_cases = {
+      {" --tp 4 --dp 2 --enable-dp-attention --ep 8", "--ep 8 exceeds --tp 4: --tp is the ranks of a stage"},
+      {" --moe-a2a-backend flashinfer", "unknown --moe-a2a-backend 'flashinfer' (accepted: allgather, none, alltoall, "
+                                        "deepep, mooncake, mori, nixl)"},
+      {" --enable-deepep-moe --moe-a2a-backend allgather", "--enable-deepep-moe conflicts with --moe-a2a-backend allgather"},
+  };
+  expect_one_line_errors(dir, base, sglang_cases);
+  for (const std::string unknown : {" --deepep-mode fast", " --disable-radix-cache", " --no-such-flag"}) {
+    const CliRun run = run_cli(dir, base + unknown);  // generate has no radix-cache flag: serve does
+    EXPECT_EQ(run.exit_code, 2) << unknown;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+    EXPECT_NE(run.err.find(unknown.substr(1, unknown.find(' ', 1) - 1)), std::string::npos) << run.err;
+  }
 }
 
 // The seeds' EPLB configuration on 8 in-process ranks: rebalances happen (log lines), tokens are the plain

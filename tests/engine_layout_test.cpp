@@ -72,26 +72,24 @@ TEST(EngineLayout, ShardedModelHoldsOnlyItsSlices) {
   });
 }
 
-// --tp as the attention TP size per DP group (--tp 4 --dp 2 --ep 8) names the world SGLang writes --tp 8
-// --dp 2 --ep 8; only an ep equal to tp * dp with DP attention is read so, anything else is left as given.
-TEST(EngineLayout, PerGroupTpReadingNamesTheSglangWorld) {
+// --tp is SGLang's: the ranks of a stage, every attention-DP group included. --tp 8 --dp 2 is 8 ranks in 2 groups
+// of 4; --tp 4 --dp 2 --ep 8 (the attention TP size per group as --tp) is refused, naming the reading.
+TEST(EngineLayout, TpIsTheRanksOfAStageAsInSglang) {
   const auto config = model::load_qwen3_moe_config(golden_model_dir(k128e));
-  const engine::ParallelLayout per_group(make_flags(4, 2, 8, 1), config);
   const engine::ParallelLayout sglang(make_flags(8, 2, 8, 1), config);
-  EXPECT_EQ(per_group.world_size(), 8);
-  EXPECT_EQ(per_group.attn_tp_size(), 4);
-  EXPECT_EQ(per_group.attn_dp_size(), 2);
-  EXPECT_EQ(per_group.ep(), 8);
-  EXPECT_EQ(per_group.describe(), sglang.describe());
-  for (int r = 0; r < 8; ++r) {
-    EXPECT_EQ(per_group.coords(r).attn_dp_rank, sglang.coords(r).attn_dp_rank);
-    EXPECT_EQ(per_group.coords(r).ep_rank, sglang.coords(r).ep_rank);
-  }
-  engine::ParallelFlags no_dp_attention = make_flags(4, 2, 8, 1);
-  no_dp_attention.enable_dp_attention = false;
-  EXPECT_EQ(engine::sglang_reading(no_dp_attention).tp, 4);
-  EXPECT_EQ(engine::sglang_reading(make_flags(4, 2, 16, 1)).tp, 4);
-  EXPECT_NE(layout_error(config, make_flags(4, 2, 16, 1)).find("--tp 4 is not divisible by --ep 16"), std::string::npos);
+  EXPECT_EQ(sglang.world_size(), 8);
+  EXPECT_EQ(sglang.attn_tp_size(), 4);
+  EXPECT_EQ(sglang.attn_dp_size(), 2);
+  EXPECT_EQ(sglang.ep(), 8);
+  EXPECT_EQ(sglang.coords(5).attn_dp_rank, 1);
+  EXPECT_EQ(sglang.coords(5).attn_tp_rank, 1);
+  EXPECT_EQ(sglang.coords(5).ep_rank, 5);
+  const engine::ParallelLayout dense_moe(make_flags(8, 2, 1, 1), config);  // SGLang's --ep default: 1
+  EXPECT_EQ(dense_moe.world_size(), 8);
+  EXPECT_EQ(dense_moe.moe_tp_size(), 8);
+  EXPECT_EQ(layout_error(config, make_flags(4, 2, 8, 1)),
+            "--ep 8 exceeds --tp 4: --tp is the ranks of a stage, every attention-DP group included (SGLang's meaning: "
+            "--tp 8 --dp 2 --enable-dp-attention is 8 ranks in 2 groups of 4)");
 }
 
 TEST(EngineLayout, ImpossibleLayoutsAreRefusedWithTheReason) {

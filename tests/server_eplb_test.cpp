@@ -27,25 +27,6 @@ std::vector<int32_t> prompt_of(int c, int r) {
   return p;
 }
 
-// `fulcrum generate`'s greedy tokens for `prompts` (one batch) with `flags`.
-std::vector<std::vector<int32_t>> generate_greedy(const std::string& model, const std::string& flags,
-                                                  const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens) {
-  TempDir dir("serve_eplb_generate");
-  std::string args = "generate --model " + model + " " + flags + " --max-new-tokens " + std::to_string(max_new_tokens);
-  for (const auto& p : prompts) args += " --prompt-tokens \"" + fmt::format("{}", fmt::join(p, " ")) + "\"";
-  const CliRun run = run_cli(dir, args);
-  EXPECT_EQ(run.exit_code, 0) << run.err;
-  std::vector<std::vector<int32_t>> out(prompts.size());
-  std::istringstream lines(run.out);
-  for (std::string line; std::getline(lines, line);) {
-    size_t idx = 0;
-    if (std::sscanf(line.c_str(), "seq%zu:", &idx) != 1 || idx >= out.size()) continue;
-    std::istringstream ids(line.substr(line.find(':') + 1));
-    for (int32_t id; ids >> id;) out[idx].push_back(id);
-  }
-  return out;
-}
-
 // Runs `requests_per_client` sequential greedy requests on each of `clients` threads, even clients
 // streaming, odd ones not; returns the tokens of request (c, r) at c * requests_per_client + r.
 std::vector<std::vector<int32_t>> run_clients(int port, int clients, int requests_per_client, int max_tokens) {
@@ -150,7 +131,7 @@ TEST(ServerEplb, EngineFlagsAreCheckedLikeGenerates) {
   TempDir dir("serve_flags");
   const std::string serve = "serve --model " + skewed_served_model() + " --port 0 ";
   for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
-           {"--tp 4 --dp 2 --enable-dp-attention --ep 16", "--tp 4 is not divisible by --ep 16"},
+           {"--tp 4 --dp 2 --enable-dp-attention --ep 8", "--ep 8 exceeds --tp 4: --tp is the ranks of a stage"},
            {"--tp 2 --ep 2 --ep-num-redundant-experts 3", "not divisible by --ep 2"},
            {"--tp 2 --ep 2 --enable-eplb --eplb-rebalance-num-iterations 0", "--eplb-rebalance-num-iterations"},
            {"--expert-distribution-recorder-mode per_layer", "per_layer"},
@@ -183,16 +164,15 @@ TEST(ServerEplb, ARankThatFailsWhileLoadingIsAOneLineErrorNotAHang) {
   EXPECT_EQ(run.err.find("listening"), std::string::npos) << run.err;
 }
 
-// The seeds' scenario as issue 5 states it (--tp 4 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall
-// --enable-eplb --expert-distribution-recorder-buffer-size 50 --expert-distribution-recorder-mode stat
-// --eplb-rebalance-num-iterations 50 --ep-dispatch-algorithm static --ep-num-redundant-experts 8; the seed's
-// own SGLang launch writes the same world as --tp 8 --dp 2, see engine::sglang_reading) on the tiny skewed
-// model: 8 ranks, 2 attention-DP groups of 4, ep 8 over all-to-all dispatch (DeepEP's role), 136 slots
+// The seeds' scenario (--tp 8 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --enable-eplb
+// --expert-distribution-recorder-buffer-size 50 --expert-distribution-recorder-mode stat
+// --eplb-rebalance-num-iterations 50 --ep-dispatch-algorithm static --ep-num-redundant-experts 8; the seed's own
+// launch line verbatim is server_seed_lines_test.cpp) on the tiny skewed model: 8 ranks, 2 attention-DP groups of 4, ep 8 over all-to-all dispatch (DeepEP's role), 136 slots
 // (17 per EP rank), 64 parallel clients.
 TEST(ServerEplb, SeedScenarioRebalancesUnderSixtyFourClientsAndKeepsEveryResponse) {
   std::signal(SIGPIPE, SIG_IGN);
   const std::string layout =
-      "--tp 4 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --ep-dispatch-algorithm static "
+      "--tp 8 --dp 2 --enable-dp-attention --ep 8 --moe-a2a-backend alltoall --ep-dispatch-algorithm static "
       "--ep-num-redundant-experts 8";
   TempDir dir("serve_seed");
   std::vector<std::string> flags = {"--enable-eplb", "--expert-distribution-recorder-buffer-size", "50",

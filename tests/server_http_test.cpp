@@ -98,7 +98,7 @@ TEST_F(ServerHttp, ConcurrentStreamingAndNonStreamingMatchStandaloneGreedy) {
   }
   // /generate with ids gives the same tokens.
   const auto [status, out] = post(port(), "/generate",
-                                  json{{"input_ids", prompts[3]}, {"sampling_params", {{"max_new_tokens", kNew}}}}.dump());
+                                  json{{"input_ids", prompts[3]}, {"sampling_params", {{"max_new_tokens", kNew}, {"ignore_eos", true}}}}.dump());
   ASSERT_EQ(status, 200) << out.dump();
   EXPECT_EQ(ids_of(out["output_ids"]), got[3]);
   EXPECT_EQ(out["meta_info"]["finish_reason"]["type"], "length");

@@ -5,6 +5,7 @@
 #include <csignal>
 #include <fstream>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,6 +14,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "eplb/error.hpp"
 #include "model_test_util.hpp"
 
@@ -20,9 +24,11 @@ namespace fulcrum::test {
 
 class ServerProcess {
  public:
+  // An empty `model_dir` leaves the model flag to `flags` (e.g. SGLang's --model-path).
   ServerProcess(const std::string& model_dir, const std::vector<std::string>& flags, const std::string& log_file)
       : log_file_(log_file) {
-    std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--model", model_dir, "--port", "0"};
+    std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--port", "0"};
+    if (!model_dir.empty()) args.insert(args.end(), {"--model", model_dir});
     args.insert(args.end(), flags.begin(), flags.end());
     pid_ = ::fork();
     FULCRUM_CHECK(pid_ >= 0, "fork failed");
@@ -86,5 +92,24 @@ class ServerProcess {
   pid_t pid_ = -1;
   int port_ = 0;
 };
+
+// `fulcrum generate`'s greedy tokens for `prompts` (one batch) with `flags`.
+inline std::vector<std::vector<int32_t>> generate_greedy(const std::string& model, const std::string& flags,
+                                                         const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens) {
+  TempDir dir("serve_eplb_generate");
+  std::string args = "generate --model " + model + " " + flags + " --max-new-tokens " + std::to_string(max_new_tokens);
+  for (const auto& p : prompts) args += " --prompt-tokens \"" + fmt::format("{}", fmt::join(p, " ")) + "\"";
+  const CliRun run = run_cli(dir, args);
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  std::istringstream lines(run.out);
+  for (std::string line; std::getline(lines, line);) {
+    size_t idx = 0;
+    if (std::sscanf(line.c_str(), "seq%zu:", &idx) != 1 || idx >= out.size()) continue;
+    std::istringstream ids(line.substr(line.find(':') + 1));
+    for (int32_t id; ids >> id;) out[idx].push_back(id);
+  }
+  return out;
+}
 
 }  // namespace fulcrum::test

@@ -28,21 +28,26 @@ TEST(ServerProtocol, CompletionFieldsAreParsedStrictly) {
       json{{"model", "m"}, {"prompt", {4, 5}}, {"max_tokens", 3}, {"temperature", 0.5}, {"top_p", 0.9}, {"top_k", -1},
            {"seed", 42}, {"stop_token_ids", {7}}, {"stream", true}, {"stream_options", {{"include_usage", true}}}},
       ctx);
-  EXPECT_EQ(p.params.prompt, (std::vector<int32_t>{4, 5}));
-  EXPECT_EQ(p.params.max_tokens, 3);
-  EXPECT_FLOAT_EQ(p.params.sampling.temperature, 0.5f);
-  EXPECT_EQ(p.params.sampling.top_k, 0);
-  EXPECT_EQ(p.params.seed, 42u);
-  EXPECT_EQ(p.params.stop_token_ids, (std::vector<int32_t>{7, 0}));  // eos added
+  EXPECT_EQ(p.requests.at(0).prompt, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(p.requests.at(0).max_tokens, 3);
+  EXPECT_FLOAT_EQ(p.requests.at(0).sampling.temperature, 0.5f);
+  EXPECT_EQ(p.requests.at(0).sampling.top_k, 0);
+  EXPECT_EQ(p.requests.at(0).seed, 42u);
+  EXPECT_EQ(p.requests.at(0).stop_token_ids, (std::vector<int32_t>{7, 0}));  // eos added
   EXPECT_TRUE(p.stream && p.include_usage);
-  EXPECT_EQ(parse_completion_request(json{{"prompt", {4}}, {"ignore_eos", true}}, ctx).params.stop_token_ids.size(), 0u);
-  EXPECT_EQ(parse_completion_request(json{{"prompt", {4}}}, ctx).params.max_tokens, ctx.default_max_tokens);
+  EXPECT_EQ(parse_completion_request(json{{"prompt", {4}}, {"ignore_eos", true}}, ctx).requests.at(0).stop_token_ids.size(), 0u);
+  EXPECT_EQ(parse_completion_request(json{{"prompt", {4}}}, ctx).requests.at(0).max_tokens, ctx.default_max_tokens);
 
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"echo", true}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"logprobs", 2}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"echo", false}, {"logprobs", nullptr}}, parse_completion_request, ctx), 200);
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"max_tokens", 2.5}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", {4, -1}}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", "text"}}, parse_completion_request, ctx), 400);  // no tokenizer
-  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"n", 2}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"n", 0}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"n", 2}, {"stream", true}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", json::array()}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {{4}, 5}}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"stop", {1}}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"stream_options", {{"x", 1}}}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"model", "other"}}, parse_completion_request, ctx), 404);
@@ -62,12 +67,79 @@ TEST(ServerProtocol, CompletionFieldsAreParsedStrictly) {
   EXPECT_TRUE(parse_json_body("{\"a\": " + at_limit + "}").is_object());
 }
 
+// A list of prompts and n > 1: one request per (prompt, choice), prompt-major; choice j draws with seed + j.
+TEST(ServerProtocol, PromptListsAndNExpandIntoOneRequestPerChoice) {
+  ProtocolContext ctx;
+  ctx.model_name = "m";
+  const ParsedRequest p = parse_completion_request(json{{"prompt", {{4, 5}, {6}}}, {"n", 3}, {"seed", 10}}, ctx);
+  ASSERT_EQ(p.requests.size(), 6u);
+  EXPECT_EQ(p.n, 3);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(p.requests[i].prompt, i < 3 ? (std::vector<int32_t>{4, 5}) : (std::vector<int32_t>{6})) << i;
+    EXPECT_EQ(p.requests[i].seed, 10u + i % 3) << i;
+  }
+  const ParsedRequest unseeded = parse_completion_request(json{{"prompt", {4}}, {"n", 2}}, ctx);
+  ASSERT_EQ(unseeded.requests.size(), 2u);
+  EXPECT_FALSE(unseeded.requests[0].seed || unseeded.requests[1].seed);  // each from its own request id
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"n", 65}}, parse_completion_request, ctx), 400);
+}
+
+// /generate as SGLang's RuntimeEndpoint sends it: every sampling field present, most null; unimplemented ones
+// are 400s naming the field unless null or neutral; lists of prompts and n give a batch; max_new_tokens 0 is
+// a prefill.
+TEST(ServerProtocol, GenerateTakesRuntimeEndpointsFields) {
+  ProtocolContext ctx;
+  ctx.eos_token_ids = {0};
+  const json sampling = {{"skip_special_tokens", true}, {"spaces_between_special_tokens", true},
+                         {"max_new_tokens", 5}, {"min_new_tokens", 0}, {"n", 1}, {"stop", json::array()},
+                         {"stop_token_ids", nullptr}, {"stop_regex", nullptr}, {"temperature", 0}, {"top_p", 1.0},
+                         {"top_k", -1}, {"min_p", 0.0}, {"frequency_penalty", 0.0}, {"presence_penalty", 0.0},
+                         {"ignore_eos", false}, {"regex", nullptr}, {"json_schema", nullptr}};
+  const ParsedRequest p = parse_generate_request(json{{"input_ids", {3, 4}}, {"sampling_params", sampling},
+                                                      {"return_logprob", false}, {"lora_path", nullptr}}, ctx);
+  ASSERT_EQ(p.requests.size(), 1u);
+  EXPECT_FALSE(p.batched || p.prefill_only);
+  EXPECT_EQ(p.requests[0].max_tokens, 5);
+  EXPECT_EQ(p.requests[0].stop_token_ids, (std::vector<int32_t>{0}));  // eos, as SGLang stops at it
+  const auto message_of = [&](json body) {
+    try {
+      parse_generate_request(body, ctx);
+    } catch (const ApiError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  json with = sampling;
+  with["regex"] = "[0-9]+";
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}), "sampling_params 'regex' is not implemented");
+  with = sampling;
+  with["json_schema"] = "{}";
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}), "sampling_params 'json_schema' is not implemented");
+  with = sampling;
+  with["frequency_penalty"] = 0.5;
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}),
+            "sampling_params 'frequency_penalty' other than 0 is not implemented");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"image_data", "x.png"}}), "'image_data' is not implemented");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"return_logprob", true}}), "'return_logprob' true is not implemented");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"bogus", 1}}), "unknown field 'bogus' in a generate request");
+
+  const ParsedRequest batch = parse_generate_request(
+      json{{"input_ids", {{3}, {4, 5}}}, {"sampling_params", {{"max_new_tokens", 0}, {"sampling_seed", 9}}}}, ctx);
+  ASSERT_EQ(batch.requests.size(), 2u);
+  EXPECT_TRUE(batch.batched && batch.prefill_only);
+  EXPECT_EQ(batch.requests[1].prompt, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(batch.requests[1].seed, 9u);
+  const ParsedRequest n2 = parse_generate_request(json{{"input_ids", {3}}, {"sampling_params", {{"n", 2}}}}, ctx);
+  EXPECT_TRUE(n2.batched);
+  EXPECT_EQ(n2.requests.size(), 2u);
+}
+
 TEST(ServerProtocol, ChatUsesTheQwen3Format) {
   const tokenizer::Tokenizer tok = tokenizer::Tokenizer::from_file(test::golden_tokenizer_file());
   ProtocolContext ctx;
   ctx.tokenizer = &tok;
   const ParsedRequest p = parse_chat_request(json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}, ctx);
-  EXPECT_EQ(tok.decode(p.params.prompt), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(tok.decode(p.requests.at(0).prompt), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
 }
 
 TEST(ServerTextStream, HoldsBackStopStringPrefixesAndNeverEmitsAStopString) {

@@ -49,7 +49,7 @@ void run_generate(GenerateFlags& flags) {
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(flags.model_dir);
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < flags.prompts.size(); ++i) prompts.push_back(parse_prompt(flags.prompts[i], i, config.vocab_size));
-  const engine::ParallelLayout layout(flags.engine->parallel, config);
+  const engine::ParallelLayout layout(flags.engine->resolved_parallel(), config);
   engine::validate_dist_flags(flags.dist, layout.world_size());
   const std::optional<engine::LaunchedRank> me = engine::launched_rank();
   const bool as_processes = me || engine::runs_as_processes(flags.dist, flags.engine->device, layout.world_size());
@@ -117,7 +117,7 @@ void run_generate(GenerateFlags& flags) {
 void register_generate_command(CLI::App& app) {
   auto flags = std::make_shared<GenerateFlags>();
   CLI::App* cmd = app.add_subcommand("generate", "Generate tokens from token-id prompts with a Qwen3-MoE checkpoint");
-  cmd->add_option("--model", flags->model_dir, "Checkpoint folder (config.json, *.safetensors)")
+  cmd->add_option("--model,--model-path", flags->model_dir, "Checkpoint folder (config.json, *.safetensors)")
       ->required()
       ->check(CLI::ExistingDirectory);
   cmd->add_option("--prompt-tokens", flags->prompts, "Space-separated token ids of one sequence; repeat for a batch")

@@ -1,5 +1,6 @@
 // `fulcrum serve` and `fulcrum bench serve`: the OpenAI-compatible server and its load generator (both
 // here, built with FULCRUM_BUILD_SERVER, so the pair stays together).
+#include <cstdio>
 #include <memory>
 
 #include <fmt/format.h>
@@ -33,7 +34,8 @@ void register_serve_command(CLI::App& app) {
   auto o = std::make_shared<server::ServeOptions>();
   auto engine_flags = std::make_shared<EngineFlags>();
   CLI::App* cmd = app.add_subcommand("serve", "Serve a Qwen3-MoE checkpoint over HTTP (OpenAI-compatible)");
-  cmd->add_option("--model", o->model_dir, "Checkpoint folder (config.json, *.safetensors, optional tokenizer.json)")
+  cmd->add_option("--model,--model-path", o->model_dir,
+                  "Checkpoint folder (config.json, *.safetensors, optional tokenizer.json)")
       ->required()
       ->check(CLI::ExistingDirectory);
   cmd->add_option("--host", o->host, "Address to listen on")->capture_default_str();
@@ -52,12 +54,18 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--served-model-name", o->served_model_name, "Model id in the API (default: the folder name)");
   cmd->add_option("--expert-distribution-dir", o->expert_distribution_dir,
                   "Folder /dump_expert_distribution_record writes to")->capture_default_str();
+  cmd->add_option("--api-key", o->api_key,
+                  "Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise)");
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
       ->capture_default_str()->check(kNonNegative);
+  cmd->add_flag_callback(
+      "--disable-radix-cache",
+      [] { std::fputs("fulcrum: note: --disable-radix-cache: no prefix cache here, every prompt is prefilled whole\n", stderr); },
+      "Accepted for SGLang's command lines (no prefix cache to disable)");
   EngineFlags::add_to(cmd, engine_flags);
   cmd->callback([o, engine_flags] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
-    o->parallel = engine_flags->parallel;
+    o->parallel = engine_flags->resolved_parallel();
     o->run = engine_flags->make_run(engine::ParallelLayout(o->parallel, config), config);
     server::serve(*o);
   });

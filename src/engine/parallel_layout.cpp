@@ -7,17 +7,7 @@
 
 namespace fulcrum::engine {
 
-ParallelFlags sglang_reading(const ParallelFlags& flags) {
-  ParallelFlags out = flags;
-  if (flags.enable_dp_attention && flags.dp > 1 && flags.tp >= 1 && flags.ep > flags.tp &&
-      flags.ep == flags.tp * flags.dp) {
-    out.tp = flags.ep;
-  }
-  return out;
-}
-
-ParallelLayout::ParallelLayout(const ParallelFlags& given, const model::Qwen3MoeConfig& config)
-    : flags_(sglang_reading(given)) {
+ParallelLayout::ParallelLayout(const ParallelFlags& given, const model::Qwen3MoeConfig& config) : flags_(given) {
   const ParallelFlags& flags = flags_;
   FULCRUM_CHECK(flags.tp >= 1 && flags.dp >= 1 && flags.ep >= 1 && flags.pp >= 1,
                 "--tp, --dp, --ep and --pp must be positive (got {}, {}, {}, {})", flags.tp, flags.dp, flags.ep,
@@ -27,6 +17,10 @@ ParallelLayout::ParallelLayout(const ParallelFlags& given, const model::Qwen3Moe
                 flags.dp);
   attn_dp_ = flags.enable_dp_attention ? flags.dp : 1;
   FULCRUM_CHECK(flags.tp % attn_dp_ == 0, "--tp {} is not divisible by --dp {}", flags.tp, attn_dp_);
+  FULCRUM_CHECK(flags.ep <= flags.tp,
+                "--ep {} exceeds --tp {}: --tp is the ranks of a stage, every attention-DP group included (SGLang's "
+                "meaning: --tp 8 --dp 2 --enable-dp-attention is 8 ranks in 2 groups of 4)",
+                flags.ep, flags.tp);
   FULCRUM_CHECK(flags.tp % flags.ep == 0, "--tp {} is not divisible by --ep {}", flags.tp, flags.ep);
   FULCRUM_CHECK(flags.pp <= config.num_hidden_layers, "--pp {} exceeds the model's {} layers", flags.pp,
                 config.num_hidden_layers);

@@ -21,7 +21,7 @@
 namespace fulcrum::engine {
 
 struct ParallelFlags {
-  int tp = 1;                        // --tp: ranks per pipeline stage
+  int tp = 1;                        // --tp: ranks per pipeline stage, every attention-DP group included (SGLang's)
   int dp = 1;                        // --dp: attention data-parallel groups (needs --enable-dp-attention when > 1)
   int ep = 1;                        // --ep: expert-parallel ranks per stage
   int pp = 1;                        // --pp: pipeline stages
@@ -40,15 +40,9 @@ struct RankCoords {
   int moe_tp_rank = 0;   // rank among the M sharing one EP rank's slots
 };
 
-// Two readings of --tp with DP attention name the same world: SGLang's (--tp 8 --dp 2 --ep 8: 8 ranks, attention
-// TP 8 / 2 = 4) and the per-group one (--tp 4 --dp 2 --ep 8: attention TP 4 in each of 2 groups). --ep greater
-// than --tp is only meaningful in the second, so when ep == tp * dp with --enable-dp-attention, --tp is read
-// as the attention TP size and the ranks per stage become ep. Returns the flags in SGLang's reading.
-ParallelFlags sglang_reading(const ParallelFlags& flags);
-
 class ParallelLayout {
  public:
-  // Validates the flags (after sglang_reading) against the model; an impossible layout throws fulcrum::Error
+  // Validates the flags against the model; an impossible layout throws fulcrum::Error
   // with one line saying why.
   ParallelLayout(const ParallelFlags& flags, const model::Qwen3MoeConfig& config);
 

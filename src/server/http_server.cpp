@@ -88,20 +88,35 @@ struct HttpServer::Impl {
     ParsedRequest parsed = endpoint == Endpoint::kCompletion ? parse_completion_request(body, ctx)
                            : endpoint == Endpoint::kChat     ? parse_chat_request(body, ctx)
                                                              : parse_generate_request(body, ctx);
-    std::vector<std::string> stop = parsed.params.stop;
-    std::shared_ptr<RequestHandle> handle = scheduler.submit(std::move(parsed.params));
-    auto writer = std::make_shared<ResponseWriter>(endpoint, handle, ctx.tokenizer, std::move(stop), ctx.model_name,
-                                                   parsed.include_usage);
+    // Every choice is its own request; one refused choice cancels the ones already submitted.
+    std::vector<std::shared_ptr<ResponseWriter>> writers;
+    try {
+      for (RequestParams& params : parsed.requests) {
+        std::vector<std::string> stop = params.stop;
+        std::shared_ptr<RequestHandle> handle = scheduler.submit(std::move(params));
+        writers.push_back(std::make_shared<ResponseWriter>(endpoint, handle, ctx.tokenizer, std::move(stop),
+                                                           ctx.model_name, parsed.include_usage, parsed.prefill_only));
+      }
+    } catch (...) {
+      for (const auto& w : writers) w->handle().cancel();
+      throw;
+    }
     if (!parsed.stream) {
       const ConnectionWatch watch(req.remote_addr, req.remote_port, req.local_port);
-      const json out = writer->complete([&watch] { return watch.peer_closed(); });
-      if (handle->finish_reason() == FinishReason::kError) {
+      std::vector<json> bodies;
+      bool failed = false;
+      for (const auto& w : writers) {
+        bodies.push_back(w->complete([&watch] { return watch.peer_closed(); }));
+        failed = failed || w->handle().finish_reason() == FinishReason::kError;
+      }
+      if (failed) {
         send_json(res, 500, error_body("the model step failed; see the server log", "internal_error"));
       } else {
-        send_json(res, 200, out);
+        send_json(res, 200, merge_choices(endpoint, std::move(bodies), parsed.n, parsed.batched));
       }
       return;
     }
+    std::shared_ptr<ResponseWriter> writer = writers.at(0);  // streaming: one choice (protocol.cpp)
     res.set_header("Cache-Control", "no-cache");
     ++open_streams;  // the releaser below runs exactly once, when the response goes
     res.set_chunked_content_provider(
@@ -161,7 +176,40 @@ struct HttpServer::Impl {
     }
   }
 
+  // SGLang's /get_model_info and /get_server_info as its RuntimeEndpoint reads them.
+  json model_info() const {
+    return {{"model_path", options.model_path},
+            {"tokenizer_path", options.protocol.tokenizer ? json(options.model_path) : json(nullptr)},
+            {"is_generation", true},
+            {"served_model_name", options.protocol.model_name},
+            {"max_model_len", options.max_model_len},
+            {"vocab_size", options.vocab_size}};
+  }
+  json server_info() const {
+    json info = options.server_info;
+    info["model_path"] = options.model_path;
+    info["served_model_name"] = options.protocol.model_name;
+    info["context_length"] = options.max_model_len;
+    info["version"] = "fulcrum";
+    return info;
+  }
+
   void routes() {
+    // --api-key: every route but /health and /metrics wants "Authorization: Bearer KEY" (401 otherwise, in
+    // OpenAI's error shape).
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (options.api_key.empty() || req.path == "/health" || req.path == "/metrics") return httplib::Server::HandlerResponse::Unhandled;
+      if (req.get_header_value("Authorization") == "Bearer " + options.api_key) return httplib::Server::HandlerResponse::Unhandled;
+      metrics.on_request_rejected();
+      send_json(res, 401, error_body("invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error"));
+      return httplib::Server::HandlerResponse::Handled;
+    });
+    http.Get("/get_model_info", guarded([this](const httplib::Request&, httplib::Response& res) {
+      send_json(res, 200, model_info());
+    }));
+    for (const char* path : {"/get_server_info", "/server_info"}) {
+      http.Get(path, guarded([this](const httplib::Request&, httplib::Response& res) { send_json(res, 200, server_info()); }));
+    }
     http.Get("/health", guarded([this](const httplib::Request&, httplib::Response& res) {
       if (draining) throw ApiError(503, "unavailable", "shutting down");
       send_json(res, 200, {{"status", "ok"}});

@@ -1,7 +1,7 @@
 #pragma once
 // The HTTP front end (cpp-httplib): OpenAI-compatible /v1/completions, /v1/chat/completions (JSON or
-// SSE streaming), /v1/models, /health, SGLang-style /generate with token ids, /metrics (Prometheus) and
-// the expert-distribution endpoints. Every refusal is a 4xx/5xx with {"error": {"message", "type"}}.
+// SSE streaming), /v1/models, /health, SGLang's native /generate, /get_model_info, /get_server_info (and
+// /server_info), /metrics (Prometheus) and the expert-distribution endpoints; with an API key, Bearer auth. Every refusal is a 4xx/5xx with {"error": {"message", "type"}}.
 // A streaming client that goes away is noticed at the next write (tokens or a keep-alive comment every
 // second), a non-streaming one within 100 ms by polling its socket (ConnectionWatch); either way its
 // request is cancelled, which frees its KV pages.
@@ -22,6 +22,9 @@ struct HttpServerOptions {
   std::string expert_distribution_dir = ".";  // where /dump_expert_distribution_record writes
   int threads = 64;                           // concurrent connections served
   size_t max_body_bytes = size_t{8} << 20;
+  std::string api_key;             // non-empty: routes other than /health and /metrics need "Bearer KEY"
+  std::string model_path;          // /get_model_info's model_path (the --model folder)
+  nlohmann::json server_info;      // /get_server_info: the launch settings (serve.cpp)
 };
 
 class HttpServer {

@@ -24,6 +24,14 @@ const json* field(const json& obj, const char* name) {
   return it == obj.end() || it->is_null() ? nullptr : &*it;
 }
 
+// OpenAI fields Fulcrum does not implement yet: a 400 that says so, unless null or false.
+void refuse_unimplemented(const json& body, std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    const json* v = field(body, name);
+    FULCRUM_REQUIRE(v == nullptr || (v->is_boolean() && !v->get<bool>()), "'{}' is not implemented", name);
+  }
+}
+
 int64_t integer(const json& v, const char* name, int64_t lo, int64_t hi) {
   FULCRUM_REQUIRE(v.is_number_integer(), "'{}' must be an integer", name);
   const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi) ? hi + 1 : v.get<int64_t>();
@@ -68,10 +76,29 @@ std::vector<int32_t> encode(const ProtocolContext& ctx, const std::string& text)
   }
 }
 
-// Fields shared by completions and chat; `max_tokens_names` lists the accepted spellings.
+constexpr int64_t kMaxChoices = 64;  // prompts x n of one request
+
+// One request per (prompt, choice) from the template `p`: choice j of a prompt draws with seed + j (distinct
+// streams; choice 0 keeps the request's seed), or, without a seed, with one derived from its own request id.
+void expand_choices(const std::vector<std::vector<int32_t>>& prompts, RequestParams p, ParsedRequest& out) {
+  FULCRUM_REQUIRE(static_cast<int64_t>(prompts.size()) * out.n <= kMaxChoices,
+                  "{} prompts x n {} is more than {} choices", prompts.size(), out.n, kMaxChoices);
+  FULCRUM_REQUIRE(!out.stream || prompts.size() * out.n == 1,
+                  "streaming more than one choice (n > 1 or a list of prompts) is not implemented");
+  for (const auto& prompt : prompts) {
+    for (int j = 0; j < out.n; ++j) {
+      RequestParams r = p;
+      r.prompt = prompt;
+      if (p.seed) r.seed = *p.seed + static_cast<uint64_t>(j);
+      out.requests.push_back(std::move(r));
+    }
+  }
+}
+
+// Fields shared by completions and chat; `max_tokens_names` lists the accepted spellings. Fills
+// out.requests[0] (the template) and out.n.
 void parse_openai_common(const json& body, const ProtocolContext& ctx, std::initializer_list<const char*> max_tokens_names,
-                         ParsedRequest& out) {
-  RequestParams& p = out.params;
+                         RequestParams& p, ParsedRequest& out) {
   if (const json* v = field(body, "model")) {
     FULCRUM_REQUIRE(v->is_string(), "'model' must be a string");
     if (v->get<std::string>() != ctx.model_name) {
@@ -93,7 +120,7 @@ void parse_openai_common(const json& body, const ProtocolContext& ctx, std::init
   if (!(ignore && boolean(*ignore, "ignore_eos"))) {
     p.stop_token_ids.insert(p.stop_token_ids.end(), ctx.eos_token_ids.begin(), ctx.eos_token_ids.end());
   }
-  if (const json* v = field(body, "n")) FULCRUM_REQUIRE(integer(*v, "n", 1, 1) == 1, "'n' must be 1");
+  if (const json* v = field(body, "n")) out.n = static_cast<int>(integer(*v, "n", 1, kMaxChoices));
   if (const json* v = field(body, "stream")) out.stream = boolean(*v, "stream");
   if (const json* v = field(body, "stream_options")) {
     FULCRUM_REQUIRE(v->is_object(), "'stream_options' must be an object");
@@ -115,24 +142,37 @@ json parse_json_body(const std::string& body) {
 }
 
 ParsedRequest parse_completion_request(const json& body, const ProtocolContext& ctx) {
-  check_known(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+  refuse_unimplemented(body, {"logprobs", "echo"});
+  check_known(body, {"model", "prompt", "logprobs", "echo", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "n", "stream", "stream_options"},
               "a completion request");
   ParsedRequest out;
   const json* prompt = field(body, "prompt");
   FULCRUM_REQUIRE(prompt != nullptr, "'prompt' is required");
+  std::vector<std::vector<int32_t>> prompts;
+  const char* shape = "'prompt' must be a string, a list of token ids, or a list of strings or of token-id lists";
   if (prompt->is_string()) {
-    out.params.prompt = encode(ctx, prompt->get<std::string>());
+    prompts.push_back(encode(ctx, prompt->get<std::string>()));
   } else {
-    FULCRUM_REQUIRE(prompt->is_array(), "'prompt' must be a string or a list of token ids");
-    out.params.prompt = token_ids(*prompt, "prompt");
+    FULCRUM_REQUIRE(prompt->is_array() && !prompt->empty(), "{}", shape);
+    if ((*prompt)[0].is_number()) {
+      prompts.push_back(token_ids(*prompt, "prompt"));
+    } else {
+      for (const json& one : *prompt) {
+        FULCRUM_REQUIRE(one.is_string() || one.is_array(), "{}", shape);
+        prompts.push_back(one.is_string() ? encode(ctx, one.get<std::string>()) : token_ids(one, "prompt"));
+      }
+    }
   }
-  parse_openai_common(body, ctx, {"max_tokens"}, out);
+  RequestParams p;
+  parse_openai_common(body, ctx, {"max_tokens"}, p, out);
+  expand_choices(prompts, std::move(p), out);
   return out;
 }
 
 ParsedRequest parse_chat_request(const json& body, const ProtocolContext& ctx) {
-  check_known(body, {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+  refuse_unimplemented(body, {"logprobs", "top_logprobs"});
+  check_known(body, {"model", "messages", "logprobs", "top_logprobs", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options"},
               "a chat completion request");
   const json* messages = field(body, "messages");
@@ -149,43 +189,103 @@ ParsedRequest parse_chat_request(const json& body, const ProtocolContext& ctx) {
   }
   FULCRUM_REQUIRE(ctx.tokenizer != nullptr, "chat needs a tokenizer; this server has no tokenizer.json");
   ParsedRequest out;
+  std::vector<int32_t> prompt;
   try {
-    out.params.prompt = tokenizer::encode_chat(*ctx.tokenizer, chat);
+    prompt = tokenizer::encode_chat(*ctx.tokenizer, chat);
   } catch (const Error& e) {
     throw ApiError(400, "invalid_request_error", e.what());
   }
-  parse_openai_common(body, ctx, {"max_tokens", "max_completion_tokens"}, out);
+  RequestParams p;
+  parse_openai_common(body, ctx, {"max_tokens", "max_completion_tokens"}, p, out);
+  expand_choices({prompt}, std::move(p), out);
   return out;
 }
 
 ParsedRequest parse_generate_request(const json& body, const ProtocolContext& ctx) {
-  check_known(body, {"input_ids", "text", "sampling_params", "stream"}, "a generate request");
+  check_known(body, {"input_ids", "text", "sampling_params", "stream", "rid", "return_logprob", "logprob_start_len",
+                     "top_logprobs_num", "return_text_in_logprobs", "image_data", "lora_path", "modalities",
+                     "session_params", "custom_logit_processor", "return_hidden_states", "input_embeds"},
+              "a generate request");
+  // Fields RuntimeEndpoint and SGLang's Runtime may send that Fulcrum does not implement: null or false pass.
+  for (const char* name : {"image_data", "lora_path", "modalities", "session_params", "custom_logit_processor",
+                           "input_embeds"}) {
+    FULCRUM_REQUIRE(field(body, name) == nullptr, "'{}' is not implemented", name);
+  }
+  for (const char* name : {"return_logprob", "return_hidden_states"}) {
+    if (const json* v = field(body, name)) FULCRUM_REQUIRE(!boolean(*v, name), "'{}' true is not implemented", name);
+  }
   ParsedRequest out;
   const json* ids = field(body, "input_ids");
   const json* text = field(body, "text");
   FULCRUM_REQUIRE((ids != nullptr) != (text != nullptr), "give exactly one of 'input_ids' and 'text'");
+  std::vector<std::vector<int32_t>> prompts;
   if (ids) {
-    out.params.prompt = token_ids(*ids, "input_ids");
+    FULCRUM_REQUIRE(ids->is_array() && !ids->empty(), "'input_ids' must be a list of token ids or a list of them");
+    out.batched = (*ids)[0].is_array();
+    if (out.batched) {
+      for (const json& one : *ids) prompts.push_back(token_ids(one, "input_ids"));
+    } else {
+      prompts.push_back(token_ids(*ids, "input_ids"));
+    }
+  } else if (text->is_array()) {
+    FULCRUM_REQUIRE(!text->empty(), "'text' must be a string or a non-empty list of strings");
+    out.batched = true;
+    for (const json& one : *text) {
+      FULCRUM_REQUIRE(one.is_string(), "'text' must be a string or a list of strings");
+      prompts.push_back(encode(ctx, one.get<std::string>()));
+    }
   } else {
-    FULCRUM_REQUIRE(text->is_string(), "'text' must be a string");
-    out.params.prompt = encode(ctx, text->get<std::string>());
+    FULCRUM_REQUIRE(text->is_string(), "'text' must be a string or a list of strings");
+    prompts.push_back(encode(ctx, text->get<std::string>()));
   }
   if (const json* v = field(body, "stream")) out.stream = boolean(*v, "stream");
-  RequestParams& p = out.params;
+  RequestParams p;
   p.max_tokens = ctx.default_max_tokens;
-  const json* sp = field(body, "sampling_params");
-  if (!sp) return out;
-  FULCRUM_REQUIRE(sp->is_object(), "'sampling_params' must be an object");
-  check_known(*sp, {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"},
-              "sampling_params");
-  if (const json* v = field(*sp, "max_new_tokens")) p.max_tokens = static_cast<int>(integer(*v, "max_new_tokens", 1, 1 << 24));
-  if (const json* v = field(*sp, "temperature")) p.sampling.temperature = static_cast<float>(number(*v, "temperature"));
-  if (const json* v = field(*sp, "top_p")) p.sampling.top_p = static_cast<float>(number(*v, "top_p"));
-  if (const json* v = field(*sp, "top_k")) p.sampling.top_k = std::max(0, static_cast<int>(integer(*v, "top_k", -1, 1 << 24)));
-  if (const json* v = field(*sp, "seed")) p.seed = static_cast<uint64_t>(integer(*v, "seed", 0, std::numeric_limits<int64_t>::max()));
-  if (const json* v = field(*sp, "stop")) p.stop = stop_strings(*v);
-  if (const json* v = field(*sp, "stop_token_ids")) p.stop_token_ids = token_ids(*v, "stop_token_ids");
-  if (const json* v = field(*sp, "ignore_eos")) boolean(*v, "ignore_eos");  // no default eos for ids: accepted, no-op
+  bool ignore_eos = false;
+  if (const json* sp = field(body, "sampling_params")) {
+    FULCRUM_REQUIRE(sp->is_object(), "'sampling_params' must be an object");
+    check_known(*sp, {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed", "stop", "stop_token_ids",
+                      "ignore_eos", "n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                      "min_new_tokens", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "regex",
+                      "json_schema", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params"},
+                "sampling_params");
+    for (const char* name : {"regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params"}) {
+      FULCRUM_REQUIRE(field(*sp, name) == nullptr, "sampling_params '{}' is not implemented", name);
+    }
+    // Penalties and bounds at their neutral value change nothing; any other value is not implemented.
+    const std::pair<const char*, double> neutral_values[] = {
+        {"min_p", 0.0}, {"frequency_penalty", 0.0}, {"presence_penalty", 0.0}, {"repetition_penalty", 1.0},
+        {"min_new_tokens", 0.0}};
+    for (const auto& [name, neutral] : neutral_values) {
+      if (const json* v = field(*sp, name)) {
+        FULCRUM_REQUIRE(number(*v, name) == neutral, "sampling_params '{}' other than {} is not implemented", name, neutral);
+      }
+    }
+    // The text keeps what was generated: EOS ends generation before it enters the text, and Fulcrum's
+    // detokenizer has no special-token skipping (README: "SGLang's native API").
+    for (const char* name : {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}) {
+      if (const json* v = field(*sp, name)) boolean(*v, name);
+    }
+    if (const json* v = field(*sp, "max_new_tokens")) {
+      const int max_new = static_cast<int>(integer(*v, "max_new_tokens", 0, 1 << 24));
+      out.prefill_only = max_new == 0;
+      p.max_tokens = std::max(1, max_new);  // prefill only: the one token the prefill ends in is dropped
+    }
+    if (const json* v = field(*sp, "temperature")) p.sampling.temperature = static_cast<float>(number(*v, "temperature"));
+    if (const json* v = field(*sp, "top_p")) p.sampling.top_p = static_cast<float>(number(*v, "top_p"));
+    if (const json* v = field(*sp, "top_k")) p.sampling.top_k = std::max(0, static_cast<int>(integer(*v, "top_k", -1, 1 << 24)));
+    for (const char* name : {"seed", "sampling_seed"}) {
+      if (const json* v = field(*sp, name)) p.seed = static_cast<uint64_t>(integer(*v, name, 0, std::numeric_limits<int64_t>::max()));
+    }
+    if (const json* v = field(*sp, "stop")) p.stop = stop_strings(*v);
+    if (const json* v = field(*sp, "stop_token_ids")) p.stop_token_ids = token_ids(*v, "stop_token_ids");
+    if (const json* v = field(*sp, "ignore_eos")) ignore_eos = boolean(*v, "ignore_eos");
+    if (const json* v = field(*sp, "n")) out.n = static_cast<int>(integer(*v, "n", 1, kMaxChoices));
+  }
+  if (!ignore_eos) p.stop_token_ids.insert(p.stop_token_ids.end(), ctx.eos_token_ids.begin(), ctx.eos_token_ids.end());
+  out.batched = out.batched || out.n > 1;
+  FULCRUM_REQUIRE(!(out.stream && out.prefill_only), "'stream' with max_new_tokens 0 is not implemented");
+  expand_choices(prompts, std::move(p), out);
   return out;
 }
 

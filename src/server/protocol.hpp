@@ -3,10 +3,14 @@
 // unknown fields and wrong types are ApiErrors (400), so a client's typo never passes silently.
 //
 // Sampling fields (OpenAI names): max_tokens, temperature, top_p, top_k (-1 or 0: off), seed, stop (string
-// or list), stop_token_ids, ignore_eos, n (1 only), stream, stream_options.include_usage, model (must
-// name the served model). Chat also takes max_completion_tokens. /generate takes SGLang's shape:
-// {"input_ids": [...] | "text": "...", "sampling_params": {max_new_tokens, temperature, top_p, top_k, seed,
-// stop, stop_token_ids, ignore_eos}, "stream": bool}.
+// or list), stop_token_ids, ignore_eos, n (choices per prompt; choice j draws with seed + j), stream,
+// stream_options.include_usage, model (must name the served model). Chat also takes max_completion_tokens.
+// A completion's prompt is a string, a list of token ids, or a list of either (one choice per prompt and n).
+// /generate takes SGLang's shape as its RuntimeEndpoint sends it: {"input_ids": [...] | [[...], ...] |
+// "text": "..." | [...], "sampling_params": {max_new_tokens (0: prefill only), temperature, top_p, top_k,
+// sampling_seed, stop, stop_token_ids, ignore_eos, n, ...}, "stream": bool}; a field SGLang knows and Fulcrum
+// does not implement (regex, json_schema, image_data, return_logprob true, ...) is a 400 naming it, where null
+// and the neutral value (min_p 0, frequency_penalty 0, ...) pass.
 #include <string>
 #include <vector>
 
@@ -25,9 +29,12 @@ struct ProtocolContext {
 };
 
 struct ParsedRequest {
-  RequestParams params;
+  std::vector<RequestParams> requests;  // one per choice: prompt-major, then the n choices of each prompt
+  int n = 1;                            // choices per prompt
   bool stream = false;
   bool include_usage = false;
+  bool batched = false;       // /generate: a list of prompts (or n > 1) in, a list of objects out
+  bool prefill_only = false;  // /generate max_new_tokens 0: the prompt is run, no token is returned
 };
 
 // The body as a JSON object; 400 when it is not JSON or not an object.

@@ -17,11 +17,29 @@ json error_body(const std::string& message, const std::string& type) {
   return {{"error", {{"message", message}, {"type", type}}}};
 }
 
+json merge_choices(Endpoint endpoint, std::vector<json> bodies, int n, bool batched) {
+  if (endpoint == Endpoint::kGenerate) return batched ? json(std::move(bodies)) : std::move(bodies.at(0));
+  json choices = json::array();
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    json choice = bodies[i]["choices"][0];
+    choice["index"] = i;
+    choices.push_back(std::move(choice));
+    if (i % static_cast<size_t>(n) == 0) prompt_tokens += bodies[i]["usage"]["prompt_tokens"].get<int64_t>();
+    completion_tokens += bodies[i]["usage"]["completion_tokens"].get<int64_t>();
+  }
+  json out = std::move(bodies.at(0));
+  out["choices"] = std::move(choices);
+  out["usage"] = {{"prompt_tokens", prompt_tokens}, {"completion_tokens", completion_tokens},
+                  {"total_tokens", prompt_tokens + completion_tokens}};
+  return out;
+}
+
 ResponseWriter::ResponseWriter(Endpoint endpoint, std::shared_ptr<RequestHandle> handle,
                                const tokenizer::Tokenizer* tokenizer, std::vector<std::string> stop,
-                               std::string model_name, bool include_usage)
+                               std::string model_name, bool include_usage, bool prefill_only)
     : endpoint_(endpoint), handle_(std::move(handle)), text_(tokenizer, std::move(stop)),
-      model_name_(std::move(model_name)), include_usage_(include_usage),
+      model_name_(std::move(model_name)), include_usage_(include_usage), prefill_only_(prefill_only),
       id_(fmt::format("{}-{}", endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl", handle_->id())),
       created_(std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count()) {}
 
@@ -40,9 +58,17 @@ json ResponseWriter::complete(const std::function<bool()>& client_gone, std::chr
     if (client_gone()) handle_->cancel();  // idempotent; the scheduler finishes it as "cancelled"
   }
   tokens_ = handle_->wait_finished();
+  const FinishReason finished = handle_->finish_reason();
+  if (prefill_only_ && (finished == FinishReason::kStop || finished == FinishReason::kLength)) {
+    tokens_.clear();
+    return {{"text", ""},
+            {"output_ids", json::array()},
+            {"meta_info", {{"id", id_}, {"prompt_tokens", handle_->prompt_tokens()}, {"completion_tokens", 0},
+                           {"finish_reason", {{"type", "length"}, {"length", 0}}}}}};
+  }
   text_.push(tokens_);
   text_.finish(handle_->stop_text_length());
-  const char* reason = finish_reason_name(handle_->finish_reason());
+  const char* reason = finish_reason_name(finished);
   const std::string& text = text_.emitted();
   if (endpoint_ == Endpoint::kGenerate) {
     return {{"text", text},

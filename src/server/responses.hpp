@@ -18,10 +18,17 @@ enum class Endpoint { kCompletion, kChat, kGenerate };
 
 nlohmann::json error_body(const std::string& message, const std::string& type);
 
+// Non-streamed bodies of one request's choices (each from ResponseWriter::complete) as one response: OpenAI's
+// object with every choice, `index` set, usage summed (a prompt's tokens counted once for its n choices);
+// /generate's object, or with `batched` the list of them.
+nlohmann::json merge_choices(Endpoint endpoint, std::vector<nlohmann::json> bodies, int n, bool batched);
+
 class ResponseWriter {
  public:
+  // `prefill_only` (/generate max_new_tokens 0): the body reports no output token (the request ran its prompt
+  // and the one token that ends a prefill, which is dropped).
   ResponseWriter(Endpoint endpoint, std::shared_ptr<RequestHandle> handle, const tokenizer::Tokenizer* tokenizer,
-                 std::vector<std::string> stop, std::string model_name, bool include_usage);
+                 std::vector<std::string> stop, std::string model_name, bool include_usage, bool prefill_only = false);
 
   // Waits for the request to finish; the whole JSON body. `client_gone` (optional) is asked every
   // `poll_interval` and on every new token; once it says yes the request is cancelled (its KV pages free
@@ -45,6 +52,7 @@ class ResponseWriter {
   TextStream text_;
   const std::string model_name_;
   const bool include_usage_;
+  const bool prefill_only_;
   const std::string id_;
   const int64_t created_;
   std::vector<int32_t> tokens_;  // seen so far

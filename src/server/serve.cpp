@@ -161,6 +161,16 @@ void serve(const ServeOptions& options) {
   http_options.vocab_size = executor.vocab_size();
   http_options.expert_distribution_dir = options.expert_distribution_dir;
   http_options.threads = std::max(64, 2 * options.scheduler.max_running_requests + 16);
+  http_options.api_key = options.api_key;
+  http_options.model_path = options.model_dir;
+  http_options.server_info = {
+      {"tp_size", options.parallel.tp}, {"dp_size", options.parallel.dp}, {"ep_size", options.parallel.ep},
+      {"pp_size", options.parallel.pp}, {"enable_dp_attention", options.parallel.enable_dp_attention},
+      {"ep_num_redundant_experts", options.parallel.num_redundant_experts},
+      {"moe_a2a_backend", options.run.engine.moe_a2a_backend}, {"enable_eplb", eplb_on}, {"device", options.run.device},
+      {"max_running_requests", options.scheduler.max_running_requests}, {"page_size", options.scheduler.page_size},
+      {"kv_pages", options.scheduler.kv_pages}, {"chunked_prefill_size", options.scheduler.max_prefill_tokens},
+      {"layout", where}};
 
   Detokenizer detokenizer;
   if (tok) {

@@ -24,6 +24,7 @@ struct ServeOptions {
   std::string served_model_name;  // empty: the model folder's name
   std::string expert_distribution_dir = ".";
   double shutdown_timeout_s = 30;
+  std::string api_key;  // --api-key: Bearer auth on every route but /health and /metrics
 };
 
 // Blocks until a SIGINT or SIGTERM has been handled; throws (after shutting down) when the engine's ranks
