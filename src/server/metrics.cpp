@@ -71,9 +71,9 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   out += fmt::format("fulcrum_step_seconds_sum {}\nfulcrum_step_seconds_count {}\n", step_sum_, step_count_);
   header(out, "fulcrum_step_tokens_total", "counter", "Tokens run through forward steps (prefill and decode).");
   out += fmt::format("fulcrum_step_tokens_total {}\n", batch_tokens_);
-  header(out, "fulcrum_kv_pages_used", "gauge", "KV cache pages reserved by admitted requests.");
+  header(out, "fulcrum_kv_pages_used", "gauge", "KV cache pages held by running requests (a page shared by several counts once).");
   out += fmt::format("fulcrum_kv_pages_used {}\n", g.kv_pages_used);
-  header(out, "fulcrum_kv_pages_total", "gauge", "KV cache pages in the pool.");
+  header(out, "fulcrum_kv_pages_total", "gauge", "KV cache pages in the pool (of every attention-DP group).");
   out += fmt::format("fulcrum_kv_pages_total {}\n", g.kv_pages_total);
   header(out, "fulcrum_prefix_cache_enabled", "gauge", "1 when prompt prefixes share KV pages (0: --disable-radix-cache).");
   out += fmt::format("fulcrum_prefix_cache_enabled {}\n", g.prefix_cache_enabled ? 1 : 0);
