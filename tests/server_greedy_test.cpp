@@ -105,6 +105,8 @@ void expect_batched_equals_standalone(EngineStepExecutor& executor) {
 EngineExecutorOptions tiny_options() {
   EngineExecutorOptions o;
   o.model_dir = test::tiny_served_model();
+  o.kv_pages = 64;  // the scheduler's pool below
+  o.page_size = 8;
   return o;
 }
 
@@ -191,7 +193,7 @@ TEST(ServerGreedy, ParallelLayoutWithLiveEplbEqualsStandalone) {
 
 TEST(ServerGreedy, RecorderCountsRoutingWhileRecording) {
   EngineStepExecutor executor(tiny_options());
-  Scheduler scheduler(executor, {});
+  Scheduler scheduler(executor, {.kv_pages = 64, .page_size = 8});
   RequestParams p;
   p.prompt = {3, 4, 5};
   p.max_tokens = 2;

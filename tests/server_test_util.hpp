@@ -1,6 +1,7 @@
 #pragma once
 // Helpers of the server tests: a fake StepExecutor whose logits are a pure function of each sequence's
 // own history (for scheduler logic), and a tiny synthetic model with a tokenizer, made once per process.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -21,6 +22,10 @@ namespace fulcrum::test {
 
 // Logits = one-hot on a hash of the sequence's tokens so far, mod vocab, sampled with model::sample_entry
 // (the host sampling every logits-producing executor uses); every step's entries are recorded.
+// Over caller-chosen pages (allocate_on_pages, what the scheduler uses) it is a paged KV cache of token ids:
+// each step writes its tokens into the page table's slots and reads the history back through the table, so a
+// wrong page table changes the tokens. A write to a slot already written since the page was handed out
+// fresh, a fresh page that another live sequence holds, or a cached page not fully written throws.
 class FakeExecutor final : public server::StepExecutor {
  public:
   // What step() saw of one entry (its token span does not outlive the step).
@@ -32,7 +37,8 @@ class FakeExecutor final : public server::StepExecutor {
     double uniform = 0.0;
   };
 
-  explicit FakeExecutor(int vocab = 50, int64_t max_len = 4096) : vocab_(vocab), max_len_(max_len) {}
+  explicit FakeExecutor(int vocab = 50, int64_t max_len = 4096, int page_size = 4)
+      : vocab_(vocab), max_len_(max_len), page_size_(page_size) {}
 
   int vocab_size() const override { return vocab_; }
   int64_t max_sequence_length() const override { return max_len_; }
@@ -41,10 +47,40 @@ class FakeExecutor final : public server::StepExecutor {
     live[id] = {};
     capacity_[id] = capacity;
   }
+  void allocate_on_pages(server::SequenceId id, const model::SequencePages& p) override {
+    FULCRUM_CHECK(!live.contains(id), "double allocate {}", id);
+    const auto num_pages = static_cast<size_t>((p.capacity + page_size_ - 1) / page_size_);
+    FULCRUM_CHECK(p.page_ids.size() == num_pages, "sequence {}: {} pages for capacity {}", id, p.page_ids.size(), p.capacity);
+    FULCRUM_CHECK(p.num_cached_tokens % page_size_ == 0, "sequence {}: {} cached tokens", id, p.num_cached_tokens);
+    const auto num_cached_pages = static_cast<size_t>(p.num_cached_tokens / page_size_);
+    for (size_t i = 0; i < num_pages; ++i) {
+      FULCRUM_CHECK(p.dp_group >= 0 && p.dp_group < num_groups, "sequence {}: group {}", id, p.dp_group);
+      const PageKey page{p.dp_group, p.page_ids[i]};
+      std::vector<int32_t>& slots = pages_[page];
+      if (i < num_cached_pages) {
+        FULCRUM_CHECK(slots.size() == static_cast<size_t>(page_size_) &&
+                          std::find(slots.begin(), slots.end(), -1) == slots.end(),
+                      "sequence {}: cached page {} is not written", id, page.second);
+        continue;
+      }
+      for (const auto& [other, table] : tables_) {
+        FULCRUM_CHECK(std::find(table.begin(), table.end(), page) == table.end(),
+                      "sequence {}: fresh page {} is held by sequence {}", id, page.second, other);
+      }
+      slots.assign(static_cast<size_t>(page_size_), -1);
+    }
+    for (const int32_t page : p.page_ids) tables_[id].push_back({p.dp_group, page});
+    group_of[id] = p.dp_group;
+    live[id] = read_positions(tables_[id], p.num_cached_tokens);
+    capacity_[id] = p.capacity;
+    num_cached_tokens_seen += p.num_cached_tokens;
+  }
+  int num_kv_groups() const override { return num_groups; }
   void release(server::SequenceId id) override {
     if (on_release) on_release(id);
     live.erase(id);
     capacity_.erase(id);
+    tables_.erase(id);
   }
   model::StepOutput step(std::span<const model::StepSequence> batch) override {
     if (fail_next_step) {
@@ -57,7 +93,22 @@ class FakeExecutor final : public server::StepExecutor {
     for (size_t i = 0; i < batch.size(); ++i) {
       const model::StepSequence& in = batch[i];
       std::vector<int32_t>& history = live.at(in.id);
-      history.insert(history.end(), in.token_ids.begin(), in.token_ids.end());
+      if (const auto table = tables_.find(in.id); table != tables_.end()) {
+        const auto start = static_cast<int64_t>(history.size());
+        FULCRUM_CHECK(start + static_cast<int64_t>(in.token_ids.size()) <= capacity_.at(in.id), "sequence {} over capacity", in.id);
+        for (size_t j = 0; j < in.token_ids.size(); ++j) {
+          const int64_t pos = start + static_cast<int64_t>(j);
+          const PageKey page = table->second[static_cast<size_t>(pos / page_size_)];
+          int32_t& slot = pages_.at(page)[static_cast<size_t>(pos % page_size_)];
+          FULCRUM_CHECK(slot == -1, "sequence {}: page {} of group {} slot {} written twice", in.id, page.second,
+                        page.first, pos % page_size_);
+          slot = in.token_ids[j];
+          ++num_written_positions;
+        }
+        history = read_positions(table->second, start + static_cast<int64_t>(in.token_ids.size()));
+      } else {
+        history.insert(history.end(), in.token_ids.begin(), in.token_ids.end());
+      }
       FULCRUM_CHECK(static_cast<int64_t>(history.size()) <= capacity_.at(in.id), "sequence {} over capacity", in.id);
       std::vector<float> row = logits(history, vocab_);  // [vocab]
       if (nan_logits.contains(in.id)) row[3] = std::nanf("");
@@ -88,8 +139,12 @@ class FakeExecutor final : public server::StepExecutor {
     return static_cast<int32_t>(h % static_cast<uint64_t>(vocab));
   }
 
-  std::map<server::SequenceId, std::vector<int32_t>> live;
+  std::map<server::SequenceId, std::vector<int32_t>> live;  // each live sequence's tokens in its KV cache
   int steps = 0;
+  int64_t num_written_positions = 0;  // KV positions written (computed) over caller-chosen pages
+  int64_t num_cached_tokens_seen = 0;  // positions allocate_on_pages said were cached
+  int num_groups = 1;                  // attention-DP groups it reports
+  std::map<server::SequenceId, int> group_of;  // group of each sequence allocated on pages (kept after release)
   std::vector<std::vector<SeenEntry>> steps_seen;  // per step, in batch order
   std::set<server::SequenceId> nan_logits;         // these sequences' logits hold a NaN (token 3)
   bool fail_next_step = false;
@@ -97,9 +152,21 @@ class FakeExecutor final : public server::StepExecutor {
   std::function<void(server::SequenceId)> on_release;  // called before a sequence's KV is dropped
 
  private:
+  using PageKey = std::pair<int, int32_t>;  // (attention-DP group, page id)
+  std::vector<int32_t> read_positions(const std::vector<PageKey>& table, int64_t n) const {
+    std::vector<int32_t> out;
+    for (int64_t pos = 0; pos < n; ++pos) {
+      out.push_back(pages_.at(table[static_cast<size_t>(pos / page_size_)])[static_cast<size_t>(pos % page_size_)]);
+    }
+    return out;
+  }
+
   int vocab_;
   int64_t max_len_;
+  int page_size_;
   std::map<server::SequenceId, int64_t> capacity_;
+  std::map<server::SequenceId, std::vector<PageKey>> tables_;  // caller-chosen page tables
+  std::map<PageKey, std::vector<int32_t>> pages_;              // page -> token per slot (-1: not written)
 };
 
 inline std::string golden_tokenizer_file() { return shared_path("golden/tokenizer/bpe-qwen-style-2k/tokenizer.json"); }

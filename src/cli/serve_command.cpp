@@ -42,10 +42,13 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--port", o->port, "Port (0: any free port; the log names it)")->capture_default_str()->check(CLI::Range(0, 65535));
   cmd->add_option("--max-running-requests", o->scheduler.max_running_requests, "Requests in the running batch")
       ->capture_default_str()->check(kPositive);
-  cmd->add_option("--kv-pages", o->scheduler.kv_pages, "KV cache pool, in pages")->capture_default_str()->check(kPositive);
+  cmd->add_option("--kv-pages", o->scheduler.kv_pages, "KV cache pool, in pages (of each attention-DP group)")
+      ->capture_default_str()->check(kPositive);
   cmd->add_option("--page-size", o->scheduler.page_size, "Tokens per KV page")->capture_default_str()->check(kPositive);
   cmd->add_option("--max-prefill-tokens", o->scheduler.max_prefill_tokens, "Prompt tokens per step (chunked prefill)")
       ->capture_default_str()->check(kPositive);
+  cmd->add_flag_callback("--disable-radix-cache", [o] { o->scheduler.prefix_cache = false; },
+                         "Turn prefix caching off (on by default: requests share the KV pages of common prompt prefixes)");
   cmd->add_option("--default-max-tokens", o->default_max_tokens, "max_tokens of requests that give none")
       ->capture_default_str()->check(kPositive);
   cmd->add_option("--load-format", o->load_format,
@@ -58,10 +61,6 @@ void register_serve_command(CLI::App& app) {
                   "Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise)");
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
       ->capture_default_str()->check(kNonNegative);
-  cmd->add_flag_callback(
-      "--disable-radix-cache",
-      [] { std::fputs("fulcrum: note: --disable-radix-cache: no prefix cache here, every prompt is prefilled whole\n", stderr); },
-      "Accepted for SGLang's command lines (no prefix cache to disable)");
   EngineFlags::add_to(cmd, engine_flags);
   cmd->callback([o, engine_flags] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
@@ -81,6 +80,10 @@ void register_bench_serve_command(CLI::App& bench) {
   load->add_option("--duration", l->duration_s, "Run for this many seconds instead of --requests");
   load->add_option("--prompt-len", *prompt_len, "Prompt length range A:B (uniform, token ids)")->capture_default_str();
   load->add_option("--max-tokens", l->max_tokens, "Tokens generated per request")->capture_default_str();
+  load->add_option("--shared-prefix", l->shared_prefix,
+                   "Every prompt starts with these many shared random token ids, then its own --prompt-len ones "
+                   "(a few-shot prefix: exercises the server's prefix cache)")
+      ->capture_default_str()->check(kNonNegative);
   load->add_option("--seed", l->seed, "Prompt seed")->capture_default_str();
   auto json_path = std::make_shared<std::string>();
   auto git_commit = std::make_shared<std::string>();
@@ -96,12 +99,16 @@ void register_bench_serve_command(CLI::App& bench) {
                               {"p99", server::percentile(v, 0.99)}};
       };
       const nlohmann::json doc{{"command", command_line()}, {"git_commit", *git_commit}, {"clients", l->clients},
-                               {"prompt_len", *prompt_len}, {"max_tokens", l->max_tokens}, {"succeeded", report.succeeded},
+                               {"prompt_len", *prompt_len}, {"shared_prefix", l->shared_prefix},
+                               {"max_tokens", l->max_tokens}, {"succeeded", report.succeeded},
                                {"failed", report.failed}, {"seconds", report.seconds},
                                {"output_tokens_per_s", report.output_tokens / std::max(report.seconds, 1e-9)},
                                {"requests_per_s", report.succeeded / std::max(report.seconds, 1e-9)},
                                {"ttft_s", pct(report.ttft_s)}, {"itl_s", pct(report.itl_s)},
-                               {"latency_s", pct(report.latency_s)}};
+                               {"latency_s", pct(report.latency_s)},
+                               {"server_prompt_tokens", report.server_prompt_tokens},
+                               {"server_prefix_cache_hit_tokens", report.server_hit_tokens},
+                               {"server_step_tokens", report.server_step_tokens}};
       write_file_atomically(*json_path, doc.dump(2) + "\n");
     }
     FULCRUM_CHECK(report.failed == 0, "{} of {} requests failed", report.failed, report.failed + report.succeeded);

@@ -42,6 +42,7 @@ uint16_t* DeviceKvPool::v(int layer_idx) const {
 void DeviceKvPool::allocate(SequenceId id, int64_t capacity) {
   FULCRUM_CHECK(!live(id), "sequence {} is already live", id);
   FULCRUM_CHECK(capacity >= 1, "sequence {}: capacity {} must be positive", id, capacity);
+  FULCRUM_CHECK(!mapped_, "KV pool: its pages are chosen by the caller (allocate_on_pages)");
   const int64_t need = (capacity + page_size_ - 1) / page_size_;
   FULCRUM_CHECK(need <= num_free_pages(), "KV pool exhausted: need {} pages, {} free", need, num_free_pages());
   KvSequence seq;
@@ -52,10 +53,34 @@ void DeviceKvPool::allocate(SequenceId id, int64_t capacity) {
   seqs_.emplace(id, std::move(seq));
 }
 
+void DeviceKvPool::allocate_on_pages(SequenceId id, int64_t capacity, std::span<const int32_t> page_ids,
+                                     int64_t num_cached_tokens) {
+  FULCRUM_CHECK(!live(id), "sequence {} is already live", id);
+  FULCRUM_CHECK(capacity >= 1, "sequence {}: capacity {} must be positive", id, capacity);
+  FULCRUM_CHECK(num_cached_tokens >= 0 && num_cached_tokens < capacity, "sequence {}: {} cached positions of {}", id,
+                num_cached_tokens, capacity);
+  const int64_t need = (capacity + page_size_ - 1) / page_size_;
+  FULCRUM_CHECK(static_cast<int64_t>(page_ids.size()) == need, "sequence {}: {} page ids for {} positions, need {}", id,
+                page_ids.size(), capacity, need);
+  FULCRUM_CHECK(mapped_ || num_free_pages() == num_pages_, "KV pool: {} pages are in sequences it allocated itself",
+                num_pages_ - num_free_pages());
+  std::vector<int32_t> sorted(page_ids.begin(), page_ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  FULCRUM_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "sequence {}: a page id twice", id);
+  FULCRUM_CHECK(sorted.front() >= 0 && sorted.back() < num_pages_, "sequence {}: page ids outside [0, {})", id, num_pages_);
+  mapped_ = true;
+  KvSequence seq;
+  seq.capacity = capacity;
+  seq.num_tokens = num_cached_tokens;
+  seq.page_ids.assign(page_ids.begin(), page_ids.end());
+  seq.borrowed = true;
+  seqs_.emplace(id, std::move(seq));
+}
+
 void DeviceKvPool::release(SequenceId id) {
   const auto it = seqs_.find(id);
   if (it == seqs_.end()) return;
-  free_.insert(free_.end(), it->second.page_ids.rbegin(), it->second.page_ids.rend());
+  if (!it->second.borrowed) free_.insert(free_.end(), it->second.page_ids.rbegin(), it->second.page_ids.rend());
   seqs_.erase(it);
 }
 

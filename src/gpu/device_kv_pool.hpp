@@ -5,6 +5,9 @@
 // position pos of a sequence lives in row page_ids[pos / page_size] * page_size + pos % page_size
 // (model::KvPages's rule, so the CPU reference and the engine agree on what a page table means).
 // Admission is by free pages: a sequence reserves ceil(capacity / page_size) pages when it is allocated.
+// Or the caller chooses the pages (allocate_on_pages: the server's prefix cache, which shares pages holding a
+// common prompt prefix); such a sequence borrows them, and once used that way the pool's pages are the
+// caller's (allocate refuses), so the two never hand out the same page.
 // No CUDA header here.
 #include <cstdint>
 #include <map>
@@ -19,6 +22,7 @@ struct KvSequence {
   int64_t capacity = 0;
   int64_t num_tokens = 0;  // positions written so far
   std::vector<int32_t> page_ids;
+  bool borrowed = false;  // pages chosen by the caller: not returned to the free list
 };
 
 class DeviceKvPool {
@@ -40,6 +44,9 @@ class DeviceKvPool {
 
   // Reserves the pages of a new sequence; "KV pool exhausted: need N pages, M free" when they are not there.
   void allocate(SequenceId id, int64_t capacity);
+  // A sequence over the caller's `page_ids` (ceil(capacity / page_size) distinct ids), positions
+  // [0, num_cached_tokens) already written (shared pages, read only).
+  void allocate_on_pages(SequenceId id, int64_t capacity, std::span<const int32_t> page_ids, int64_t num_cached_tokens);
   void release(SequenceId id);  // no-op for an id that is not live
   bool live(SequenceId id) const { return seqs_.count(id) != 0; }
   KvSequence& sequence(SequenceId id);  // throws for an id that is not live
@@ -51,6 +58,7 @@ class DeviceKvPool {
   uint16_t* base_ = nullptr;
   std::vector<int32_t> free_;  // a stack: back() goes next (lowest ids first on a fresh pool)
   std::map<SequenceId, KvSequence> seqs_;
+  bool mapped_ = false;  // allocate_on_pages was used
 };
 
 }  // namespace fulcrum::gpu

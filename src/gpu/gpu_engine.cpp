@@ -225,6 +225,13 @@ void GpuEngine::allocate(model::SequenceId id, int64_t capacity) {
   kv_->allocate(id, capacity);
 }
 
+void GpuEngine::allocate_on_pages(model::SequenceId id, const model::SequencePages& pages) {
+  FULCRUM_CHECK(pages.dp_group == 0, "sequence {}: attention-DP group {}, the GPU engine has one", id, pages.dp_group);
+  FULCRUM_CHECK(pages.capacity <= max_sequence_length(), "sequence {}: capacity {} exceeds the longest sequence {}", id,
+                pages.capacity, max_sequence_length());
+  kv_->allocate_on_pages(id, pages.capacity, pages.page_ids, pages.num_cached_tokens);
+}
+
 void GpuEngine::release(model::SequenceId id) { kv_->release(id); }
 
 std::string GpuEngine::attention_name() const { return attention_->name(); }

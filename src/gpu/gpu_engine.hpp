@@ -78,6 +78,7 @@ class GpuEngine final : public model::StepModel {
   int vocab_size() const override { return config_.vocab_size; }
   int64_t max_sequence_length() const override;
   void allocate(model::SequenceId id, int64_t capacity) override;
+  void allocate_on_pages(model::SequenceId id, const model::SequencePages& pages) override;
   void release(model::SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
 

@@ -12,7 +12,8 @@ KvCache::KvCache(KvCache&& other) noexcept
     : capacity(std::exchange(other.capacity, 0)),
       num_tokens(std::exchange(other.num_tokens, 0)),
       pool_(std::move(other.pool_)),
-      page_ids_(std::move(other.page_ids_)) {
+      page_ids_(std::move(other.page_ids_)),
+      borrowed_(std::exchange(other.borrowed_, false)) {
   other.page_ids_.clear();
 }
 
@@ -22,6 +23,7 @@ KvCache& KvCache::operator=(KvCache&& other) noexcept {
     pool_ = std::move(other.pool_);
     page_ids_ = std::move(other.page_ids_);
     other.page_ids_.clear();
+    borrowed_ = std::exchange(other.borrowed_, false);
     capacity = std::exchange(other.capacity, 0);
     num_tokens = std::exchange(other.num_tokens, 0);
   }
@@ -29,7 +31,10 @@ KvCache& KvCache::operator=(KvCache&& other) noexcept {
 }
 
 void KvCache::release() noexcept {
-  if (const std::shared_ptr<KvPool> pool = pool_.lock()) pool->release(page_ids_);
+  if (!borrowed_) {
+    if (const std::shared_ptr<KvPool> pool = pool_.lock()) pool->release(page_ids_);
+  }
+  borrowed_ = false;
   pool_.reset();
   page_ids_.clear();
   capacity = 0;
@@ -93,6 +98,7 @@ void KvPool::reserve(int64_t num_pages, int64_t page_size) {
 KvCache KvPool::create_cache(int64_t capacity) {
   FULCRUM_CHECK(capacity > 0, "kv cache capacity must be positive, got {}", capacity);
   std::lock_guard lock(mutex_);
+  FULCRUM_CHECK(!mapped_, "create_cache: this KV pool's pages are chosen by its caller (map_cache)");
   const int64_t need = (capacity + page_size_ - 1) / page_size_;
   const auto num_free = static_cast<int64_t>(free_.size());
   if (need > num_free) {
@@ -106,6 +112,36 @@ KvCache KvPool::create_cache(int64_t capacity) {
   cache.capacity = capacity;
   cache.page_ids_.assign(free_.rbegin(), free_.rbegin() + need);
   free_.resize(free_.size() - static_cast<size_t>(need));
+  return cache;
+}
+
+KvCache KvPool::map_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens) {
+  FULCRUM_CHECK(capacity > 0, "kv cache capacity must be positive, got {}", capacity);
+  FULCRUM_CHECK(num_cached_tokens >= 0 && num_cached_tokens < capacity, "kv cache: {} cached positions of {}",
+                num_cached_tokens, capacity);
+  std::lock_guard lock(mutex_);
+  const int64_t need = (capacity + page_size_ - 1) / page_size_;
+  FULCRUM_CHECK(static_cast<int64_t>(page_ids.size()) == need, "kv cache of {} positions: {} page ids, need {} of {}",
+                capacity, page_ids.size(), need, page_size_);
+  FULCRUM_CHECK(mapped_ || static_cast<int64_t>(free_.size()) == num_pages_,
+                "map_cache: {} pages of this pool are in caches it made itself", num_pages_ - static_cast<int64_t>(free_.size()));
+  int32_t max_id = -1;
+  for (const int32_t id : page_ids) {
+    FULCRUM_CHECK(id >= 0 && (!fixed_ || id < num_pages_), "kv cache: page id {} outside the pool's {} pages", id, num_pages_);
+    max_id = std::max(max_id, id);
+  }
+  std::vector<int32_t> sorted(page_ids.begin(), page_ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  FULCRUM_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "kv cache: a page id twice in one table");
+  if (max_id >= num_pages_) resize_locked((max_id + kGrowPages) / kGrowPages * kGrowPages);  // growing mode only
+  mapped_ = true;
+  KvCache cache;
+  cache.pool_ = weak_from_this();
+  FULCRUM_CHECK(!cache.pool_.expired(), "a KvPool must be owned by a std::shared_ptr");
+  cache.borrowed_ = true;
+  cache.capacity = capacity;
+  cache.num_tokens = num_cached_tokens;
+  cache.page_ids_.assign(page_ids.begin(), page_ids.end());
   return cache;
 }
 

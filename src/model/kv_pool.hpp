@@ -11,6 +11,11 @@
 // (after reserve): the tensors are allocated once and never grow; a request beyond the free pages throws
 // "KV pool exhausted". Growth must not run while a forward pass reads the pool (the model is not
 // thread-safe); page accounting (allocate/release/counts) is, so a cache may be released from any thread.
+//
+// Pages chosen by the caller (map_cache): the server's scheduler owns page accounting (its prefix cache
+// shares pages between sequences, server/prefix_cache.hpp) and hands each sequence its page table; such a
+// cache borrows its pages (release returns nothing). Once a pool has mapped a cache it is the caller's:
+// create_cache refuses, so the two never hand out the same page.
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -40,13 +45,14 @@ class KvCache {
 
   std::span<const int32_t> page_ids() const { return page_ids_; }  // [ceil(capacity / page_size)] in order
   bool belongs_to(const KvPool& pool) const { return pool_.lock().get() == &pool; }
-  // Returns the pages to the pool now; the cache is then empty (capacity 0).
+  // Returns the pages to the pool now (borrowed pages: gives them up); the cache is then empty (capacity 0).
   void release() noexcept;
 
  private:
   friend class KvPool;
   std::weak_ptr<KvPool> pool_;  // the pool may go first (model destroyed): then there is nothing to return
   std::vector<int32_t> page_ids_;
+  bool borrowed_ = false;  // pages chosen by the caller (KvPool::map_cache), not returned to the pool
 };
 
 class KvPool : public std::enable_shared_from_this<KvPool> {
@@ -61,6 +67,10 @@ class KvPool : public std::enable_shared_from_this<KvPool> {
   void reserve(int64_t num_pages, int64_t page_size);
   // A cache of `capacity` positions: ceil(capacity / page_size) pages, lowest free ids of a fresh pool first.
   KvCache create_cache(int64_t capacity);
+  // A cache of `capacity` positions over the caller's `page_ids` (ceil(capacity / page_size) distinct ids
+  // in [0, num_pages)); positions [0, num_cached_tokens) already hold this sequence's K/V (pages shared
+  // with an earlier sequence), so num_tokens starts there. A growing pool grows to cover the ids.
+  KvCache map_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens);
 
   int64_t page_size() const { return page_size_; }
   bool fixed() const { return fixed_; }
@@ -83,6 +93,7 @@ class KvPool : public std::enable_shared_from_this<KvPool> {
   const int64_t num_kv_heads_, head_dim_;
   int64_t page_size_ = kDefaultPageSize;
   bool fixed_ = false;
+  bool mapped_ = false;  // map_cache was used: page accounting belongs to the caller
   mutable std::mutex mutex_;  // guards the fields below
   int64_t num_pages_ = 0;
   std::vector<int32_t> free_;  // free page ids, a stack: back() is handed out next

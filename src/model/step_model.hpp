@@ -42,6 +42,20 @@ struct StepOutput {
                                     // "sampling: logit of token 3 is nan"); the other entries are valid
 };
 
+// Where a new sequence's KV lives when the caller chooses its pages (StepModel::allocate_on_pages): the
+// server's scheduler does, so that its prefix cache (server/prefix_cache.hpp) can share the pages that hold
+// a common prompt prefix between sequences. Page ids index the pool of the sequence's attention-DP group
+// (every rank of that group holds the same page ids in its own pool).
+struct SequencePages {
+  int64_t capacity = 0;               // positions the sequence holds at most (prompt + generated)
+  int dp_group = 0;                   // in [0, num_kv_groups())
+  std::span<const int32_t> page_ids;  // ceil(capacity / page_size) distinct pages, in position order
+  // Positions [0, num_cached_tokens) already hold K/V of the sequence's first tokens, written by an earlier
+  // sequence into page_ids' first pages (a whole number of pages); they are read, never written again, and
+  // the first step appends after them. Less than capacity.
+  int64_t num_cached_tokens = 0;
+};
+
 class StepModel {
  public:
   virtual ~StepModel() = default;
@@ -53,6 +67,11 @@ class StepModel {
   // Creates the KV state of a new sequence that will hold at most `capacity` tokens in total.
   // `id` must not be live. Throws fulcrum::Error when it cannot (the model stays usable).
   virtual void allocate(SequenceId id, int64_t capacity) = 0;
+  // The same over pages chosen by the caller (see SequencePages), who then owns page accounting; the pool
+  // of each group must hold every page id the caller uses (its --kv-pages, of the caller's page size).
+  virtual void allocate_on_pages(SequenceId id, const SequencePages& pages) = 0;
+  // Attention-DP groups, each with its own KV pool (1 unless the engine runs DP attention).
+  virtual int num_kv_groups() const { return 1; }
   // Drops the KV state of `id`; a no-op for an id that is not live.
   virtual void release(SequenceId id) = 0;
 

@@ -81,6 +81,22 @@ int64_t EngineStepExecutor::max_sequence_length() const {
 }
 
 void EngineStepExecutor::allocate(SequenceId id, int64_t capacity) {
+  add_on_ranks(id, capacity, [&](engine::RankEngine& engine) { engine.add_sequence(id, capacity); });
+}
+
+void EngineStepExecutor::allocate_on_pages(SequenceId id, const model::SequencePages& pages) {
+  FULCRUM_CHECK(pages.dp_group >= 0 && pages.dp_group < num_kv_groups(), "sequence {}: attention-DP group {} outside [0, {})",
+                id, pages.dp_group, num_kv_groups());
+  FULCRUM_CHECK(pages.num_cached_tokens >= 0 && pages.num_cached_tokens < pages.capacity,
+                "sequence {}: {} cached positions of {}", id, pages.num_cached_tokens, pages.capacity);
+  add_on_ranks(id, pages.capacity, [&](engine::RankEngine& engine) {
+    engine.add_sequence_on_pages(id, pages.capacity, pages.dp_group, pages.page_ids, pages.num_cached_tokens);
+  });
+  live_.at(id).num_tokens = pages.num_cached_tokens;
+}
+
+void EngineStepExecutor::add_on_ranks(SequenceId id, int64_t capacity,
+                                      const std::function<void(engine::RankEngine&)>& add) {
   FULCRUM_CHECK(!live_.contains(id), "sequence {} is already allocated", id);
   FULCRUM_CHECK(capacity > 0 && capacity <= max_sequence_length(), "sequence {}: capacity {} outside [1, {}]", id,
                 capacity, max_sequence_length());
@@ -89,7 +105,7 @@ void EngineStepExecutor::allocate(SequenceId id, int64_t capacity) {
   const std::vector<std::exception_ptr> errors = threads_->run_local([&](int rank, comm::Communicator&) {
     engine::RankEngine& engine = *ranks_[static_cast<size_t>(rank)].engine;
     for (const SequenceId r : releases) engine.drop_sequence(r);
-    engine.add_sequence(id, capacity);
+    add(engine);
   });
   for (const std::exception_ptr& error : errors) {
     if (!error) continue;

@@ -5,6 +5,7 @@
 //
 //   allocate / release  add / drop the sequence on every rank (RankEngine::add_sequence picks its
 //                       attention-DP group for its life); releases travel with the next command.
+//                       allocate_on_pages: the caller (the scheduler's prefix cache) picks group and pages.
 //   step                one collective forward pass (last-position logits, rank 0's), then the EPLB step
 //                       on every rank; each entry that asks is sampled from rank 0's row on the caller's
 //                       thread (model::sample_entry). A sequence's logits depend only on its own tokens.
@@ -54,6 +55,8 @@ class EngineStepExecutor final : public StepExecutor {
   int vocab_size() const override { return config_.vocab_size; }
   int64_t max_sequence_length() const override;
   void allocate(SequenceId id, int64_t capacity) override;
+  void allocate_on_pages(SequenceId id, const model::SequencePages& pages) override;
+  int num_kv_groups() const override { return layout_->attn_dp_size(); }
   void release(SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
 
@@ -68,6 +71,8 @@ class EngineStepExecutor final : public StepExecutor {
     int64_t capacity = 0;
     int64_t num_tokens = 0;
   };
+  // Runs `add` (one rank's add_sequence) on every rank after the pending releases; undoes it on a failure.
+  void add_on_ranks(SequenceId id, int64_t capacity, const std::function<void(engine::RankEngine&)>& add);
   void run_pass(const std::vector<engine::SequenceTokens>& batch, std::vector<SequenceId> releases,
                 std::vector<std::vector<float>>& logits);
 

@@ -101,6 +101,11 @@ void GpuStepExecutor::allocate(SequenceId id, int64_t capacity) {
   engine_->allocate(id, capacity);
 }
 
+void GpuStepExecutor::allocate_on_pages(SequenceId id, const model::SequencePages& pages) {
+  std::lock_guard lock(mutex_);
+  engine_->allocate_on_pages(id, pages);
+}
+
 void GpuStepExecutor::release(SequenceId id) {
   std::lock_guard lock(mutex_);
   engine_->release(id);

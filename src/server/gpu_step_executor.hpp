@@ -35,6 +35,7 @@ class GpuStepExecutor final : public StepExecutor {
   int vocab_size() const override;
   int64_t max_sequence_length() const override;
   void allocate(SequenceId id, int64_t capacity) override;
+  void allocate_on_pages(SequenceId id, const model::SequencePages& pages) override;
   void release(SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
 

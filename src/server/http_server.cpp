@@ -240,6 +240,13 @@ struct HttpServer::Impl {
       http.Post(path, handler);
       http.Get(path, handler);
     }
+    // SGLang's endpoint: empties the prefix cache (pages running requests hold stay until they end).
+    const auto flush = guarded([this](const httplib::Request&, httplib::Response& res) {
+      const FlushResult r = scheduler.flush_cache();
+      send_json(res, 200, {{"flushed_pages", r.flushed_pages}, {"in_use_pages", r.in_use_pages}});
+    });
+    http.Post("/flush_cache", flush);
+    http.Get("/flush_cache", flush);
     // Unrouted paths and refusals by httplib itself (413, 400 on a bad request line) get a JSON body.
     // Our handlers always write a body (and count their refusals in guarded()); an empty one is httplib's own.
     http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {

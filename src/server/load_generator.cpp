@@ -4,6 +4,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <map>
+#include <sstream>
 #include <mutex>
 #include <thread>
 
@@ -38,13 +41,30 @@ ServedModel query_model(const std::string& url) {
   return {model.at("id").get<std::string>(), model.at("vocab_size").get<int>()};
 }
 
+// Counters of /metrics by name (a Prometheus text line "name value"); absent ones are missing.
+std::map<std::string, double> scrape_counters(const std::string& url, std::initializer_list<const char*> names) {
+  std::map<std::string, double> out;
+  httplib::Client client(url);
+  client.set_connection_timeout(5);
+  const httplib::Result res = client.Get("/metrics");
+  if (!res || res->status != 200) return out;
+  std::istringstream lines(res->body);
+  for (std::string line; std::getline(lines, line);) {
+    for (const char* name : names) {
+      if (line.rfind(std::string(name) + " ", 0) == 0) out[name] = std::stod(line.substr(std::strlen(name) + 1));
+    }
+  }
+  return out;
+}
+
 // One streaming request; appends its timings to `local` and returns an error message or "".
-std::string one_request(httplib::Client& client, const ServedModel& model, const LoadOptions& o, model::Rng& rng,
-                        LoadReport& local) {
+std::string one_request(httplib::Client& client, const ServedModel& model, const LoadOptions& o,
+                        const std::vector<int32_t>& prefix, model::Rng& rng, LoadReport& local) {
   const int span = o.prompt_max - o.prompt_min + 1;
-  const int length = o.prompt_min + static_cast<int>(rng.next() % static_cast<uint64_t>(span));
-  std::vector<int32_t> prompt(static_cast<size_t>(length));
-  for (int32_t& id : prompt) id = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(model.vocab_size));
+  const int own = o.prompt_min + static_cast<int>(rng.next() % static_cast<uint64_t>(span));
+  std::vector<int32_t> prompt = prefix;
+  for (int i = 0; i < own; ++i) prompt.push_back(static_cast<int32_t>(rng.next() % static_cast<uint64_t>(model.vocab_size)));
+  const auto length = static_cast<int64_t>(prompt.size());
   const json body = {{"model", model.name}, {"prompt", prompt}, {"max_tokens", o.max_tokens}, {"ignore_eos", true},
                      {"stream", true}, {"stream_options", {{"include_usage", true}}}};
   httplib::Request req;
@@ -122,7 +142,17 @@ LoadReport run_load(const LoadOptions& o) {
   FULCRUM_CHECK(o.duration_s > 0 || o.requests > 0, "--requests must be positive, got {}", o.requests);
   FULCRUM_CHECK(o.prompt_min >= 1 && o.prompt_min <= o.prompt_max, "--prompt-len A:B needs 1 <= A <= B");
   FULCRUM_CHECK(o.max_tokens >= 1, "--max-tokens must be positive, got {}", o.max_tokens);
+  FULCRUM_CHECK(o.shared_prefix >= 0, "--shared-prefix must be >= 0, got {}", o.shared_prefix);
   const ServedModel model = query_model(o.url);
+  std::vector<int32_t> prefix;
+  model::Rng prefix_rng(o.seed, "shared prefix");
+  for (int i = 0; i < o.shared_prefix; ++i) {
+    prefix.push_back(static_cast<int32_t>(prefix_rng.next() % static_cast<uint64_t>(model.vocab_size)));
+  }
+  constexpr const char* kPrompt = "fulcrum_prompt_tokens_total";
+  constexpr const char* kHits = "fulcrum_prefix_cache_hit_tokens_total";
+  constexpr const char* kSteps = "fulcrum_step_tokens_total";
+  const std::map<std::string, double> before = scrape_counters(o.url, {kPrompt, kHits, kSteps});
   std::atomic<int> issued{0};
   std::mutex mutex;
   LoadReport report;
@@ -142,7 +172,7 @@ LoadReport run_load(const LoadOptions& o) {
       while (more()) {
         std::string error;
         try {  // a malformed response must count as a failed request, not end the process
-          error = one_request(client, model, o, rng, local);
+          error = one_request(client, model, o, prefix, rng, local);
         } catch (const std::exception& e) {
           error = std::string("bad response: ") + e.what();
         }
@@ -168,19 +198,34 @@ LoadReport run_load(const LoadOptions& o) {
   }
   for (std::thread& t : threads) t.join();
   report.seconds = since(start, Clock::now());
+  const std::map<std::string, double> after = scrape_counters(o.url, {kPrompt, kHits, kSteps});
+  const auto delta = [&](const char* name) -> int64_t {
+    return before.contains(name) && after.contains(name) ? static_cast<int64_t>(after.at(name) - before.at(name)) : -1;
+  };
+  report.server_prompt_tokens = delta(kPrompt);
+  report.server_hit_tokens = delta(kHits);
+  report.server_step_tokens = delta(kSteps);
   return report;
 }
 
 std::string format_load_report(const LoadOptions& o, const LoadReport& r) {
   const auto ms = [](const std::vector<double>& v, double q) { return 1000.0 * percentile(v, q); };
-  std::string out = fmt::format("requests: {} ok, {} failed in {:.2f} s ({} clients, prompt {}:{}, max_tokens {})\n",
-                                r.succeeded, r.failed, r.seconds, o.clients, o.prompt_min, o.prompt_max, o.max_tokens);
+  std::string out = fmt::format("requests: {} ok, {} failed in {:.2f} s ({} clients, prompt {}{}:{}, max_tokens {})\n",
+                                r.succeeded, r.failed, r.seconds, o.clients,
+                                o.shared_prefix > 0 ? fmt::format("{} shared + ", o.shared_prefix) : "", o.prompt_min,
+                                o.prompt_max, o.max_tokens);
   out += fmt::format("throughput: {:.2f} req/s, {:.1f} output tok/s, {:.1f} prompt tok/s\n", r.succeeded / r.seconds,
                      static_cast<double>(r.output_tokens) / r.seconds, static_cast<double>(r.prompt_tokens) / r.seconds);
   for (const auto& [name, values] : {std::pair<const char*, const std::vector<double>*>{"TTFT", &r.ttft_s},
                                      {"ITL", &r.itl_s}, {"latency", &r.latency_s}}) {
     out += fmt::format("{:8} ms: p50 {:.2f}  p90 {:.2f}  p99 {:.2f}  ({} samples)\n", name, ms(*values, 0.5),
                        ms(*values, 0.9), ms(*values, 0.99), values->size());
+  }
+  if (r.server_hit_tokens >= 0 && r.server_prompt_tokens > 0) {
+    out += fmt::format("prefix cache: {} of {} prompt tokens read from the cache (hit ratio {:.3f}); {} tokens computed\n",
+                       r.server_hit_tokens, r.server_prompt_tokens,
+                       static_cast<double>(r.server_hit_tokens) / static_cast<double>(r.server_prompt_tokens),
+                       r.server_step_tokens);
   }
   for (const std::string& e : r.errors) out += "error: " + e + "\n";
   return out;

@@ -2,7 +2,9 @@
 // `fulcrum bench serve`: closed-loop load on a running server over loopback. N client threads each send
 // streaming /v1/completions requests (random token-id prompts of a length drawn from [min, max], fixed
 // max_tokens, ignore_eos) one after another until the request count (or the duration) is reached, and
-// time every SSE token event: TTFT = first token - send, ITL = gaps between later tokens.
+// time every SSE token event: TTFT = first token - send, ITL = gaps between later tokens. With a shared
+// prefix every prompt starts with the same random token ids (a few-shot prompt, a system prompt), and the
+// server's prefix-cache counters on /metrics are read before and after the run.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@ struct LoadOptions {
   int prompt_min = 16;
   int prompt_max = 64;
   int max_tokens = 32;
+  int shared_prefix = 0;  // tokens every prompt starts with (before its own prompt_min..prompt_max tokens)
   uint64_t seed = 0;
 };
 
@@ -30,6 +33,9 @@ struct LoadReport {
   std::vector<double> itl_s;      // per token gap
   std::vector<double> latency_s;  // per request
   std::vector<std::string> errors;  // the first few failures
+  // The server's /metrics counters over the run (-1 when it has none): prompt tokens admitted, those read
+  // from its prefix cache, and tokens run through forward steps (prefill and decode computed).
+  int64_t server_prompt_tokens = -1, server_hit_tokens = -1, server_step_tokens = -1;
 };
 
 LoadReport run_load(const LoadOptions& options);

@@ -59,7 +59,7 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   out += fmt::format("fulcrum_requests_running {}\n", g.running);
   header(out, "fulcrum_requests_waiting", "gauge", "Requests queued for admission.");
   out += fmt::format("fulcrum_requests_waiting {}\n", g.waiting);
-  header(out, "fulcrum_prompt_tokens_total", "counter", "Prompt tokens prefilled.");
+  header(out, "fulcrum_prompt_tokens_total", "counter", "Prompt tokens prefilled or read from the prefix cache.");
   out += fmt::format("fulcrum_prompt_tokens_total {}\n", prompt_tokens_.load());
   header(out, "fulcrum_generation_tokens_total", "counter", "Tokens generated.");
   out += fmt::format("fulcrum_generation_tokens_total {}\n", generation_tokens_.load());
@@ -71,10 +71,24 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   out += fmt::format("fulcrum_step_seconds_sum {}\nfulcrum_step_seconds_count {}\n", step_sum_, step_count_);
   header(out, "fulcrum_step_tokens_total", "counter", "Tokens run through forward steps (prefill and decode).");
   out += fmt::format("fulcrum_step_tokens_total {}\n", batch_tokens_);
-  header(out, "fulcrum_kv_pages_used", "gauge", "KV cache pages reserved by admitted requests.");
+  header(out, "fulcrum_kv_pages_used", "gauge", "KV cache pages held by running requests (a page shared by several counts once).");
   out += fmt::format("fulcrum_kv_pages_used {}\n", g.kv_pages_used);
-  header(out, "fulcrum_kv_pages_total", "gauge", "KV cache pages in the pool.");
+  header(out, "fulcrum_kv_pages_total", "gauge", "KV cache pages in the pool (of every attention-DP group).");
   out += fmt::format("fulcrum_kv_pages_total {}\n", g.kv_pages_total);
+  header(out, "fulcrum_prefix_cache_enabled", "gauge", "1 when prompt prefixes share KV pages (0: --disable-radix-cache).");
+  out += fmt::format("fulcrum_prefix_cache_enabled {}\n", g.prefix_cache_enabled ? 1 : 0);
+  header(out, "fulcrum_prefix_cache_pages", "gauge", "KV pages in the prefix cache, held by running requests or evictable.");
+  out += fmt::format("fulcrum_prefix_cache_pages {}\n", g.prefix_cache_pages);
+  header(out, "fulcrum_prefix_cache_evicted_pages_total", "counter", "Cached KV pages evicted to make room.");
+  out += fmt::format("fulcrum_prefix_cache_evicted_pages_total {}\n", g.prefix_cache_evicted_pages);
+  header(out, "fulcrum_prefix_cache_hit_tokens_total", "counter", "Prompt tokens read from the prefix cache.");
+  out += fmt::format("fulcrum_prefix_cache_hit_tokens_total {}\n", g.prefix_cache_hit_tokens);
+  header(out, "fulcrum_prefix_cache_hit_ratio", "gauge",
+         "Prompt tokens read from the prefix cache over prompt tokens of admitted requests, since start (0 before any).");
+  out += fmt::format("fulcrum_prefix_cache_hit_ratio {}\n",
+                     g.admitted_prompt_tokens > 0 ? static_cast<double>(g.prefix_cache_hit_tokens) /
+                                                        static_cast<double>(g.admitted_prompt_tokens)
+                                                  : 0.0);
   header(out, "fulcrum_eplb_balancedness", "gauge",
          "Balancedness (mean GPU load / max GPU load) of the live placement on the recorder's window, per MoE layer.");
   for (size_t l = 0; l < balancedness_.size(); ++l) {

@@ -15,8 +15,14 @@ namespace fulcrum::server {
 struct QueueGauges {
   int64_t running = 0;
   int64_t waiting = 0;
-  int64_t kv_pages_used = 0;
-  int64_t kv_pages_total = 0;
+  int64_t kv_pages_used = 0;   // pages running requests hold (a shared page once)
+  int64_t kv_pages_total = 0;  // over every attention-DP group's pool
+  // Prefix cache (scheduler.hpp, prefix_cache.hpp), summed over groups.
+  bool prefix_cache_enabled = false;
+  int64_t prefix_cache_pages = 0;          // pages in the index (in use or evictable)
+  int64_t prefix_cache_evicted_pages = 0;  // evicted to make room, since start (a counter)
+  int64_t prefix_cache_hit_tokens = 0;     // prompt tokens read from the cache, since start (a counter)
+  int64_t admitted_prompt_tokens = 0;      // prompt tokens of admitted requests, since start (a counter)
 };
 
 class ServerMetrics {

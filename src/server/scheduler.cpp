@@ -18,6 +18,12 @@ Scheduler::Scheduler(StepExecutor& executor, SchedulerOptions options, Detokeniz
   FULCRUM_CHECK(options.page_size > 0, "page size must be positive, got {}", options.page_size);
   FULCRUM_CHECK(options.max_prefill_tokens > 0, "max prefill tokens must be positive, got {}",
                 options.max_prefill_tokens);
+  const int groups = executor.num_kv_groups();
+  FULCRUM_CHECK(groups >= 1, "the executor has {} KV groups", groups);
+  for (int g = 0; g < groups; ++g) {
+    caches_.push_back(std::make_unique<PrefixCache>(options.kv_pages, options.page_size, options.prefix_cache));
+  }
+  group_running_.assign(static_cast<size_t>(groups), 0);
 }
 
 int64_t Scheduler::pages_for(const RequestParams& params) const {
@@ -91,8 +97,7 @@ void Scheduler::drop_cancelled() {
       ++it;
       continue;
     }
-    executor_.release((*it)->handle->id());
-    pages_used_ -= (*it)->pages;
+    release_kv(**it);
     finish(**it, FinishReason::kCancelled);
     it = running_.erase(it);
   }
@@ -100,23 +105,72 @@ void Scheduler::drop_cancelled() {
   num_running_ = static_cast<int64_t>(running_.size());
 }
 
+int Scheduler::pick_group(const Sequence& seq) const {
+  int best = -1;
+  PrefixCache::Probe best_probe;
+  for (int g = 0; g < static_cast<int>(caches_.size()); ++g) {
+    const PrefixCache::Probe p = caches_[static_cast<size_t>(g)]->probe(seq.params.prompt, seq.pages);
+    if (!p.fits) continue;
+    if (best < 0 || p.num_ready_pages > best_probe.num_ready_pages ||
+        (p.num_ready_pages == best_probe.num_ready_pages &&
+         group_running_[static_cast<size_t>(g)] < group_running_[static_cast<size_t>(best)])) {
+      best = g;
+      best_probe = p;
+    }
+  }
+  // Blocked: its next prompt page is being prefilled in that group; it is ready within that prefill.
+  return best >= 0 && !best_probe.blocked ? best : -1;
+}
+
 void Scheduler::admit() {
   std::lock_guard lock(mutex_);
-  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_running_requests &&
-         pages_used_ + waiting_.front()->pages <= options_.kv_pages) {
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_running_requests) {
+    const int group = pick_group(*waiting_.front());
+    if (group < 0) break;
     std::unique_ptr<Sequence> seq = std::move(waiting_.front());
     waiting_.pop_front();
+    PrefixCache& cache = *caches_[static_cast<size_t>(group)];
+    seq->lease = cache.acquire(seq->params.prompt, seq->pages);
+    const int64_t cached = seq->lease.num_cached_tokens;
     try {
-      executor_.allocate(seq->handle->id(), static_cast<int64_t>(seq->params.prompt.size()) + seq->params.max_tokens);
+      executor_.allocate_on_pages(seq->handle->id(),
+                                  {.capacity = static_cast<int64_t>(seq->params.prompt.size()) + seq->params.max_tokens,
+                                   .dp_group = group,
+                                   .page_ids = seq->lease.page_ids,
+                                   .num_cached_tokens = cached});
     } catch (const std::exception& e) {
+      cache.release(seq->lease, {}, 0);
       fmt::print(stderr, "fulcrum serve: request {} could not get its KV cache: {}\n", seq->handle->id(), e.what());
       finish(*seq, FinishReason::kError);
       continue;
     }
-    pages_used_ += seq->pages;
+    seq->dp_group = group;
+    seq->prefilled = seq->kv_written = cached;
+    ++group_running_[static_cast<size_t>(group)];
+    hit_tokens_ += cached;
+    admitted_prompt_tokens_ += static_cast<int64_t>(seq->params.prompt.size());
+    if (metrics_) metrics_->add_prompt_tokens(cached);  // the rest is counted as it is prefilled
     running_.push_back(std::move(seq));
   }
   num_running_ = static_cast<int64_t>(running_.size());
+}
+
+void Scheduler::release_kv(Sequence& seq) {
+  executor_.release(seq.handle->id());
+  std::vector<int32_t> tokens = seq.params.prompt;  // its positions: prompt, then what it generated
+  tokens.insert(tokens.end(), seq.generated.begin(), seq.generated.end());
+  caches_[static_cast<size_t>(seq.dp_group)]->release(seq.lease, tokens, seq.kv_written);
+  --group_running_[static_cast<size_t>(seq.dp_group)];
+}
+
+FlushResult Scheduler::flush_cache() {
+  std::lock_guard lock(mutex_);
+  FlushResult out;
+  for (const auto& cache : caches_) {
+    out.flushed_pages += cache->flush();
+    out.in_use_pages += cache->num_cached_pages();
+  }
+  return out;
 }
 
 std::optional<Scheduler::Ending> Scheduler::after_token(Sequence& seq, int32_t token) {
@@ -198,6 +252,14 @@ bool Scheduler::step() {
     metrics_->observe_step(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), batch_tokens);
   }
 
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < members.size(); ++i) {  // the pages these positions complete are ready to share
+      Sequence& seq = *members[i];
+      seq.kv_written += record.entries[i].num_tokens;
+      caches_[static_cast<size_t>(seq.dp_group)]->on_written(seq.lease, seq.kv_written);
+    }
+  }
   std::vector<Ending> finished;
   const int vocab = executor_.vocab_size();
   for (size_t i = 0; i < members.size(); ++i) {
@@ -235,10 +297,7 @@ bool Scheduler::step() {
 void Scheduler::retire(const std::vector<Ending>& done) {
   if (done.empty()) return;
   std::lock_guard lock(mutex_);
-  for (const Ending& end : done) {
-    executor_.release(end.seq->handle->id());
-    pages_used_ -= end.seq->pages;
-  }
+  for (const Ending& end : done) release_kv(*end.seq);
   for (const Ending& end : done) finish(*end.seq, end.reason, end.stop_text_length);
   std::erase_if(running_, [&](const std::unique_ptr<Sequence>& s) {
     return std::any_of(done.begin(), done.end(), [&](const Ending& end) { return end.seq == s.get(); });
@@ -251,12 +310,11 @@ void Scheduler::fail_all() {
   accepting_ = false;
   for (auto& seq : waiting_) finish(*seq, FinishReason::kError);
   for (auto& seq : running_) {
-    executor_.release(seq->handle->id());
+    release_kv(*seq);
     finish(*seq, FinishReason::kError);
   }
   waiting_.clear();
   running_.clear();
-  pages_used_ = 0;
   num_running_ = 0;
 }
 
@@ -300,7 +358,17 @@ void Scheduler::stop() {
 
 QueueGauges Scheduler::gauges() const {
   std::lock_guard lock(mutex_);
-  return {num_running_, static_cast<int64_t>(waiting_.size()), pages_used_, options_.kv_pages};
+  QueueGauges g{num_running_, static_cast<int64_t>(waiting_.size())};
+  for (const auto& cache : caches_) {
+    g.kv_pages_used += cache->num_used_pages();
+    g.kv_pages_total += cache->num_pages();
+    g.prefix_cache_pages += cache->num_cached_pages();
+    g.prefix_cache_evicted_pages += cache->num_evicted_pages();
+  }
+  g.prefix_cache_enabled = options_.prefix_cache;
+  g.prefix_cache_hit_tokens = hit_tokens_;
+  g.admitted_prompt_tokens = admitted_prompt_tokens_;
+  return g;
 }
 
 bool Scheduler::idle() const {

@@ -3,8 +3,13 @@
 //   1. drops cancelled requests (waiting or running) and frees their KV pages;
 //   2. admits waiting requests in arrival order while the running batch has room (max_running_requests)
 //      and the KV pool has the pages a request needs for its whole life, ceil((prompt + max_tokens) /
-//      page_size); the first request that does not fit waits, and so does everything behind it (no
-//      overtaking, no starvation). Nothing is dropped for lack of room;
+//      page_size), less those it shares with the prefix cache; the first request that does not fit waits,
+//      and so does everything behind it (no overtaking, no starvation). Nothing is dropped for lack of room;
+//      a request whose next prompt page another running request is still prefilling waits for it too.
+//      Each attention-DP group has its own pool and prefix cache (prefix_cache.hpp, one page table per
+//      sequence, given to the executor by allocate_on_pages); a request joins the group that fits it with
+//      the longest cached prefix, then the one with the fewest running requests, then the lowest. A
+//      request starts its prefill after its cached prefix;
 //   3. builds the batch: every running request past its prompt contributes its last sampled token; the
 //      rest get prompt chunks, in admission order, within max_prefill_tokens per step (chunked prefill);
 //   4. runs the executor, which samples a token for each entry that completes its prompt or decodes (the
@@ -27,6 +32,7 @@
 
 #include "model/rng.hpp"
 #include "server/metrics.hpp"
+#include "server/prefix_cache.hpp"
 #include "server/request.hpp"
 #include "server/step_executor.hpp"
 
@@ -34,9 +40,16 @@ namespace fulcrum::server {
 
 struct SchedulerOptions {
   int max_running_requests = 32;
-  int64_t kv_pages = 512;
+  int64_t kv_pages = 512;       // KV pages of each attention-DP group's pool
   int page_size = 16;           // tokens per KV page
   int max_prefill_tokens = 512; // prompt tokens per step, over all requests
+  bool prefix_cache = true;     // share KV pages of common prompt prefixes (--disable-radix-cache: off)
+};
+
+// What flush_cache() did.
+struct FlushResult {
+  int64_t flushed_pages = 0;  // cached pages no request held: now free
+  int64_t in_use_pages = 0;   // cached pages running requests hold: indexed still, evictable once they end
 };
 
 // Text of generated ids, for stop strings; empty when the server has no tokenizer.
@@ -72,6 +85,9 @@ class Scheduler {
   // Makes run() return after its current step; pending requests are cancelled first.
   void stop();
 
+  // Empties the prefix cache of every group (pages in use stay). Thread-safe.
+  FlushResult flush_cache();
+
   QueueGauges gauges() const;
   bool idle() const;
   const StepRecord& last_step() const { return last_step_; }
@@ -85,9 +101,14 @@ class Scheduler {
     int64_t pages = 0;
     int64_t prefilled = 0;  // prompt tokens already in the KV cache
     std::vector<int32_t> generated;
+    int dp_group = -1;        // once admitted
+    PrefixCache::Lease lease;  // its pages, once admitted
+    int64_t kv_written = 0;   // positions in its KV cache (cached prefix, prefilled, decoded)
   };
 
   int64_t pages_for(const RequestParams& params) const;
+  int pick_group(const Sequence& seq) const;  // -1: it waits; under mutex_
+  void release_kv(Sequence& seq);             // executor and prefix cache; under mutex_
   void drop_cancelled();
   void admit();
   void finish(Sequence& seq, FinishReason reason, std::optional<size_t> stop_text_length = std::nullopt);
@@ -110,7 +131,9 @@ class Scheduler {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   int64_t num_running_ = 0;   // mirrors running_.size() for gauges()
-  int64_t pages_used_ = 0;
+  std::vector<std::unique_ptr<PrefixCache>> caches_;  // [executor's KV groups]
+  std::vector<int64_t> group_running_;                // [KV groups] running requests in each
+  int64_t hit_tokens_ = 0, admitted_prompt_tokens_ = 0;
   int64_t next_id_ = 1;
   bool accepting_ = true;
   bool stop_ = false;

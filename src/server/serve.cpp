@@ -198,13 +198,14 @@ void serve(const ServeOptions& options) {
   std::thread loop(guarded([&] { scheduler.run(); }));
   std::thread listener(guarded([&] { http.listen(); }));
   const double load_s = std::chrono::duration<double>(Clock::now() - load_start).count();
-  log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s on {}{}; {} KV pages of {} tokens, "
-                  "up to {} running requests, {} prefill tokens per step",
+  log(fmt::format("model '{}' ({} layers, {} experts, vocab {}{}), loaded in {:.2f} s on {}{}; {} KV pages of {} tokens{}, "
+                  "prefix cache {}, up to {} running requests, {} prefill tokens per step",
                   ctx.model_name, config->num_hidden_layers, config->num_experts,
                   executor.vocab_size(), tok ? ", tokenizer.json" : ", no tokenizer: token ids only", load_s,
-                  where, eplb_on ? ", EPLB on" : "",
-                  options.scheduler.kv_pages, options.scheduler.page_size, options.scheduler.max_running_requests,
-                  options.scheduler.max_prefill_tokens));
+                  where, eplb_on ? ", EPLB on" : "", options.scheduler.kv_pages, options.scheduler.page_size,
+                  executor.num_kv_groups() > 1 ? fmt::format(" per attention-DP group ({})", executor.num_kv_groups()) : "",
+                  options.scheduler.prefix_cache ? "on" : "off (--disable-radix-cache)",
+                  options.scheduler.max_running_requests, options.scheduler.max_prefill_tokens));
   log(fmt::format("listening on http://{}:{}", options.host, port));
 
   int signal = 0;
