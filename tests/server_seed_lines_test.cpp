@@ -75,7 +75,7 @@ TEST(ServerSeedLines, TheSeedsLaunchLinesServeWithSglangsMeaning) {
                  "holding its chosen replica); --ep defaults to --tp as in SGLang: --ep 8",
                  "fulcrum: note: --deepep-mode normal: alltoall has one mode",
                  "fulcrum: note: --trust-remote-code: no code from the checkpoint runs",
-                 "fulcrum: note: --disable-radix-cache: no prefix cache here"});
+                 "prefix cache off (--disable-radix-cache)"});
   ASSERT_EQ(lines[1], (std::vector<std::string>{"--model", "Qwen/Qwen3-30B-A3B", "--pp", "2"}));
   expect_serves(with_local_model(lines[1], tiny_served_model()), {"tp 1 (attention: 1 DP group(s) x 1 TP), ep 1 "
                                                                   "(1 rank(s) per EP rank), pp 2: [0,1) [1,2)"});
