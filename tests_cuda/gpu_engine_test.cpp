@@ -341,6 +341,52 @@ TEST_F(GpuEngineTest, WeightCacheRoundTripsAndRefusesAnotherPlacement) {
   EXPECT_THROW(engine.load_weights(dir, cache.path()), Error);
 }
 
+// Prefix caching on the GPU engine (the scheduler's allocate_on_pages): a sequence whose first pages are another
+// sequence's written prompt pages, prefilling only the rest, gives the logits of the whole prompt computed on
+// fresh pages (within the chunking tolerance: the suffix is a second chunk over the shared KV), and leaves the
+// shared pages' K/V as they were (the first sequence's next logits do not change).
+TEST_F(GpuEngineTest, SharedPrefixPagesGiveTheWholePromptsLogits) {
+  const model::Qwen3MoeConfig config = small_config();
+  gpu::GpuEngineOptions o = small_options();
+  o.page_size = 16;
+  o.kv_pages = 64;
+  gpu::GpuEngine engine(config, o);
+  engine.fill_random(31);
+  const std::vector<int32_t> prefix = random_tokens(64, config.vocab_size, 41);  // 4 whole pages
+  std::vector<int32_t> a = prefix, b = prefix;
+  for (const int32_t t : random_tokens(9, config.vocab_size, 42)) a.push_back(t);
+  for (const int32_t t : random_tokens(21, config.vocab_size, 43)) b.push_back(t);
+  const int v = engine.vocab_size();
+  const auto last = [&](const std::vector<model::HostTensor>& logits) {
+    return std::vector<float>(logits[0].data.end() - v, logits[0].data.end());
+  };
+  const std::vector<int32_t> pages_a = {0, 1, 2, 3, 4}, pages_b = {0, 1, 2, 3, 5, 6}, pages_c = {7, 8, 9, 10, 11, 12};
+  engine.allocate_on_pages(1, {static_cast<int64_t>(a.size()) + 2, 0, pages_a, 0});
+  const std::vector<model::StepSequence> run_a = {entry(1, a, false)};
+  engine.forward_logits(run_a);
+  engine.allocate_on_pages(2, {static_cast<int64_t>(b.size()) + 2, 0, pages_b, 64});
+  const std::vector<model::StepSequence> run_b = {entry(2, std::span(b).subspan(64), false)};
+  const std::vector<float> shared = last(engine.forward_logits(run_b));
+  engine.allocate_on_pages(3, {static_cast<int64_t>(b.size()) + 2, 0, pages_c, 0});
+  const std::vector<model::StepSequence> run_c = {entry(3, b, false)};
+  const std::vector<float> whole = last(engine.forward_logits(run_c));
+  const double rel = rel_error(shared, whole);
+  EXPECT_LE(rel, kBatchRelTolerance);
+  std::cout << "[ prefix cache ] suffix over shared pages vs whole prompt: rel " << rel << "\n";
+  // Sequence 1 continues on its pages (the shared four included) as a sequence on fresh pages does.
+  const int32_t next = 7;
+  const std::vector<model::StepSequence> step_a = {entry(1, std::span(&next, 1), false)};
+  const std::vector<float> after_a = last(engine.forward_logits(step_a));
+  std::vector<int32_t> a_next = a;
+  a_next.push_back(next);
+  const std::vector<int32_t> pages_d = {13, 14, 15, 16, 17};
+  engine.allocate_on_pages(4, {static_cast<int64_t>(a.size()) + 2, 0, pages_d, 0});
+  const std::vector<model::StepSequence> run_d = {entry(4, a_next, false)};
+  EXPECT_LE(rel_error(after_a, last(engine.forward_logits(run_d))), kBatchRelTolerance);
+  // The pool's own allocation is refused once the caller chooses pages (two owners could hand out one page).
+  EXPECT_THROW(engine.allocate(9, 10), Error);
+}
+
 TEST_F(GpuEngineTest, BadRequestsAreOneLineErrors) {
   const model::Qwen3MoeConfig config = small_config(1);
   gpu::GpuEngineOptions o = small_options();
