@@ -246,8 +246,10 @@ TEST_F(StepOpsTest, AddRmsNormMatchesReference) {
 }
 
 // The MoE combine fused into add + RMSNorm against combine_reference then add_rms_norm: the residual within
-// 2^-20 of its scale (the kernel sums the k products with FMAs, the reference rounds each product; a few fp32
-// ulps), the normed output within one bf16 step (as add_rms_norm above, from residuals a few ulps apart).
+// 2^-20 x (8 + k) absolute (values up to ~11; the kernel sums the k products with FMAs, the reference rounds each
+// product: a few fp32 ulps), the normed output within 2^-8 of itself plus 2^-13 of its row's largest |value|:
+// one bf16 step where the residual is large, and where residual and delta nearly cancel (seen: 3.3e-6 in a row
+// reaching ~1) an absolute slack scaled from the residual's few-ulp difference (|dx| / rms ~ 1e-5 of the row).
 TEST_F(StepOpsTest, MoeCombineAddRmsNormMatchesReference) {
   uint32_t seed = 900;
   for (const int hidden : {64, 2048, 4096}) {
@@ -299,7 +301,18 @@ TEST_F(StepOpsTest, MoeCombineAddRmsNormMatchesReference) {
           double worst = 0;
           for (size_t q = 0; q < got.size(); ++q) worst = std::max(worst, std::abs(double(got[q]) - expected_residual[q]));
           EXPECT_LE(worst, std::ldexp(8.0 + top_k, -20)) << "residual |difference|";
-          EXPECT_TRUE(within_one_bf16_step(to_host(d_out.ptr, static_cast<int64_t>(expected_out.size())), expected_out));
+          const std::vector<float> out_got = to_floats(to_host(d_out.ptr, static_cast<int64_t>(expected_out.size())));
+          const std::vector<float> out_ref = to_floats(expected_out);
+          int64_t off = 0;
+          for (int64_t i = 0; i < num_out; ++i) {
+            float row_max = 0;
+            for (int c = 0; c < hidden; ++c) row_max = std::max(row_max, std::abs(out_ref[i * hidden + c]));
+            for (int c = 0; c < hidden; ++c) {
+              const float g = out_got[i * hidden + c], r = out_ref[i * hidden + c];
+              off += !(std::abs(g - r) <= std::ldexp(std::abs(r), -8) + std::ldexp(row_max, -13));
+            }
+          }
+          EXPECT_EQ(off, 0) << "normed values outside the bound";
         }
       }
     }

@@ -343,7 +343,7 @@ void GpuEngine::forward_layers(const StepShape& shape) {
 }
 
 void GpuEngine::add_norm(bool with_delta, const uint16_t* weight, const int32_t* rows, int64_t num_rows, uint16_t* out,
-                         const char* what) {
+                         const char* what, bool keep_pending) {
   Workspace& w = *ws_;
   if (with_delta && pending_combine_ != nullptr) {
     MoeCombineDelta moe;
@@ -351,7 +351,9 @@ void GpuEngine::add_norm(bool with_delta, const uint16_t* weight, const int32_t*
     moe.entry_row = pending_combine_->entry_row();
     moe.weights = pending_combine_->weights();
     moe.top_k = config_.num_experts_per_tok;
-    pending_combine_ = nullptr;
+    // The head may take the rows in chunks (forward_logits): each chunk's rows add the same layer's combine, so
+    // it stays pending there until the next forward_layers.
+    if (!keep_pending) pending_combine_ = nullptr;
     check_launch(launch_moe_combine_add_rms_norm(w.residual, moe, weight, config_.rms_norm_eps, rows, num_rows,
                                                  config_.hidden_size, out, stream_),
                  what);
@@ -364,7 +366,7 @@ void GpuEngine::add_norm(bool with_delta, const uint16_t* weight, const int32_t*
 
 void GpuEngine::head(const int32_t* rows, int num_rows, float* logits) {
   if (num_rows == 0) return;
-  add_norm(true, weights_->final_norm(), rows, num_rows, ws_->head_x, "final RMSNorm");
+  add_norm(true, weights_->final_norm(), rows, num_rows, ws_->head_x, "final RMSNorm", /*keep_pending=*/true);
   gemm_->run(ws_->head_x, weights_->lm_head(), num_rows, config_.vocab_size, config_.hidden_size, logits, GemmOut::kF32);
 }
 

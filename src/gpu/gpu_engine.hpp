@@ -113,9 +113,10 @@ class GpuEngine final : public model::StepModel {
   void plan_attention(const StepShape& shape);
   void forward_layers(const StepShape& shape);
   void head(const int32_t* rows, int num_rows, float* logits);
-  // residual += the last layer output (delta, or the pending MoE combine), then RMSNorm of `rows` into out.
+  // residual += the last layer output (delta, or the pending MoE combine), then RMSNorm of `rows` into out;
+  // keep_pending: the pending combine serves later calls too (the head's row chunks, distinct rows each).
   void add_norm(bool with_delta, const uint16_t* weight, const int32_t* rows, int64_t num_rows, uint16_t* out,
-                const char* what);
+                const char* what, bool keep_pending = false);
   void sample(const StepShape& shape);
   void run_decode_graph(const StepShape& shape);
   void advance(std::span<const model::StepSequence> batch);
