@@ -2,7 +2,8 @@
 """Markdown tables for docs/benchmarks.md from `fulcrum bench generate --json` and `fulcrum bench serve --json`.
 
 Usage: scripts/engine_bench_tables.py bench/results/generate_h200.json [bench/results/serve_h200.json]
-       scripts/engine_bench_tables.py --crossover SKINNY.json CUTLASS.json
+       scripts/engine_bench_tables.py --compare A.json B.json LABEL_A LABEL_B
+       scripts/engine_bench_tables.py --prefix-cache PREFIX_CACHE.json ...
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
 """
 import json
@@ -54,11 +55,11 @@ def decode_ms(doc):
     return {(r["batch"], r["context"]): r["ms_per_step"] for r in doc["runs"] if r["phase"] == "decode"}
 
 
-def crossover(skinny_doc, cutlass_doc):
-    """Decode ms/step of two runs side by side (same call on the device): skinny expert path vs CUTLASS only."""
-    a, b = decode_ms(skinny_doc), decode_ms(cutlass_doc)
-    print(f"Runs: `{skinny_doc['command']}` and `{cutlass_doc['command']}` (commit {skinny_doc['git_commit']}).\n")
-    print(row(["batch", "context", "skinny path ms/step", "CUTLASS ms/step", "skinny / CUTLASS"]))
+def compare(doc_a, doc_b, label_a, label_b):
+    """Decode ms/step of two runs side by side (same call on the device), and their ratio."""
+    a, b = decode_ms(doc_a), decode_ms(doc_b)
+    print(f"Runs: `{doc_a['command']}` and `{doc_b['command']}` (commit {doc_a['git_commit']}).\n")
+    print(row(["batch", "context", f"{label_a} ms/step", f"{label_b} ms/step", f"{label_a} / {label_b}"]))
     print(row(["---:"] * 5))
     for key in sorted(a):
         if key in b:
@@ -66,9 +67,30 @@ def crossover(skinny_doc, cutlass_doc):
     print()
 
 
+def prefix_cache(doc):
+    """scripts/prefix_cache_bench.sh's JSON: the shared-prefix pattern with and without the prefix cache."""
+    on, off = doc["with_cache"], doc["without_cache"]
+    print(f"Run: `{doc['script']}`, engine {doc['engine']}, commit {doc['git_commit']}, {doc['machine']}; "
+          f"{on['clients']} clients, {on['succeeded']} requests, {on['shared_prefix']} shared + {on['prompt_len']} "
+          f"prompt tokens, {on['max_tokens']} output tokens.\n")
+    print(row(["", "TTFT p50 / p90 ms", "requests/s", "output tok/s", "prompt tokens from the cache"]))
+    print(row(["---"] + ["---:"] * 4))
+    for name, r in (("with the cache", on), ("--disable-radix-cache", off)):
+        t = r["ttft_s"]
+        print(row([name, f"{1e3 * t['p50']:.1f} / {1e3 * t['p90']:.1f}", f"{r['requests_per_s']:.2f}",
+                   f"{r['output_tokens_per_s']:.1f}", f"{r['server_prefix_cache_hit_tokens']} of {r['server_prompt_tokens']}"]))
+    print(f"\nTTFT p50 {doc['ttft_p50_ratio']:.1f}x lower with the cache; prompt tokens computed with it "
+          f"{doc['prompt_tokens_computed_with_cache']} against {doc['unshared_prompt_tokens']} unshared "
+          f"({doc['prompt_tokens_computed_with_cache'] / doc['unshared_prompt_tokens']:.2f}x).\n")
+
+
 args = sys.argv[1:]
-if args and args[0] == "--crossover":
-    crossover(json.load(open(args[1])), json.load(open(args[2])))
+if args and args[0] == "--compare":
+    compare(json.load(open(args[1])), json.load(open(args[2])), args[3], args[4])
+    args = []
+elif args and args[0] == "--prefix-cache":
+    for path in args[1:]:
+        prefix_cache(json.load(open(path)))
     args = []
 for path in args:
     doc = json.load(open(path))
