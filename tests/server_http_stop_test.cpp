@@ -9,6 +9,7 @@
 #include <future>
 #include <thread>
 
+#include "eplb/error.hpp"
 #include "server/http_server.hpp"
 #include "server/metrics.hpp"
 #include "server/scheduler.hpp"
@@ -71,6 +72,27 @@ TEST(HttpServerStop, AStopWhileServingEndsIt) {
     std::this_thread::sleep_for(50ms);
     s.http.stop();
   }));
+}
+
+// The port is bound exclusively: a second server on a port in use is a one-line error, not a second listener
+// the kernel would split connections with.
+TEST(HttpServerBind, APortInUseIsAOneLineError) {
+  test::FakeExecutor executor;
+  ServerMetrics metrics;
+  Scheduler scheduler{executor, {}};
+  HttpServer probe{scheduler, metrics, nullptr, {}};
+  const int port = probe.bind("127.0.0.1", 0);
+  HttpServer second{scheduler, metrics, nullptr, {}};
+  try {
+    second.bind("127.0.0.1", port);
+    ADD_FAILURE() << "a second server bound port " << port;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("in use"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  probe.stop();
+  probe.listen();  // returns at once (stopped) and closes the socket
 }
 
 }  // namespace

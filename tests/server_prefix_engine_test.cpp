@@ -1,10 +1,15 @@
 // Prefix caching on the CPU engine: greedy outputs through the scheduler are bitwise the same with and
 // without the cache (attention sums in position order over the page table, so a sequence reading another's
-// pages computes exactly what it would have computed itself), on one rank and on two attention-DP groups.
+// pages computes exactly what it would have computed itself), on one rank, on two attention-DP groups, and while
+// EPLB rebalances.
+#include <regex>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "model/rng.hpp"
 #include "server/engine_step_executor.hpp"
+#include "server/metrics.hpp"
 #include "server/scheduler.hpp"
 #include "server_test_util.hpp"
 
@@ -54,7 +59,10 @@ std::vector<std::vector<int32_t>> run(EngineStepExecutor& executor, const std::v
   return out;
 }
 
-void expect_cache_changes_nothing(EngineExecutorOptions options) {
+// Returns the executor's metrics text after both runs (EPLB gauges when it rebalanced).
+std::string expect_cache_changes_nothing(EngineExecutorOptions options) {
+  ServerMetrics metrics;
+  options.metrics = &metrics;
   options.model_dir = test::tiny_served_model();
   options.kv_pages = 48;
   options.page_size = 4;
@@ -66,6 +74,7 @@ void expect_cache_changes_nothing(EngineExecutorOptions options) {
   EXPECT_EQ(with, without);
   EXPECT_GT(with_gauges.prefix_cache_hit_tokens, 0);
   EXPECT_EQ(without_gauges.prefix_cache_hit_tokens, 0);
+  return metrics.render({});
 }
 
 TEST(ServerPrefixEngine, GreedyOutputsEqualWithAndWithoutTheCacheOnOneRank) {
@@ -76,6 +85,23 @@ TEST(ServerPrefixEngine, GreedyOutputsEqualWithAndWithoutTheCacheOnTwoDpGroups) 
   EngineExecutorOptions options;
   options.parallel = {.tp = 2, .dp = 2, .ep = 2, .enable_dp_attention = true};
   expect_cache_changes_nothing(std::move(options));
+}
+
+// Live EPLB rebalancing every two passes while sequences read cached pages: experts move, the KV pages do not,
+// and the tokens stay those of the run without the cache.
+TEST(ServerPrefixEngine, GreedyOutputsEqualAcrossLiveEplbRebalances) {
+  EngineExecutorOptions options;
+  options.parallel = {.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true, .num_redundant_experts = 4};
+  options.run.engine.moe_a2a_backend = "alltoall";
+  options.run.eplb.enabled = true;
+  options.run.eplb.rebalance_num_iterations = 2;
+  options.run.eplb.recorder_buffer_size = 4;
+  options.run.eplb.skip_balancedness = 1.0;  // replan whenever the planner improves a layer
+  options.log = [](const std::string&) {};
+  const std::string text = expect_cache_changes_nothing(std::move(options));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("fulcrum_eplb_rebalances_total ([0-9]+)")));
+  EXPECT_GE(std::stoi(m[1]), 1) << text;
 }
 
 }  // namespace

@@ -271,7 +271,10 @@ HttpServer::HttpServer(Scheduler& scheduler, ServerMetrics& metrics, ExpertDistr
   // bind() widens its backlog, which the packaged library fixes at 5 (a burst of clients would overflow it).
   impl_->http.set_keep_alive_max_count(100000);
   impl_->http.set_socket_options([impl = impl_.get()](int sock) {
-    httplib::default_socket_options(sock);
+    // SO_REUSEADDR only (a restart may bind while old connections sit in TIME_WAIT): httplib's default adds
+    // SO_REUSEPORT, with which a second server on the same port starts and the kernel splits connections.
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     impl->listen_socket = sock;
   });
   impl_->routes();
@@ -281,7 +284,9 @@ HttpServer::~HttpServer() = default;
 
 int HttpServer::bind(const std::string& host, int port) {
   const int bound = port == 0 ? impl_->http.bind_to_any_port(host) : (impl_->http.bind_to_port(host, port) ? port : -1);
-  FULCRUM_CHECK(bound > 0, "cannot listen on {}:{}", host, port);
+  if (bound <= 0) impl_->listen_socket = -1;  // httplib closed the socket it made
+  FULCRUM_CHECK(bound > 0, "cannot listen on {}:{}: the port is in use, or the host is not an address of this machine",
+                host, port);
   FULCRUM_CHECK(impl_->listen_socket >= 0 && ::listen(impl_->listen_socket, SOMAXCONN) == 0,
                 "cannot widen the listen backlog on {}:{}", host, bound);
   return bound;
