@@ -50,6 +50,12 @@ std::string layer_name(int layer_idx, const char* what) { return fmt::format("mo
 
 float fan_in_scale(int64_t fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); }
 
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t s : shape) n *= s;
+  return n;
+}
+
 }  // namespace
 
 int64_t DeviceWeights::bytes_needed(const model::Qwen3MoeConfig& config, int num_slots) {
@@ -152,43 +158,52 @@ void DeviceWeights::load(model::Checkpoint& checkpoint, const std::function<void
                   checkpoint.file_of(name), name, config_.num_hidden_layers);
   }
   std::vector<float> host;
-  std::vector<uint16_t> bf16;
   const auto read = [&](const std::string& name, const std::vector<int64_t>& shape, std::vector<uint16_t>& out, size_t at) {
     FULCRUM_CHECK(checkpoint.contains(name), "{}: missing tensor '{}'", checkpoint.dir(), name);
-    int64_t n = 1;
-    for (const int64_t s : shape) n *= s;
+    const int64_t n = numel_of(shape);
     host.resize(static_cast<size_t>(n));
     checkpoint.read_f32_into(name, shape, host);
     for (int64_t i = 0; i < n; ++i) out[at + static_cast<size_t>(i)] = model::f32_to_bf16_bits(host[static_cast<size_t>(i)]);
   };
+  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
+  upload_in_order(
+      [&](const Entry& e, std::vector<uint16_t>& bits) {
+        bits.resize(static_cast<size_t>(numel_of(e.shape)));
+        read(e.name, e.shape, bits, 0);
+      },
+      [&](int l, int moe, std::vector<uint16_t>& gate_up, std::vector<uint16_t>& down) {
+        const std::span<const int32_t> map = placement_.layer(moe);
+        gate_up.resize(map.size() * static_cast<size_t>(2 * im * h));
+        down.resize(map.size() * static_cast<size_t>(h * im));
+        for (size_t s = 0; s < map.size(); ++s) {
+          const auto expert = [&](const char* proj) {
+            return layer_name(l, fmt::format("mlp.experts.{}.{}.weight", map[s], proj).c_str());
+          };
+          read(expert("gate_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h));
+          read(expert("up_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h) + static_cast<size_t>(im * h));
+          read(expert("down_proj"), {h, im}, down, s * static_cast<size_t>(h * im));
+        }
+      },
+      on_layer);
+}
+
+void DeviceWeights::upload_in_order(const EntryBits& entry_bits, const SlotBits& slot_bits,
+                                    const std::function<void(int, int)>& on_layer) {
   const std::vector<Entry> all = entries();
+  std::vector<uint16_t> bits, gate_up, down;
   size_t next = 0;
   const auto upload_until = [&](int layer_idx) {  // the entries of the embedding/head, or of one layer
     for (; next < all.size() && all[next].layer_idx == layer_idx; ++next) {
-      const Entry& e = all[next];
-      int64_t n = 1;
-      for (const int64_t s : e.shape) n *= s;
-      bf16.resize(static_cast<size_t>(n));
-      read(e.name, e.shape, bf16, 0);
-      FULCRUM_CUDA_CHECK(cudaMemcpy(e.dst, bf16.data(), bf16.size() * 2, cudaMemcpyHostToDevice));
+      entry_bits(all[next], bits);
+      FULCRUM_CUDA_CHECK(cudaMemcpy(all[next].dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
     }
   };
   upload_until(-1);
-  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
   for (int l = 0; l < config_.num_hidden_layers; ++l) {
     upload_until(l);
     const int moe = layers_[static_cast<size_t>(l)].moe_layer_idx;
     if (moe >= 0) {
-      const std::span<const int32_t> map = placement_.layer(moe);
-      std::vector<uint16_t> gate_up(map.size() * static_cast<size_t>(2 * im * h)), down(map.size() * static_cast<size_t>(h * im));
-      for (size_t s = 0; s < map.size(); ++s) {
-        const auto expert = [&](const char* proj) {
-          return layer_name(l, fmt::format("mlp.experts.{}.{}.weight", map[s], proj).c_str());
-        };
-        read(expert("gate_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h));
-        read(expert("up_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h) + static_cast<size_t>(im * h));
-        read(expert("down_proj"), {h, im}, down, s * static_cast<size_t>(h * im));
-      }
+      slot_bits(l, moe, gate_up, down);
       slots_->upload_layer(moe, gate_up, down);
     }
     if (on_layer) on_layer(l + 1, config_.num_hidden_layers);
@@ -201,8 +216,7 @@ void DeviceWeights::fill_random(uint64_t seed) {
   std::vector<uint16_t> ones;
   uint64_t stream = seed;
   for (const Entry& e : entries()) {
-    int64_t n = 1;
-    for (const int64_t s : e.shape) n *= s;
+    const int64_t n = numel_of(e.shape);
     if (e.fill_scale == 0.0f) {
       ones.assign(static_cast<size_t>(n), one);
       FULCRUM_CUDA_CHECK(cudaMemcpy(e.dst, ones.data(), ones.size() * 2, cudaMemcpyHostToDevice));
@@ -219,12 +233,6 @@ namespace {
 constexpr const char* kCacheFormat = "fulcrum-gpu-weight-cache-1";
 
 std::string slot_tensor(int moe, const char* what) { return fmt::format("slots.{}.{}", moe, what); }
-
-int64_t numel_of(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (const int64_t s : shape) n *= s;
-  return n;
-}
 
 }  // namespace
 
@@ -296,8 +304,7 @@ void DeviceWeights::load_cache(const std::string& dir, const std::function<void(
   FULCRUM_CHECK(file.names().size() == all.size() + 2 * static_cast<size_t>(num_moe),
                 "{}: weight cache holds {} tensors, this model {}", path, file.names().size(), all.size() + 2 * num_moe);
   std::vector<float> host;
-  std::vector<uint16_t> bits;
-  const auto read = [&](const std::string& name, const std::vector<int64_t>& shape) {
+  const auto read = [&](const std::string& name, const std::vector<int64_t>& shape, std::vector<uint16_t>& bits) {
     const model::TensorInfo& info = file.info(name);
     FULCRUM_CHECK(info.shape == shape, "{}: tensor '{}' has shape {}, expected {}", path, name, model::shape_text(info.shape),
                   model::shape_text(shape));
@@ -308,27 +315,13 @@ void DeviceWeights::load_cache(const std::string& dir, const std::function<void(
     bits.resize(host.size());
     for (size_t i = 0; i < host.size(); ++i) bits[i] = model::f32_to_bf16_bits(host[i]);  // exact: bf16 values
   };
-  size_t next = 0;
-  const auto upload_until = [&](int layer_idx) {
-    for (; next < all.size() && all[next].layer_idx == layer_idx; ++next) {
-      read(all[next].name, all[next].shape);
-      FULCRUM_CUDA_CHECK(cudaMemcpy(all[next].dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-    }
-  };
-  upload_until(-1);
-  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
-  for (int l = 0; l < config_.num_hidden_layers; ++l) {
-    upload_until(l);
-    const int moe = layers_[static_cast<size_t>(l)].moe_layer_idx;
-    if (moe >= 0) {
-      const int64_t p = placement_.num_physical_experts();
-      read(slot_tensor(moe, "gate_up"), {p, 2 * im, h});
-      const std::vector<uint16_t> gate_up = bits;
-      read(slot_tensor(moe, "down"), {p, h, im});
-      slots_->upload_layer(moe, gate_up, bits);
-    }
-    if (on_layer) on_layer(l + 1, config_.num_hidden_layers);
-  }
+  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size, p = placement_.num_physical_experts();
+  upload_in_order([&](const Entry& e, std::vector<uint16_t>& bits) { read(e.name, e.shape, bits); },
+                  [&](int, int moe, std::vector<uint16_t>& gate_up, std::vector<uint16_t>& down) {
+                    read(slot_tensor(moe, "gate_up"), {p, 2 * im, h}, gate_up);
+                    read(slot_tensor(moe, "down"), {p, h, im}, down);
+                  },
+                  on_layer);
 }
 
 }  // namespace fulcrum::gpu

@@ -80,6 +80,11 @@ class DeviceWeights {
   struct Entry;  // a checkpoint tensor -> a device region
   std::vector<Entry> entries() const;
   std::map<std::string, std::string> cache_identity() const;
+  // The upload order both loaders share: the embedding / head entries, then each layer's entries and, for a MoE
+  // layer, its slot arrays [P, 2I, H] / [P, H, I]; the callbacks give the bf16 values.
+  using EntryBits = std::function<void(const Entry&, std::vector<uint16_t>&)>;
+  using SlotBits = std::function<void(int layer_idx, int moe_layer, std::vector<uint16_t>& gate_up, std::vector<uint16_t>& down)>;
+  void upload_in_order(const EntryBits& entry_bits, const SlotBits& slot_bits, const std::function<void(int, int)>& on_layer);
 
   model::Qwen3MoeConfig config_;
   eplb::Placement placement_;
