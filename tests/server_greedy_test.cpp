@@ -173,12 +173,7 @@ TEST(ServerGreedy, ParallelLayoutWithLiveEplbEqualsStandalone) {
   ServerMetrics metrics;
   EngineExecutorOptions options = tiny_options();
   options.metrics = &metrics;
-  options.parallel = {.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true, .num_redundant_experts = 4};
-  options.run.engine.moe_a2a_backend = "alltoall";
-  options.run.eplb.enabled = true;
-  options.run.eplb.rebalance_num_iterations = 2;
-  options.run.eplb.recorder_buffer_size = 4;
-  options.run.eplb.skip_balancedness = 1.0;  // replan whenever the planner improves a layer
+  test::set_live_eplb_layout(options);
   std::vector<std::string> lines;
   options.log = [&lines](const std::string& line) { lines.push_back(line); };
   EngineStepExecutor executor(std::move(options));

@@ -91,12 +91,7 @@ TEST(ServerPrefixEngine, GreedyOutputsEqualWithAndWithoutTheCacheOnTwoDpGroups) 
 // and the tokens stay those of the run without the cache.
 TEST(ServerPrefixEngine, GreedyOutputsEqualAcrossLiveEplbRebalances) {
   EngineExecutorOptions options;
-  options.parallel = {.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true, .num_redundant_experts = 4};
-  options.run.engine.moe_a2a_backend = "alltoall";
-  options.run.eplb.enabled = true;
-  options.run.eplb.rebalance_num_iterations = 2;
-  options.run.eplb.recorder_buffer_size = 4;
-  options.run.eplb.skip_balancedness = 1.0;  // replan whenever the planner improves a layer
+  test::set_live_eplb_layout(options);
   options.log = [](const std::string&) {};
   const std::string text = expect_cache_changes_nothing(std::move(options));
   std::smatch m;

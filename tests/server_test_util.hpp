@@ -14,6 +14,7 @@
 
 #include "eplb/error.hpp"
 #include "model/make_model.hpp"
+#include "server/engine_step_executor.hpp"
 #include "server/step_executor.hpp"
 #include "test_data.hpp"
 #include "tokenizer/tokenizer.hpp"
@@ -223,6 +224,17 @@ inline const std::string& skewed_served_model() {
     return path;
   }();
   return dir;
+}
+
+// A tp 4 / ep 4 world in two attention-DP groups with 4 redundant slots, alltoall dispatch, and EPLB rebalancing
+// every two passes whenever the planner improves a layer: live migration while a test serves.
+inline void set_live_eplb_layout(server::EngineExecutorOptions& options) {
+  options.parallel = {.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true, .num_redundant_experts = 4};
+  options.run.engine.moe_a2a_backend = "alltoall";
+  options.run.eplb.enabled = true;
+  options.run.eplb.rebalance_num_iterations = 2;
+  options.run.eplb.recorder_buffer_size = 4;
+  options.run.eplb.skip_balancedness = 1.0;
 }
 
 }  // namespace fulcrum::test
