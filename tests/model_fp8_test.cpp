@@ -353,14 +353,20 @@ TEST(ModelFp8, QuantizeBlocksWithPartialAndZeroBlocks) {
 
 // make-model --dtype fp8: the Qwen3-*-FP8 layout; it loads, and every dequantized weight is within fp8
 // rounding of the random bf16-free original (the same seed's SyntheticWeights).
-TEST(ModelFp8, MakeModelWritesLoadableFp8Checkpoints) {
-  TempDir tmp("fp8_make");
+// make-model's options for a tiny FP8 checkpoint of `layers` layers in tmp/m.
+model::MakeModelOptions tiny_fp8_options(const TempDir& tmp, int layers) {
   model::MakeModelOptions options;
   options.preset = "tiny";
   options.output = tmp.file("m");
-  options.layers = 2;
-  options.seed = 5;
+  options.layers = layers;
   options.dtype = model::parse_make_model_dtype("fp8");
+  return options;
+}
+
+TEST(ModelFp8, MakeModelWritesLoadableFp8Checkpoints) {
+  TempDir tmp("fp8_make");
+  model::MakeModelOptions options = tiny_fp8_options(tmp, 2);
+  options.seed = 5;
   const model::MakeModelResult result = model::make_model(options);
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(options.output);
   ASSERT_TRUE(config.quantization.has_value());
@@ -402,11 +408,7 @@ TEST(ModelFp8, MakeModelWritesLoadableFp8Checkpoints) {
 // A scale tensor the model has no weight for (the router's) is an unexpected tensor for the loader.
 TEST(ModelFp8, LoaderRejectsScalesOfUnquantizedTensors) {
   TempDir tmp("fp8_make");
-  model::MakeModelOptions options;
-  options.preset = "tiny";
-  options.output = tmp.file("m");
-  options.layers = 1;
-  options.dtype = Dtype::kF8E4M3;
+  const model::MakeModelOptions options = tiny_fp8_options(tmp, 1);
   model::make_model(options);
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(options.output);
   // Rewrite the file with the router stored as FP8 plus a scale: Checkpoint accepts the pair, the loader not.

@@ -8,6 +8,7 @@
 // way keep ordinary stream order. FULCRUM_PDL=0 launches everything the ordinary way (for measurement); read once.
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include <cuda_runtime.h>
 

@@ -4,6 +4,7 @@
 //     warps holds 4 / k_split row groups (skinny::choose_k_split);
 //   - the dot products and the slice sums are skinny_gemm_core.cuh's, shared with the expert skinny GEMMs.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "gpu/kernels/dependent_launch.cuh"
@@ -119,16 +120,30 @@ int skinny_blocks_per_sm() {
   return value;
 }
 
+// The current device's SM count, read once per device (a launch only looks it up).
+static int current_device_sms() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sms_of[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    (void)cudaGetLastError();
+    return 132;
+  }
+  int sms = sms_of[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 132;
+    }
+    sms_of[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
 int64_t skinny_grid_blocks(int64_t tiles) {
   const int per_sm = skinny_blocks_per_sm();
   if (per_sm == 0) return tiles;
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    sms = 132;
-  }
-  return std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{sms} * per_sm));
+  return std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_device_sms()} * per_sm));
 }
 
 }  // namespace skinny
