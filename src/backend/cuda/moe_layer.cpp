@@ -817,6 +817,7 @@ void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
   gemm.k = shape_.hidden_size;
   gemm.max_rows = static_cast<int>(entries);
   gemm.num_slots = p;
+  gemm.max_slot_rows = static_cast<int>(num_tokens);
   gemm.swiglu = true;
   gemm.out = w.act.as<uint16_t>();  // [rows, I]
   FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));

@@ -36,6 +36,9 @@ struct ExpertSkinnyArgs {
   int k = 0;
   int max_rows = 0;                          // rows over all slots (T x top-k); bounds active and the K split
   int num_slots = 0;                         // P (also bounds active)
+  int max_slot_rows = 0;                     // rows one slot can hold at most (a token's entries go to distinct
+                                             // slots: the token count), 0 = max_rows; picks the kernel variant
+                                             // (registers), never changes a result; any slot may exceed it
   bool swiglu = false;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
 };
