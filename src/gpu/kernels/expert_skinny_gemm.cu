@@ -72,27 +72,10 @@ __device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a,
   rows_times_w<M, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
 }
 
-// L2 prefetch of an item's W rows: the tile's columns (plain), or its gate rows and its up rows (SwiGLU), all K
-// slices; the caller picks one thread.
-template <bool kSwiGlu>
-__device__ __forceinline__ void prefetch_item(const ExpertSkinnyArgs& a, int groups_per_block, int tiles, int64_t item,
-                                              int64_t item_end) {
-  if (item >= item_end) return;
-  constexpr int kColsPerGroup = kSwiGlu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
-  const uint16_t* w = a.weights[__ldg(a.active + 1 + item / tiles)];
-  const int64_t first = (item % tiles) * groups_per_block * kColsPerGroup;
-  const int64_t cols = min(static_cast<int64_t>(a.n), first + groups_per_block * kColsPerGroup) - first;
-  const int64_t bytes = cols * a.k * static_cast<int64_t>(sizeof(uint16_t));
-  prefetch_l2(w + first * a.k, bytes);
-  if constexpr (kSwiGlu) prefetch_l2(w + (a.n + first) * a.k, bytes);
-}
-
 // Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
-// slot-major, so consecutive items of a block mostly share a slot and its row range. The block keeps its next
-// `ahead` items requested from L2 while it computes one.
+// slot-major, so consecutive items of a block mostly share a slot and its row range.
 template <bool kSwiGlu, int kChunk>
-__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles,
-                                                                 int ahead) {
+__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
@@ -103,14 +86,9 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
   constexpr int kColsPerGroup = kSwiGlu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
   const int64_t chunks = a.k / 8;
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
-  const bool prefetcher = threadIdx.x == 0;
-  if (prefetcher) {
-    for (int j = 0; j <= ahead; ++j) prefetch_item<kSwiGlu>(a, groups_per_block, tiles, item_begin + j, item_end);
-  }
   int slot_index = -1, row_begin = 0, row_end = 0;
   const uint4* w = nullptr;
   for (int64_t item = item_begin; item < item_end; ++item) {
-    if (prefetcher && item != item_begin) prefetch_item<kSwiGlu>(a, groups_per_block, tiles, item + ahead, item_end);
     const int y = static_cast<int>(item / tiles);
     if (y != slot_index) {
       slot_index = y;
@@ -143,15 +121,15 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <bool kSwiGlu>
-cudaError_t launch_chunked(int chunk, const ExpertSkinnyArgs& a, int64_t blocks, int k_split, int tiles, int ahead,
+cudaError_t launch_chunked(int chunk, const ExpertSkinnyArgs& a, int64_t blocks, int k_split, int tiles,
                            cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
   switch (chunk) {
-    case 1: return launch_dependent(expert_skinny_kernel<kSwiGlu, 1>, grid, block, 0, stream, a, k_split, tiles, ahead);
-    case 2: return launch_dependent(expert_skinny_kernel<kSwiGlu, 2>, grid, block, 0, stream, a, k_split, tiles, ahead);
-    case 4: return launch_dependent(expert_skinny_kernel<kSwiGlu, 4>, grid, block, 0, stream, a, k_split, tiles, ahead);
+    case 1: return launch_dependent(expert_skinny_kernel<kSwiGlu, 1>, grid, block, 0, stream, a, k_split, tiles);
+    case 2: return launch_dependent(expert_skinny_kernel<kSwiGlu, 2>, grid, block, 0, stream, a, k_split, tiles);
+    case 4: return launch_dependent(expert_skinny_kernel<kSwiGlu, 4>, grid, block, 0, stream, a, k_split, tiles);
     default:
-      return launch_dependent(expert_skinny_kernel<kSwiGlu, kMaxRows>, grid, block, 0, stream, a, k_split, tiles, ahead);
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, kMaxRows>, grid, block, 0, stream, a, k_split, tiles);
   }
 }
 
@@ -172,12 +150,10 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
   const int64_t max_items = tiles * std::min(a.max_rows, a.num_slots);
   const int64_t blocks = skinny_grid_blocks(max_items);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const int64_t item_bytes = int64_t{groups_per_block} * kRowsPerWarp * a.k * static_cast<int64_t>(sizeof(uint16_t));
-  const int ahead = skinny_prefetch_tiles(blocks, item_bytes);
   const int slot_rows = a.max_slot_rows > 0 ? std::min(a.max_slot_rows, a.max_rows) : a.max_rows;
   const int chunk = slot_rows <= 1 ? 1 : slot_rows <= 2 ? 2 : slot_rows <= 4 ? 4 : kMaxRows;
-  return a.swiglu ? launch_chunked<true>(chunk, a, blocks, k_split, static_cast<int>(tiles), ahead, stream)
-                  : launch_chunked<false>(chunk, a, blocks, k_split, static_cast<int>(tiles), ahead, stream);
+  return a.swiglu ? launch_chunked<true>(chunk, a, blocks, k_split, static_cast<int>(tiles), stream)
+                  : launch_chunked<false>(chunk, a, blocks, k_split, static_cast<int>(tiles), stream);
 }
 
 }  // namespace fulcrum::gpu

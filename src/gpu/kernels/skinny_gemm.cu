@@ -62,30 +62,16 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
   __syncthreads();  // partial is rewritten by the block's next tile
 }
 
-// L2 prefetch of tile `tile`'s W rows (all K slices: one contiguous range); the caller picks one thread.
-__device__ __forceinline__ void prefetch_tile(const uint16_t* w, int n, int k, int k_split, int64_t tile, int64_t tiles) {
-  if (tile >= tiles) return;
-  const int64_t rows_per_tile = int64_t{kWarpsPerBlock / k_split} * kRowsPerWarp;
-  const int64_t first = tile * rows_per_tile, last = min(static_cast<int64_t>(n), first + rows_per_tile);
-  prefetch_l2(w + first * k, (last - first) * k * static_cast<int64_t>(sizeof(uint16_t)));
-}
-
-// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups), and
-// keeps the next `ahead` of them requested from L2 while it computes one.
+// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). No L2
+// prefetch of W: bulk prefetches of the first and the next 1..4 tiles measured slower at batch 1 and 4
+// (bench/results/skinny_prefetch_sweep_h200.json).
 template <int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
-                                                               int k_split, int64_t tiles, int ahead,
-                                                               void* __restrict__ out) {
-  const bool prefetcher = threadIdx.x == 0;
-  // W is no earlier kernel's output: its first tiles are requested while the previous kernel finishes.
-  if (prefetcher) {
-    for (int j = 0; j <= ahead; ++j) prefetch_tile(w, n, k, k_split, blockIdx.x + int64_t{j} * gridDim.x, tiles);
-  }
+                                                               int k_split, int64_t tiles, void* __restrict__ out) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    if (prefetcher && tile != blockIdx.x) prefetch_tile(w, n, k, k_split, tile + int64_t{ahead} * gridDim.x, tiles);
     skinny_tile<M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
   }
 }
@@ -99,15 +85,13 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
   const int64_t blocks = skinny_grid_blocks(tiles);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const int64_t tile_bytes = int64_t{groups_per_block} * kRowsPerWarp * k * static_cast<int64_t>(sizeof(uint16_t));
-  const int ahead = skinny_prefetch_tiles(blocks, tile_bytes);
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
     return launch_dependent(skinny_gemm_kernel<M, true>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
-                            ahead, out);
+                            out);
   }
   return launch_dependent(skinny_gemm_kernel<M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
-                          ahead, out);
+                          out);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -142,16 +126,6 @@ static int current_device_sms() {
     sms_of[device].store(sms, std::memory_order_relaxed);
   }
   return sms;
-}
-
-int skinny_prefetch_tiles(int64_t grid_blocks, int64_t tile_bytes) {
-  static const int forced = [] {
-    const char* env = std::getenv("FULCRUM_SKINNY_PREFETCH");
-    return env != nullptr && *env != '\0' ? std::clamp(std::atoi(env), 0, kMaxPrefetchTiles) : -1;
-  }();
-  if (forced >= 0) return forced;
-  const int64_t per_step = std::max<int64_t>(1, grid_blocks * tile_bytes);
-  return static_cast<int>(std::clamp<int64_t>(kPrefetchBudgetBytes / per_step, 1, kMaxPrefetchTiles));
 }
 
 int64_t skinny_grid_blocks(int64_t tiles) {

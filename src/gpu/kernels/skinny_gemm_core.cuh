@@ -41,22 +41,6 @@ int skinny_blocks_per_sm();
 // The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm()), or tiles.
 int64_t skinny_grid_blocks(int64_t tiles);
 
-// Tiles of W a block of a persistent grid asks L2 for beyond the one it computes (a warp has only 8 loads in
-// flight and waits for them between tiles; the bulk prefetch keeps HBM busy meanwhile). By default as many as
-// keep about kPrefetchBudgetBytes of the grid's W requested, 1 to kMaxPrefetchTiles;
-// FULCRUM_SKINNY_PREFETCH=N forces N (0: none), for measurement; read once.
-constexpr int64_t kPrefetchBudgetBytes = int64_t{24} << 20;  // half of the H200's 50 MB L2
-constexpr int kMaxPrefetchTiles = 4;
-int skinny_prefetch_tiles(int64_t grid_blocks, int64_t tile_bytes);
-
-// Asks L2 for [p, p + bytes) without waiting (sm_90 bulk prefetch: p 16-byte aligned, bytes a multiple of 16;
-// a hint the memory system may drop, so results never depend on it).
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-#endif
-}
-
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
   uint4 v;
