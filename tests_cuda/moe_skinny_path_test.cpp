@@ -185,6 +185,22 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(to_host(one_act.as<uint16_t>(), i), std::vector<uint16_t>(act_bits.begin() + 7 * i, act_bits.begin() + 8 * i));
 
+  // The kernel variants for slots of at most 1, 2 or 4 rows (1-row chunks and 8 W rows per warp, ...): the same
+  // bits, even though slot 0 holds 19 rows, past the bound.
+  for (const int bound : {1, 2, 4}) {
+    gpu::ExpertSkinnyArgs va = a, vb = b;
+    va.max_slot_rows = vb.max_slot_rows = bound;
+    DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
+    va.out = v_act.as<uint16_t>();
+    vb.x = v_act.as<uint16_t>();
+    vb.out = v_out.as<uint16_t>();
+    ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, nullptr), cudaSuccess);
+    ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(to_host(v_act.as<uint16_t>(), 24 * i), act_bits) << "max_slot_rows " << bound;
+    EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "max_slot_rows " << bound;
+  }
+
   a.k = 100;  // not a multiple of 8
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
 }

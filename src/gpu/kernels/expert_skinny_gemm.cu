@@ -1,7 +1,7 @@
 // Expert skinny GEMMs (expert_skinny_gemm.hpp). A persistent 1-D grid over the (active slot, column tile) items:
-// an item is one slot's rows, 8 at a time, against one column tile. A warp owns 4 W rows: plain, 4 consecutive output
-// columns; SwiGLU, 2 output columns j, j + 1 as gate rows j, j + 1 and up rows I + j, I + j + 1, so the
-// activation is formed where the sums are. K slices as in the dense skinny GEMM (skinny_gemm_core.cuh), chosen
+// an item is one slot's rows, kChunk at a time, against one column tile. A warp owns R W rows (8 for chunks of 1
+// or 2 rows, else 4: skinny::rows_per_warp): plain, R consecutive output columns; SwiGLU, R / 2 output columns
+// j.. as gate rows j.. and up rows I + j.., so the activation is formed where the sums are. K slices as in the dense skinny GEMM (skinny_gemm_core.cuh), chosen
 // from the grid's warps at max_rows rows.
 #include <algorithm>
 
@@ -14,13 +14,16 @@ namespace {
 
 using namespace skinny;
 
-constexpr int kSwiGluColumnsPerWarp = kRowsPerWarp / 2;
 
 __device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(static_cast<uint32_t>(to_bf16(v)) << 16); }
 
+// Output columns of a warp's R rows.
+template <bool kSwiGlu, int R>
+constexpr int kColsPerWarp = kSwiGlu ? R / 2 : R;
+
 // Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
-template <int M, bool kSwiGlu>
-__device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[kRowsPerWarp],
+template <int R, int M, bool kSwiGlu>
+__device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                              int r0, int64_t begin, int64_t end, int warp, int lane, int k_split,
                                              int64_t first_col, float (*partial)[kRowsPerWarp * kMaxRows]) {
   const int64_t chunks = a.k / 8;
@@ -30,25 +33,26 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
     const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
     x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
   }
-  float acc[kRowsPerWarp][M];
-  warp_dot<M>(w_rows, x_rows, begin, end, lane, acc);
-  sum_slices<M>(acc, warp, lane, k_split, partial);
+  float acc[R][M];
+  warp_dot<R, M>(w_rows, x_rows, begin, end, lane, acc);
+  sum_slices<R, M>(acc, warp, lane, k_split, partial);
   const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
+  constexpr int kCols = kColsPerWarp<kSwiGlu, R>;
   if constexpr (kSwiGlu) {
-    // Thread (group, column c, row i): gate at W row c, up at W row 2 + c of the group.
-    if (t < groups * kSwiGluColumnsPerWarp * M) {
-      const int group = t / (kSwiGluColumnsPerWarp * M), c = t % (kSwiGluColumnsPerWarp * M) / M, i = t % M;
-      const int64_t col = first_col + group * kSwiGluColumnsPerWarp + c;
+    // Thread (group, column c, row i): gate at W row c, up at W row R / 2 + c of the group.
+    if (t < groups * kCols * M) {
+      const int group = t / (kCols * M), c = t % (kCols * M) / M, i = t % M;
+      const int64_t col = first_col + group * kCols + c;
       if (col < a.n) {
         const float g = bf16_round(partial[group * k_split][c * M + i]);
-        const float u = bf16_round(partial[group * k_split][(2 + c) * M + i]);
+        const float u = bf16_round(partial[group * k_split][(kCols + c) * M + i]);
         a.out[static_cast<int64_t>(r0 + i) * a.n + col] = to_bf16(g / (1.0f + expf(-g)) * u);
       }
     }
   } else {
-    if (t < groups * kRowsPerWarp * M) {
-      const int group = t / (kRowsPerWarp * M), j = t % (kRowsPerWarp * M), r = j / M, i = j % M;
-      const int64_t col = first_col + group * kRowsPerWarp + r;
+    if (t < groups * R * M) {
+      const int group = t / (R * M), j = t % (R * M), r = j / M, i = j % M;
+      const int64_t col = first_col + group * R + r;
       if (col < a.n) a.out[static_cast<int64_t>(r0 + i) * a.n + col] = to_bf16(partial[group * k_split][j]);
     }
   }
@@ -58,23 +62,23 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
 // rows_times_w for the m rows of a chunk (1 <= m <= kChunk; m is uniform over the block). Only the variant
 // depends on kChunk, never a row's result, so kChunk may follow how many rows a slot can hold at most: the kernel
 // for 1-row chunks needs a fraction of the registers of the one for 8 and fits twice the warps per SM.
-template <int M, bool kSwiGlu, int kChunk>
-__device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a,
-                                              const uint4* const (&w_rows)[kRowsPerWarp], int r0, int64_t begin,
+template <int R, int M, bool kSwiGlu, int kChunk>
+__device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
+                                              int r0, int64_t begin,
                                               int64_t end, int warp, int lane, int k_split, int64_t first_col,
                                               float (*partial)[kRowsPerWarp * kMaxRows]) {
   if constexpr (M < kChunk) {
     if (m != M) {
-      rows_in_chunk<M + 1, kSwiGlu, kChunk>(m, a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
+      rows_in_chunk<R, M + 1, kSwiGlu, kChunk>(m, a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
       return;
     }
   }
-  rows_times_w<M, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
+  rows_times_w<R, M, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
 }
 
 // Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
 // slot-major, so consecutive items of a block mostly share a slot and its row range.
-template <bool kSwiGlu, int kChunk>
+template <bool kSwiGlu, int kChunk, int R>
 __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
@@ -83,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
   const int64_t item_begin = blockIdx.x * per_block, item_end = min(items, item_begin + per_block);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
-  constexpr int kColsPerGroup = kSwiGlu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
+  constexpr int kColsPerGroup = kColsPerWarp<kSwiGlu, R>;
   const int64_t chunks = a.k / 8;
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
   int slot_index = -1, row_begin = 0, row_end = 0;
@@ -99,20 +103,20 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
     }
     const int64_t first_col = (item % tiles) * groups_per_block * kColsPerGroup;
     // Columns past n read the last column's rows and store nothing.
-    const uint4* w_rows[kRowsPerWarp];
+    const uint4* w_rows[R];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
+    for (int r = 0; r < R; ++r) {
       int64_t row;
       if constexpr (kSwiGlu) {
-        const int64_t col = min(first_col + group * kColsPerGroup + r % 2, static_cast<int64_t>(a.n - 1));
-        row = r < 2 ? col : a.n + col;
+        const int64_t col = min(first_col + group * kColsPerGroup + r % kColsPerGroup, static_cast<int64_t>(a.n - 1));
+        row = r < kColsPerGroup ? col : a.n + col;
       } else {
         row = min(first_col + group * kColsPerGroup + r, static_cast<int64_t>(a.n - 1));
       }
       w_rows[r] = w + row * chunks;
     }
     for (int r0 = row_begin; r0 < row_end; r0 += kChunk) {
-      rows_in_chunk<1, kSwiGlu, kChunk>(min(kChunk, row_end - r0), a, w_rows, r0, begin, end, warp, lane, k_split,
+      rows_in_chunk<R, 1, kSwiGlu, kChunk>(min(kChunk, row_end - r0), a, w_rows, r0, begin, end, warp, lane, k_split,
                                         first_col, partial);
     }
   }
@@ -121,15 +125,22 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <bool kSwiGlu>
-cudaError_t launch_chunked(int chunk, const ExpertSkinnyArgs& a, int64_t blocks, int k_split, int tiles,
+cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int64_t blocks, int k_split, int tiles,
                            cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
+  constexpr int kWide = kWideRowsPerWarp, kNarrow = kRowsPerWarp;
   switch (chunk) {
-    case 1: return launch_dependent(expert_skinny_kernel<kSwiGlu, 1>, grid, block, 0, stream, a, k_split, tiles);
-    case 2: return launch_dependent(expert_skinny_kernel<kSwiGlu, 2>, grid, block, 0, stream, a, k_split, tiles);
-    case 4: return launch_dependent(expert_skinny_kernel<kSwiGlu, 4>, grid, block, 0, stream, a, k_split, tiles);
+    case 1:
+      return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, 1, kWide>, grid, block, 0, stream, a, k_split, tiles)
+                  : launch_dependent(expert_skinny_kernel<kSwiGlu, 1, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
+    case 2:
+      return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, 2, kWide>, grid, block, 0, stream, a, k_split, tiles)
+                  : launch_dependent(expert_skinny_kernel<kSwiGlu, 2, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
+    case 4:
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, 4, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
     default:
-      return launch_dependent(expert_skinny_kernel<kSwiGlu, kMaxRows>, grid, block, 0, stream, a, k_split, tiles);
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, kMaxRows, kNarrow>, grid, block, 0, stream, a, k_split,
+                              tiles);
   }
 }
 
@@ -141,19 +152,23 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
     return cudaErrorInvalidValue;
   }
   if (!aligned16(a.x) || reinterpret_cast<uintptr_t>(a.out) % alignof(uint16_t) != 0) return cudaErrorInvalidValue;
-  const int cols_per_group = a.swiglu ? kSwiGluColumnsPerWarp : kRowsPerWarp;
-  const int64_t col_groups = (static_cast<int64_t>(a.n) + cols_per_group - 1) / cols_per_group;
-  // The grid's warps if every row had its own slot: at most max_rows slots have rows.
-  const int k_split = choose_k_split(col_groups * a.max_rows, a.k / 8);
+  const int slot_rows = a.max_slot_rows > 0 ? std::min(a.max_slot_rows, a.max_rows) : a.max_rows;
+  const int chunk = slot_rows <= 1 ? 1 : slot_rows <= 2 ? 2 : slot_rows <= 4 ? 4 : kMaxRows;
+  const int rows_per_group = rows_per_warp(chunk);
+  // The K split from groups of 4 W rows whatever R (so R never changes a result), and the grid's warps if every
+  // row had its own slot: at most max_rows slots have rows.
+  const auto columns_of = [&](int w_rows) { return a.swiglu ? w_rows / 2 : w_rows; };
+  const int64_t split_groups = (static_cast<int64_t>(a.n) + columns_of(kRowsPerWarp) - 1) / columns_of(kRowsPerWarp);
+  const int k_split = choose_k_split(split_groups * a.max_rows, a.k / 8);
+  const int64_t col_groups = (static_cast<int64_t>(a.n) + columns_of(rows_per_group) - 1) / columns_of(rows_per_group);
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (col_groups + groups_per_block - 1) / groups_per_block;
   const int64_t max_items = tiles * std::min(a.max_rows, a.num_slots);
   const int64_t blocks = skinny_grid_blocks(max_items);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const int slot_rows = a.max_slot_rows > 0 ? std::min(a.max_slot_rows, a.max_rows) : a.max_rows;
-  const int chunk = slot_rows <= 1 ? 1 : slot_rows <= 2 ? 2 : slot_rows <= 4 ? 4 : kMaxRows;
-  return a.swiglu ? launch_chunked<true>(chunk, a, blocks, k_split, static_cast<int>(tiles), stream)
-                  : launch_chunked<false>(chunk, a, blocks, k_split, static_cast<int>(tiles), stream);
+  const bool wide = rows_per_group == kWideRowsPerWarp;
+  return a.swiglu ? launch_chunked<true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)
+                  : launch_chunked<false>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream);
 }
 
 }  // namespace fulcrum::gpu

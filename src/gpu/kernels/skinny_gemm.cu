@@ -1,11 +1,13 @@
-// Skinny GEMM (skinny_gemm.hpp). Work split, all from n and k (never m, so results are batch invariant):
-//   - a warp owns a group of kRowsPerWarp = 4 consecutive W rows and one K slice of them;
-//   - k_split (1, 2 or 4) warps of a block share a row group, each with a contiguous K slice; a block of 4
-//     warps holds 4 / k_split row groups (skinny::choose_k_split);
+// Skinny GEMM (skinny_gemm.hpp). Work split (the K slices from n and k only, never m, so results are batch
+// invariant):
+//   - a warp owns a group of R consecutive W rows (8 for m <= 2, else 4: skinny::rows_per_warp) and one K slice;
+//   - k_split (1, 2 or 4, chosen for groups of 4 rows) warps of a block share a row group, each with a contiguous
+//     K slice; a block of 4 warps holds 4 / k_split row groups (skinny::choose_k_split);
 //   - the dot products and the slice sums are skinny_gemm_core.cuh's, shared with the expert skinny GEMMs.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 
 #include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm.hpp"
@@ -25,23 +27,23 @@ __device__ __forceinline__ void store_out(void* out, int64_t idx, float v) {
   }
 }
 
-// Grid: ceil(row_groups / (4 / k_split)) blocks of 128 threads. x [M, k], w [n, k], out [M, n].
-template <int M, bool kBf16Out>
+// Tile `tile` (4 / k_split groups of R rows). x [M, k], w [n, k], out [M, n].
+template <int R, int M, bool kBf16Out>
 __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int n,
                                             int k, int k_split, void* __restrict__ out, int64_t tile,
                                             float (*partial)[kRowsPerWarp * kMaxRows]) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split;
-  const int64_t first_row = (tile * groups_per_block + warp / k_split) * kRowsPerWarp;
+  const int64_t first_row = (tile * groups_per_block + warp / k_split) * R;
   const int slice = warp % k_split;
   const int64_t chunks = k / 8;  // per row
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
 
   // Rows past n (the last group) read row n - 1 and store nothing; every warp still reaches __syncthreads.
-  const uint4* w_rows[kRowsPerWarp];
+  const uint4* w_rows[R];
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
+  for (int r = 0; r < R; ++r) {
     const int64_t row = first_row + r < n ? first_row + r : n - 1;
     w_rows[r] = reinterpret_cast<const uint4*>(w) + row * chunks;
   }
@@ -49,14 +51,14 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
 #pragma unroll
   for (int i = 0; i < M; ++i) x_rows[i] = reinterpret_cast<const uint4*>(x) + i * chunks;
 
-  float acc[kRowsPerWarp][M];
-  warp_dot<M>(w_rows, x_rows, begin, end, lane, acc);
-  sum_slices<M>(acc, warp, lane, k_split, partial);
+  float acc[R][M];
+  warp_dot<R, M>(w_rows, x_rows, begin, end, lane, acc);
+  sum_slices<R, M>(acc, warp, lane, k_split, partial);
   const int t = static_cast<int>(threadIdx.x);
-  if (t < groups_per_block * kRowsPerWarp * M) {
-    const int group = t / (kRowsPerWarp * M), j = t % (kRowsPerWarp * M);
+  if (t < groups_per_block * R * M) {
+    const int group = t / (R * M), j = t % (R * M);
     const int r = j / M, i = j % M;
-    const int64_t row = (tile * groups_per_block + group) * kRowsPerWarp + r;
+    const int64_t row = (tile * groups_per_block + group) * R + r;
     if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
   }
   __syncthreads();  // partial is rewritten by the block's next tile
@@ -65,32 +67,32 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
 // Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). No L2
 // prefetch of W: bulk prefetches of the first and the next 1..4 tiles measured slower at batch 1 and 4
 // (bench/results/skinny_prefetch_sweep_h200.json).
-template <int M, bool kBf16Out>
+template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
                                                                int k_split, int64_t tiles, void* __restrict__ out) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    skinny_tile<M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
+    skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
   }
 }
 
-template <int M>
+template <int R, int M>
 cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void* out, bool bf16_out,
                         cudaStream_t stream) {
-  const int64_t row_groups = (static_cast<int64_t>(n) + kRowsPerWarp - 1) / kRowsPerWarp;
-  const int k_split = choose_k_split(row_groups, k / 8);
+  const int k_split = choose_k_split((static_cast<int64_t>(n) + kRowsPerWarp - 1) / kRowsPerWarp, k / 8);
+  const int64_t row_groups = (static_cast<int64_t>(n) + R - 1) / R;
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
   const int64_t blocks = skinny_grid_blocks(tiles);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
-    return launch_dependent(skinny_gemm_kernel<M, true>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
+    return launch_dependent(skinny_gemm_kernel<R, M, true>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
                             out);
   }
-  return launch_dependent(skinny_gemm_kernel<M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
+  return launch_dependent(skinny_gemm_kernel<R, M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
                           out);
 }
 
@@ -99,6 +101,14 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 }  // namespace
 
 namespace skinny {
+
+bool skinny_wide_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("FULCRUM_SKINNY_WIDE");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
 
 int skinny_blocks_per_sm() {
   static const int value = [] {
@@ -145,15 +155,20 @@ cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int 
   if (n == 0) return cudaSuccess;
   void* out = out_f32 != nullptr ? static_cast<void*>(out_f32) : static_cast<void*>(out_bf16);
   const bool bf16_out = out_bf16 != nullptr;
+  const bool wide = rows_per_warp(m) == kWideRowsPerWarp;
   switch (m) {
-    case 1: return launch_rows<1>(x, w, n, k, out, bf16_out, stream);
-    case 2: return launch_rows<2>(x, w, n, k, out, bf16_out, stream);
-    case 3: return launch_rows<3>(x, w, n, k, out, bf16_out, stream);
-    case 4: return launch_rows<4>(x, w, n, k, out, bf16_out, stream);
-    case 5: return launch_rows<5>(x, w, n, k, out, bf16_out, stream);
-    case 6: return launch_rows<6>(x, w, n, k, out, bf16_out, stream);
-    case 7: return launch_rows<7>(x, w, n, k, out, bf16_out, stream);
-    default: return launch_rows<8>(x, w, n, k, out, bf16_out, stream);
+    case 1:
+      return wide ? launch_rows<kWideRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream)
+                  : launch_rows<kRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream);
+    case 2:
+      return wide ? launch_rows<kWideRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream)
+                  : launch_rows<kRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream);
+    case 3: return launch_rows<kRowsPerWarp, 3>(x, w, n, k, out, bf16_out, stream);
+    case 4: return launch_rows<kRowsPerWarp, 4>(x, w, n, k, out, bf16_out, stream);
+    case 5: return launch_rows<kRowsPerWarp, 5>(x, w, n, k, out, bf16_out, stream);
+    case 6: return launch_rows<kRowsPerWarp, 6>(x, w, n, k, out, bf16_out, stream);
+    case 7: return launch_rows<kRowsPerWarp, 7>(x, w, n, k, out, bf16_out, stream);
+    default: return launch_rows<kRowsPerWarp, 8>(x, w, n, k, out, bf16_out, stream);
   }
 }
 

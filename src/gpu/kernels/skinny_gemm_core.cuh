@@ -1,20 +1,23 @@
 #pragma once
 // What the skinny GEMMs share (skinny_gemm.cu: one dense matrix; expert_skinny_gemm.cu: a matrix per expert
-// slot): the warp's dot products of 4 W rows with up to 8 x rows over one K slice, and the block's sum of the
-// K slices in slice order. Internal to those files.
+// slot): the warp's dot products of R (4 or 8) W rows with up to 8 x rows over one K slice, and the block's sum
+// of the K slices in slice order. Internal to those files.
 //
-// Arithmetic, the same for every M (so a row's result does not depend on how many rows ran with it): lane l of
-// a warp takes 16-byte chunks c = begin + l, begin + l + 32, ... of its slice (8 bf16 each), two chunks per row
-// per loop trip (8 independent 16-byte W loads in flight per lane), and accumulates with fp32 FMAs in K order;
-// lanes are combined by an xor butterfly, slices in slice order. W is read once, so its loads bypass L1 (x, a
-// few rows, stays in L1 / L2).
+// Arithmetic, the same for every M and R (so a row's result does not depend on how many rows ran with it, nor
+// on how rows are grouped into warps): lane l of a warp takes 16-byte chunks c = begin + l, begin + l + 32, ...
+// of its slice (8 bf16 each), two chunks per row per loop trip, and accumulates with fp32 FMAs in K order; lanes
+// are combined by an xor butterfly, slices in slice order; the K slices follow from n / 4 and k alone
+// (choose_k_split). R = 8 (for 1 or 2 x rows, where registers allow) keeps 16 independent 16-byte W loads in
+// flight per lane instead of 8 and halves the block synchronizations per byte of W. W is read once, so its loads
+// bypass L1 (x, a few rows, stays in L1 / L2).
 #include <cstdint>
 
 #include <cuda_bf16.h>
 
 namespace fulcrum::gpu::skinny {
 
-constexpr int kRowsPerWarp = 4;
+constexpr int kRowsPerWarp = 4;      // R for 3..8 x rows, and the row group the K split is chosen for
+constexpr int kWideRowsPerWarp = 8;  // R for 1..2 x rows
 constexpr int kWarpsPerBlock = 4;  // small blocks: at 160 registers (M = 8) 12 warps fit per SM, not 8
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kMaxKSplit = kWarpsPerBlock;
@@ -58,11 +61,14 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
 }
 __device__ __forceinline__ uint16_t to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
+// R for M x rows: wide where registers allow (FULCRUM_SKINNY_WIDE=0 keeps 4, for measurement; read once).
+bool skinny_wide_enabled();
+inline int rows_per_warp(int m) { return m <= 2 && skinny_wide_enabled() ? kWideRowsPerWarp : kRowsPerWarp; }
+
 // acc[r][i] += w[r] . x[i] over one chunk of 8 values, in value order (explicit FMAs: the same arithmetic for
 // every M).
-template <int M>
-__device__ __forceinline__ void fma_chunk(float (&acc)[kRowsPerWarp][M], const uint4 (&w)[kRowsPerWarp],
-                                          const uint4 (&x)[M]) {
+template <int R, int M>
+__device__ __forceinline__ void fma_chunk(float (&acc)[R][M], const uint4 (&w)[R], const uint4 (&x)[M]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -72,7 +78,7 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRowsPerWarp][M], const u
         const uint32_t xw = word_of(x[i], j);
         const float xv = half == 0 ? lo_bf16(xw) : hi_bf16(xw);
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
+        for (int r = 0; r < R; ++r) {
           const uint32_t ww = word_of(w[r], j);
           const float wv = half == 0 ? lo_bf16(ww) : hi_bf16(ww);
           acc[r][i] = __fmaf_rn(wv, xv, acc[r][i]);
@@ -84,41 +90,41 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRowsPerWarp][M], const u
 
 // acc[r][i] = w_rows[r] . x_rows[i] over chunks [begin, end) of a row, summed over the warp: every lane ends
 // with the warp's sums (a + b == b + a in the butterfly).
-template <int M>
-__device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[kRowsPerWarp], const uint4* const (&x_rows)[M],
-                                         int64_t begin, int64_t end, int lane, float (&acc)[kRowsPerWarp][M]) {
+template <int R, int M>
+__device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
+                                         int64_t begin, int64_t end, int lane, float (&acc)[R][M]) {
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
   }
   int64_t c = begin + lane;
   for (; c + 32 * (kChunksPerTrip - 1) < end; c += 32 * kChunksPerTrip) {
-    uint4 wv[kChunksPerTrip][kRowsPerWarp];
+    uint4 wv[kChunksPerTrip][R];
 #pragma unroll
     for (int t = 0; t < kChunksPerTrip; ++t) {
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
+      for (int r = 0; r < R; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
     }
 #pragma unroll
     for (int t = 0; t < kChunksPerTrip; ++t) {
       uint4 xv[M];
 #pragma unroll
       for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
-      fma_chunk<M>(acc, wv[t], xv);
+      fma_chunk<R, M>(acc, wv[t], xv);
     }
   }
   for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
-    uint4 wv[kRowsPerWarp];
+    uint4 wv[R];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) wv[r] = load_w(w_rows[r] + c);
+    for (int r = 0; r < R; ++r) wv[r] = load_w(w_rows[r] + c);
     uint4 xv[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
-    fma_chunk<M>(acc, wv, xv);
+    fma_chunk<R, M>(acc, wv, xv);
   }
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int i = 0; i < M; ++i) {
 #pragma unroll
@@ -132,11 +138,13 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[kRowsPerWa
 // The block's K slices summed in slice order: warp w holds slice w % k_split of row group w / k_split; after
 // the call partial[g * k_split][r * M + i] holds row group g's full sum for (W row r, x row i). Every thread of
 // the block calls it (it synchronizes); callers synchronize again before reusing `partial`.
-template <int M>
-__device__ __forceinline__ void sum_slices(const float (&acc)[kRowsPerWarp][M], int warp, int lane, int k_split,
+static_assert(kWideRowsPerWarp * 2 <= kRowsPerWarp * kMaxRows, "partial holds R x M sums for both R");
+template <int R, int M>
+__device__ __forceinline__ void sum_slices(const float (&acc)[R][M], int warp, int lane, int k_split,
                                            float (*partial)[kRowsPerWarp * kMaxRows]) {
+  static_assert(R * M <= kRowsPerWarp * kMaxRows, "one partial sum per lane");
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int i = 0; i < M; ++i) {
       if (lane == r * M + i) partial[warp][r * M + i] = acc[r][i];
@@ -146,8 +154,8 @@ __device__ __forceinline__ void sum_slices(const float (&acc)[kRowsPerWarp][M], 
   if (k_split == 1) return;
   const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
   float sum = 0.0f;
-  const bool mine = t < groups * kRowsPerWarp * M;
-  const int group = t / (kRowsPerWarp * M), j = t % (kRowsPerWarp * M);
+  const bool mine = t < groups * R * M;
+  const int group = t / (R * M), j = t % (R * M);
   if (mine) {
     sum = partial[group * k_split][j];
     for (int s = 1; s < k_split; ++s) sum = __fadd_rn(sum, partial[group * k_split + s][j]);
