@@ -1,6 +1,6 @@
 // Expert skinny GEMMs (expert_skinny_gemm.hpp). A persistent 1-D grid over the (active slot, column tile) items:
 // an item is one slot's rows, kChunk at a time, against one column tile. A warp owns R W rows (8 for chunks of 1
-// or 2 rows, else 4: skinny::rows_per_warp): plain, R consecutive output columns; SwiGLU, R / 2 output columns
+// row, else 4: skinny::rows_per_warp): plain, R consecutive output columns; SwiGLU, R / 2 output columns
 // j.. as gate rows j.. and up rows I + j.., so the activation is formed where the sums are. K slices as in the dense skinny GEMM (skinny_gemm_core.cuh), chosen
 // from the grid's warps at max_rows rows.
 #include <algorithm>
@@ -134,8 +134,7 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
       return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, 1, kWide>, grid, block, 0, stream, a, k_split, tiles)
                   : launch_dependent(expert_skinny_kernel<kSwiGlu, 1, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
     case 2:
-      return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, 2, kWide>, grid, block, 0, stream, a, k_split, tiles)
-                  : launch_dependent(expert_skinny_kernel<kSwiGlu, 2, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, 2, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
     case 4:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, 4, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
     default:
@@ -164,7 +163,7 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (col_groups + groups_per_block - 1) / groups_per_block;
   const int64_t max_items = tiles * std::min(a.max_rows, a.num_slots);
-  const int64_t blocks = skinny_grid_blocks(max_items);
+  const int64_t blocks = skinny_grid_blocks(max_items, chunk);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const bool wide = rows_per_group == kWideRowsPerWarp;
   return a.swiglu ? launch_chunked<true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)

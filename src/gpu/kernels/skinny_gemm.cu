@@ -1,6 +1,6 @@
 // Skinny GEMM (skinny_gemm.hpp). Work split (the K slices from n and k only, never m, so results are batch
 // invariant):
-//   - a warp owns a group of R consecutive W rows (8 for m <= 2, else 4: skinny::rows_per_warp) and one K slice;
+//   - a warp owns a group of R consecutive W rows (8 for m = 1, else 4: skinny::rows_per_warp) and one K slice;
 //   - k_split (1, 2 or 4, chosen for groups of 4 rows) warps of a block share a row group, each with a contiguous
 //     K slice; a block of 4 warps holds 4 / k_split row groups (skinny::choose_k_split);
 //   - the dot products and the slice sums are skinny_gemm_core.cuh's, shared with the expert skinny GEMMs.
@@ -85,7 +85,7 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   const int64_t row_groups = (static_cast<int64_t>(n) + R - 1) / R;
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
-  const int64_t blocks = skinny_grid_blocks(tiles);
+  const int64_t blocks = skinny_grid_blocks(tiles, M);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
@@ -110,12 +110,13 @@ bool skinny_wide_enabled() {
   return enabled;
 }
 
-int skinny_blocks_per_sm() {
-  static const int value = [] {
+int skinny_blocks_per_sm(int m) {
+  static const int forced = [] {
     const char* env = std::getenv("FULCRUM_SKINNY_BLOCKS_PER_SM");
-    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : kDefaultBlocksPerSm;
+    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : -1;
   }();
-  return value;
+  if (forced >= 0) return forced;
+  return m <= 2 ? 4 : 6;
 }
 
 // The current device's SM count, read once per device (a launch only looks it up).
@@ -138,8 +139,8 @@ static int current_device_sms() {
   return sms;
 }
 
-int64_t skinny_grid_blocks(int64_t tiles) {
-  const int per_sm = skinny_blocks_per_sm();
+int64_t skinny_grid_blocks(int64_t tiles, int m) {
+  const int per_sm = skinny_blocks_per_sm(m);
   if (per_sm == 0) return tiles;
   return std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_device_sms()} * per_sm));
 }
@@ -160,9 +161,7 @@ cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int 
     case 1:
       return wide ? launch_rows<kWideRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream)
                   : launch_rows<kRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream);
-    case 2:
-      return wide ? launch_rows<kWideRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream)
-                  : launch_rows<kRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream);
+    case 2: return launch_rows<kRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream);
     case 3: return launch_rows<kRowsPerWarp, 3>(x, w, n, k, out, bf16_out, stream);
     case 4: return launch_rows<kRowsPerWarp, 4>(x, w, n, k, out, bf16_out, stream);
     case 5: return launch_rows<kRowsPerWarp, 5>(x, w, n, k, out, bf16_out, stream);

@@ -7,7 +7,7 @@
 // on how rows are grouped into warps): lane l of a warp takes 16-byte chunks c = begin + l, begin + l + 32, ...
 // of its slice (8 bf16 each), two chunks per row per loop trip, and accumulates with fp32 FMAs in K order; lanes
 // are combined by an xor butterfly, slices in slice order; the K slices follow from n / 4 and k alone
-// (choose_k_split). R = 8 (for 1 or 2 x rows, where registers allow) keeps 16 independent 16-byte W loads in
+// (choose_k_split). R = 8 (for 1 x row: at 2 the registers cost more than it gains, measured) keeps 16 independent 16-byte W loads in
 // flight per lane instead of 8 and halves the block synchronizations per byte of W. W is read once, so its loads
 // bypass L1 (x, a few rows, stays in L1 / L2).
 #include <cstdint>
@@ -16,8 +16,8 @@
 
 namespace fulcrum::gpu::skinny {
 
-constexpr int kRowsPerWarp = 4;      // R for 3..8 x rows, and the row group the K split is chosen for
-constexpr int kWideRowsPerWarp = 8;  // R for 1..2 x rows
+constexpr int kRowsPerWarp = 4;      // R for 2..8 x rows, and the row group the K split is chosen for
+constexpr int kWideRowsPerWarp = 8;  // R for 1 x row
 constexpr int kWarpsPerBlock = 4;  // small blocks: at 160 registers (M = 8) 12 warps fit per SM, not 8
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kMaxKSplit = kWarpsPerBlock;
@@ -25,7 +25,6 @@ constexpr int kMaxRows = 8;
 constexpr int64_t kTargetWarps = 4096;  // ~2 waves of 132 SMs x 12..16 resident warps
 constexpr int kMinSliceChunks = 64;     // 2 chunks per lane: one full loop trip
 constexpr int kChunksPerTrip = 2;
-constexpr int kDefaultBlocksPerSm = 4;  // 16 resident warps per SM at most
 
 // K slices per row group (1, 2 or 4): more while the grid has fewer than kTargetWarps warps and each slice keeps
 // at least kMinSliceChunks chunks, so small-N shapes still fill the GPU.
@@ -37,12 +36,13 @@ inline int choose_k_split(int64_t row_groups, int64_t chunks) {
   return k_split;
 }
 
-// Blocks per SM of the persistent grids (each block loops over its share of the tiles, so a block's setup and
-// launch are paid once, not per tile; the numerics do not depend on it). FULCRUM_SKINNY_BLOCKS_PER_SM overrides
-// it for measurement (0: one block per tile); read once.
-int skinny_blocks_per_sm();
-// The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm()), or tiles.
-int64_t skinny_grid_blocks(int64_t tiles);
+// Blocks per SM of the persistent grids for chunks of m x rows (each block loops over its share of the tiles,
+// so a block's setup and launch are paid once, not per tile; the numerics do not depend on it): 4 up to 2 rows,
+// 6 from 3 rows (measured side by side at batch 1 / 2 / 4: bench/results/skinny_grid_h200.json).
+// FULCRUM_SKINNY_BLOCKS_PER_SM overrides it for measurement (0: one block per tile); read once.
+int skinny_blocks_per_sm(int m);
+// The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles.
+int64_t skinny_grid_blocks(int64_t tiles, int m);
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
@@ -63,7 +63,7 @@ __device__ __forceinline__ uint16_t to_bf16(float v) { return __bfloat16_as_usho
 
 // R for M x rows: wide where registers allow (FULCRUM_SKINNY_WIDE=0 keeps 4, for measurement; read once).
 bool skinny_wide_enabled();
-inline int rows_per_warp(int m) { return m <= 2 && skinny_wide_enabled() ? kWideRowsPerWarp : kRowsPerWarp; }
+inline int rows_per_warp(int m) { return m <= 1 && skinny_wide_enabled() ? kWideRowsPerWarp : kRowsPerWarp; }
 
 // acc[r][i] += w[r] . x[i] over one chunk of 8 values, in value order (explicit FMAs: the same arithmetic for
 // every M).
