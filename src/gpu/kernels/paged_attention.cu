@@ -1,8 +1,6 @@
 // Paged attention: the plan, the workspace layout, the launcher (decode launch, prefill launch, split merge) and
 // the merge kernel. The attention kernels are in paged_attention_mma.cu and paged_attention_simt.cu.
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <cstdint>
 
 #include "gpu/kernels/paged_attention.hpp"
@@ -79,15 +77,6 @@ __global__ void __launch_bounds__(attention::kThreads) merge_prefill_splits_kern
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Read once; FULCRUM_ATTENTION_PREFETCH=0 turns the decode prefetch of cached keys off, for measurement.
-bool cached_key_prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("FULCRUM_ATTENTION_PREFETCH");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  return enabled;
-}
-
 }  // namespace
 
 PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
@@ -157,7 +146,6 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   p.page_size = batch.page_size;
   p.scale_log2 = batch.sm_scale * 1.4426950408889634f;
   p.decode_splits = plan.decode_splits;
-  p.prefetch_cached_keys = cached_key_prefetch_enabled();
   p.split_counters = batch.split_counters;
   p.prefill_splits = plan.prefill_splits;
   p.prefill_rows = plan.prefill_rows;

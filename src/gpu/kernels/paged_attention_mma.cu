@@ -43,26 +43,8 @@ __device__ __forceinline__ int swizzled(int key, int chunk) {
   return key * D + ((chunk ^ (key & 7)) << 3);
 }
 
-// Decode, before the wait for the kernel ahead (the KV append of this step's tokens): the K and V rows of the
-// CTA's first two tiles that no kernel of this step writes (positions before the sequence's new token; cached
-// pages are never rewritten) asked from L2, so the tile loads after the wait find them there. The work item and
-// the page table are step inputs, uploaded before the step's first kernel.
-template <int D>
-__device__ __forceinline__ void prefetch_cached_keys(const Params& p) {
-  const WorkItem w = decode_work(p);
-  if (!w.valid) return;
-  const int pos = w.key_begin + static_cast<int>(threadIdx.x);
-  if (pos >= min(w.key_end, min(w.key_begin + 2 * kTileKeys, w.kv_len - w.n))) return;
-  const int64_t row = pool_row(p, w, pos) * p.num_kv_heads + w.kv_head;
-  prefetch_l2(p.k_pool + row * D, D * sizeof(uint16_t));
-  prefetch_l2(p.v_pool + row * D, D * sizeof(uint16_t));
-}
-
 template <int D, bool kDecode>
 __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p) {
-  if constexpr (kDecode) {
-    if (p.prefetch_cached_keys) prefetch_cached_keys<D>(p);
-  }
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   using Cfg = MmaConfig<D, kDecode>;
   extern __shared__ __align__(128) unsigned char smem[];

@@ -1,6 +1,5 @@
 #pragma once
-// The PTX the tensor-core attention kernel uses (paged_attention_mma.cu): cp.async 16-byte copies with zero fill, L2
-// bulk prefetch,
+// The PTX the tensor-core attention kernel uses (paged_attention_mma.cu): cp.async 16-byte copies with zero fill,
 // ldmatrix (plain and transposed) and mma.sync m16n8k16 bf16 -> fp32. Fragment layouts: PTX ISA, "Matrix Fragments
 // for mma.m16n8k16 with floating point type" and "ldmatrix".
 #include <cstdint>
@@ -13,13 +12,6 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_s
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   const int src_bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src), "r"(src_bytes) : "memory");
-}
-// Asks L2 for [p, p + bytes) without waiting (sm_90 bulk prefetch; p 16-byte aligned, bytes a multiple of 16). A
-// hint: results never depend on it.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>

@@ -34,7 +34,6 @@ struct Params {
   float* decode_lse;
   int decode_splits;
   int32_t* split_counters;   // [S][Hkv]: finished decode splits (AttentionBatch::split_counters)
-  bool prefetch_cached_keys; // decode: L2 prefetch of cached keys before the wait (FULCRUM_ATTENTION_PREFETCH=0: off)
   float* prefill_o;
   float* prefill_lse;
   int prefill_splits;
