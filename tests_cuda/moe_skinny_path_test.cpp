@@ -112,6 +112,79 @@ TEST_F(MoeSkinnyPathTest, SmallPermutationMatchesHostCountingSort) {
             cudaErrorInvalidValue);
 }
 
+// The fused router + permutation (static replicas) gives the two launches' outputs bit for bit: routing
+// (experts, weights, slots), the recorder histogram, and the permutation, from 1 token to the largest small step.
+TEST_F(MoeSkinnyPathTest, FusedRoutePermuteEqualsTheTwoLaunches) {
+  const int experts = 128, top_k = 8, slots = 136, sources = 2;
+  for (const int tokens : {1, 4, 37, 128}) {
+    SCOPED_TRACE(fmt::format("tokens {}", tokens));
+    std::mt19937 rng(static_cast<uint32_t>(tokens));
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::vector<float> logits(static_cast<size_t>(tokens) * experts);
+    for (auto& v : logits) v = normal(rng);
+    std::vector<int32_t> slot_of(static_cast<size_t>(sources) * experts);  // source s: expert e -> a replica
+    for (int src = 0; src < sources; ++src) {
+      for (int e = 0; e < experts; ++e) slot_of[src * experts + e] = e < 8 && src == 1 ? experts + e : e;
+    }
+    const DeviceBuffer d_logits = to_device(logits), d_slot_of = to_device(slot_of);
+    const int entries = tokens * top_k;
+    struct Outputs {
+      DeviceBuffer ids, weights, slot, counts, offsets, entry_row, row_token, active, histogram;
+    };
+    const auto make = [&] {
+      Outputs o{DeviceBuffer(4 * entries), DeviceBuffer(4 * entries), DeviceBuffer(4 * entries), DeviceBuffer(4 * slots),
+                DeviceBuffer(4 * (slots + 1)), DeviceBuffer(4 * entries), DeviceBuffer(4 * entries),
+                DeviceBuffer(4 * (entries + 1)), DeviceBuffer(8 * experts)};
+      EXPECT_EQ(cudaMemset(o.histogram.as<unsigned long long>(), 0, 8 * experts), cudaSuccess);
+      return o;
+    };
+    const auto args_for = [&](Outputs& o) {
+      cuda::moe::RouterArgs a;
+      a.logits = d_logits.as<float>();
+      a.num_tokens = tokens;
+      a.num_experts = experts;
+      a.top_k = top_k;
+      a.tokens_per_source = (tokens + sources - 1) / sources;
+      a.static_slot_of = d_slot_of.as<int32_t>();
+      a.expert_ids = o.ids.as<int32_t>();
+      a.weights = o.weights.as<float>();
+      a.slots = o.slot.as<int32_t>();
+      a.histogram = o.histogram.as<unsigned long long>();
+      return a;
+    };
+    Outputs two = make(), one = make();
+    ASSERT_EQ(cuda::moe::launch_moe_router(args_for(two), nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::moe::launch_small_permutation(two.slot.as<int32_t>(), entries, top_k, slots, two.counts.as<int32_t>(),
+                                                  two.offsets.as<int32_t>(), two.entry_row.as<int32_t>(),
+                                                  two.row_token.as<int32_t>(), two.active.as<int32_t>(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::moe::launch_small_route_permute(args_for(one), slots, one.counts.as<int32_t>(),
+                                                    one.offsets.as<int32_t>(), one.entry_row.as<int32_t>(),
+                                                    one.row_token.as<int32_t>(), one.active.as<int32_t>(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(to_host(one.ids.as<int32_t>(), entries), to_host(two.ids.as<int32_t>(), entries));
+    EXPECT_EQ(to_host(one.weights.as<float>(), entries), to_host(two.weights.as<float>(), entries));
+    EXPECT_EQ(to_host(one.slot.as<int32_t>(), entries), to_host(two.slot.as<int32_t>(), entries));
+    EXPECT_EQ(to_host(one.counts.as<int32_t>(), slots), to_host(two.counts.as<int32_t>(), slots));
+    EXPECT_EQ(to_host(one.offsets.as<int32_t>(), slots + 1), to_host(two.offsets.as<int32_t>(), slots + 1));
+    EXPECT_EQ(to_host(one.entry_row.as<int32_t>(), entries), to_host(two.entry_row.as<int32_t>(), entries));
+    EXPECT_EQ(to_host(one.row_token.as<int32_t>(), entries), to_host(two.row_token.as<int32_t>(), entries));
+    const int active = to_host(two.active.as<int32_t>(), 1)[0];
+    EXPECT_GT(active, 0);
+    EXPECT_EQ(to_host(one.active.as<int32_t>(), active + 1), to_host(two.active.as<int32_t>(), active + 1));
+    const std::vector<unsigned long long> hist = to_host(two.histogram.as<unsigned long long>(), experts);
+    EXPECT_EQ(to_host(one.histogram.as<unsigned long long>(), experts), hist);
+    EXPECT_EQ(std::accumulate(hist.begin(), hist.end(), 0ull), static_cast<unsigned long long>(entries));
+  }
+  cuda::moe::RouterArgs dynamic;  // no static slots: refused
+  dynamic.num_tokens = 1;
+  dynamic.top_k = 8;
+  dynamic.num_experts = 128;
+  EXPECT_EQ(cuda::moe::launch_small_route_permute(dynamic, 16, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
+            cudaErrorInvalidValue);
+}
+
 // Both GEMMs over slots with 19, 0 and 5 rows (19: three passes of 8, 8 and 3 rows) at the Qwen3-30B-A3B expert
 // shape, against the reference; a row computed alone gives the same bits as with 18 others.
 TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {

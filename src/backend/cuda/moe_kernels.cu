@@ -29,97 +29,109 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
+// One token's routing by one warp (lane `lane`): softmax, top-k, weights, static slots or the dynamic draw
+// count, and the token's experts counted in s_hist when recording.
+__device__ __forceinline__ void route_token(const RouterArgs& a, int64_t t, int lane, unsigned int* s_hist) {
+  const bool record = a.histogram != nullptr;
+  const int num_experts = a.num_experts, top_k = a.top_k;
+  const float* row = a.logits + t * num_experts;  // [E]
+  float logit[kLogitsPerLane];
+  float max_logit = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kLogitsPerLane; ++i) {
+    const int e = lane + 32 * i;
+    logit[i] = e < num_experts ? row[e] : -INFINITY;
+    max_logit = fmaxf(max_logit, logit[i]);
+  }
+  max_logit = warp_max(max_logit);
+  double denom = 0.0, ex[kLogitsPerLane];  // each exponential computed once (double: a long instruction sequence)
+#pragma unroll
+  for (int i = 0; i < kLogitsPerLane; ++i) {
+    ex[i] = lane + 32 * i < num_experts ? exp(static_cast<double>(logit[i]) - max_logit) : 0.0;
+    if (lane + 32 * i < num_experts) denom += ex[i];
+  }
+  denom = warp_sum(denom);
+  float prob[kLogitsPerLane];  // -1: not an expert, or already chosen
+#pragma unroll
+  for (int i = 0; i < kLogitsPerLane; ++i) {
+    prob[i] = lane + 32 * i < num_experts ? static_cast<float>(ex[i] / denom) : -1.0f;
+  }
+  // k rounds of warp-wide argmax; ties go to the lower expert index, as the CPU's sort.
+  float my_prob = 0.0f, sum = 0.0f;
+  int my_expert = -1;
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= top_k) break;
+    float best = -2.0f;
+    int best_e = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      if (prob[i] > best) {
+        best = prob[i];
+        best_e = lane + 32 * i;
+      }
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int other_e = __shfl_xor_sync(0xffffffffu, best_e, offset);
+      if (other > best || (other == best && other_e < best_e)) {
+        best = other;
+        best_e = other_e;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      if (lane + 32 * i == best_e) prob[i] = -1.0f;
+    }
+    sum += best;  // every lane sums the same values in j order
+    if (lane == j) {
+      my_prob = best;
+      my_expert = best_e;
+    }
+  }
+  int multi = 0;  // dynamic: entries whose expert has several replicas
+  if (lane < top_k) {
+    const int64_t entry = t * top_k + lane;
+    a.expert_ids[entry] = my_expert;
+    a.weights[entry] = a.norm_topk_prob ? my_prob / sum : my_prob;
+    if (a.static_slot_of != nullptr) {
+      const int64_t source = t / a.tokens_per_source;
+      a.slots[entry] = a.static_slot_of[source * num_experts + my_expert];
+    } else {
+      multi = a.replica_offsets[my_expert + 1] - a.replica_offsets[my_expert] > 1 ? 1 : 0;
+    }
+    if (record) atomicAdd(&s_hist[my_expert], 1u);
+  }
+  if (a.static_slot_of == nullptr) {
+    multi = warp_sum(multi);
+    if (lane == 0) a.multi_draws[t] = multi;
+  }
+}
+
+// The block's shared histogram [E] zeroed (record only); every thread calls it.
+__device__ __forceinline__ void clear_histogram(const RouterArgs& a, unsigned int* s_hist) {
+  if (a.histogram == nullptr) return;
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) s_hist[e] = 0;
+  __syncthreads();
+}
+// The block's counts added to the recorder row, one atomicAdd per expert with tokens; every thread calls it.
+__device__ __forceinline__ void flush_histogram(const RouterArgs& a, const unsigned int* s_hist) {
+  if (a.histogram == nullptr) return;
+  __syncthreads();
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) {
+    if (s_hist[e] != 0) atomicAdd(&a.histogram[e], static_cast<unsigned long long>(s_hist[e]));
+  }
+}
+
 __global__ void moe_router_kernel(RouterArgs a, int tokens_per_block) {
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   extern __shared__ unsigned int s_hist[];  // [E] when recording
-  const bool record = a.histogram != nullptr;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_experts = a.num_experts, top_k = a.top_k;
-  if (record) {
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_hist[e] = 0;
-    __syncthreads();
-  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  clear_histogram(a, s_hist);
   const int64_t first = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
   const int64_t last = min(first + tokens_per_block, a.num_tokens);
-  for (int64_t t = first + warp; t < last; t += kRouterWarps) {
-    const float* row = a.logits + t * num_experts;  // [E]
-    float logit[kLogitsPerLane];
-    float max_logit = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kLogitsPerLane; ++i) {
-      const int e = lane + 32 * i;
-      logit[i] = e < num_experts ? row[e] : -INFINITY;
-      max_logit = fmaxf(max_logit, logit[i]);
-    }
-    max_logit = warp_max(max_logit);
-    double denom = 0.0;
-#pragma unroll
-    for (int i = 0; i < kLogitsPerLane; ++i) {
-      if (lane + 32 * i < num_experts) denom += exp(static_cast<double>(logit[i]) - max_logit);
-    }
-    denom = warp_sum(denom);
-    float prob[kLogitsPerLane];  // -1: not an expert, or already chosen
-#pragma unroll
-    for (int i = 0; i < kLogitsPerLane; ++i) {
-      prob[i] = lane + 32 * i < num_experts ? static_cast<float>(exp(static_cast<double>(logit[i]) - max_logit) / denom)
-                                            : -1.0f;
-    }
-    // k rounds of warp-wide argmax; ties go to the lower expert index, as the CPU's sort.
-    float my_prob = 0.0f, sum = 0.0f;
-    int my_expert = -1;
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      if (j >= top_k) break;
-      float best = -2.0f;
-      int best_e = 0x7fffffff;
-#pragma unroll
-      for (int i = 0; i < kLogitsPerLane; ++i) {
-        if (prob[i] > best) {
-          best = prob[i];
-          best_e = lane + 32 * i;
-        }
-      }
-      for (int offset = 16; offset > 0; offset /= 2) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_e = __shfl_xor_sync(0xffffffffu, best_e, offset);
-        if (other > best || (other == best && other_e < best_e)) {
-          best = other;
-          best_e = other_e;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kLogitsPerLane; ++i) {
-        if (lane + 32 * i == best_e) prob[i] = -1.0f;
-      }
-      sum += best;  // every lane sums the same values in j order
-      if (lane == j) {
-        my_prob = best;
-        my_expert = best_e;
-      }
-    }
-    int multi = 0;  // dynamic: entries whose expert has several replicas
-    if (lane < top_k) {
-      const int64_t entry = t * top_k + lane;
-      a.expert_ids[entry] = my_expert;
-      a.weights[entry] = a.norm_topk_prob ? my_prob / sum : my_prob;
-      if (a.static_slot_of != nullptr) {
-        const int64_t source = t / a.tokens_per_source;
-        a.slots[entry] = a.static_slot_of[source * num_experts + my_expert];
-      } else {
-        multi = a.replica_offsets[my_expert + 1] - a.replica_offsets[my_expert] > 1 ? 1 : 0;
-      }
-      if (record) atomicAdd(&s_hist[my_expert], 1u);
-    }
-    if (a.static_slot_of == nullptr) {
-      multi = warp_sum(multi);
-      if (lane == 0) a.multi_draws[t] = multi;
-    }
-  }
-  if (record) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      if (s_hist[e] != 0) atomicAdd(&a.histogram[e], static_cast<unsigned long long>(s_hist[e]));
-    }
-  }
+  for (int64_t t = first + warp; t < last; t += kRouterWarps) route_token(a, t, lane, s_hist);
+  flush_histogram(a, s_hist);
 }
 
 __global__ void dynamic_pick_kernel(const int32_t* expert_ids, const int32_t* draw_base, int64_t num_tokens, int top_k,
@@ -219,13 +231,14 @@ __global__ void permute_rows_kernel(const uint16_t* x, int64_t num_entries, int 
 // One block of kSmallPlanThreads: counts in shared memory, block scans over the slots in chunks of the block
 // (offsets, and which slots have rows), then each entry's rank among the earlier entries of its slot.
 constexpr int kSmallPlanThreads = 1024;
-__global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
-    const int32_t* slots, int num_entries, int top_k, int num_slots, int32_t* slot_counts, int32_t* offsets,
-    int32_t* entry_row, int32_t* row_token, int32_t* active) {
-  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
+// plan_smem: [2P + N] int32. Every thread of the block calls it; slots may have been written by this block
+// (the caller synchronized after).
+__device__ __forceinline__ void small_permutation_block(const int32_t* slots, int num_entries, int top_k,
+                                                        int num_slots, int32_t* slot_counts, int32_t* offsets,
+                                                        int32_t* entry_row, int32_t* row_token, int32_t* active,
+                                                        int32_t* plan_smem) {
   using Scan = cub::BlockScan<int, kSmallPlanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  extern __shared__ int32_t plan_smem[];
   int32_t* counts = plan_smem;                 // [P]
   int32_t* first_row = counts + num_slots;     // [P]
   int32_t* entry_slot = first_row + num_slots; // [N]
@@ -266,6 +279,33 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
     entry_row[e] = row;
     row_token[row] = e / top_k;
   }
+}
+
+__global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
+    const int32_t* slots, int num_entries, int top_k, int num_slots, int32_t* slot_counts, int32_t* offsets,
+    int32_t* entry_row, int32_t* row_token, int32_t* active) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
+  extern __shared__ int32_t plan_smem[];
+  small_permutation_block(slots, num_entries, top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
+                          plan_smem);
+}
+
+// Routing (static replicas) and the permutation of a small step in one block: warp w routes tokens w, w + 32, ...,
+// then the block permutes the slots it wrote. Dynamic shared memory: [2P + N] int32, then [E] histogram counts.
+__global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
+    const RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
+    int32_t* row_token, int32_t* active) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
+  extern __shared__ int32_t plan_smem[];
+  const int num_entries = static_cast<int>(a.num_tokens) * a.top_k;
+  unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + 2 * num_slots + num_entries);
+  clear_histogram(a, s_hist);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t t = warp; t < a.num_tokens; t += kSmallPlanThreads / 32) route_token(a, t, lane, s_hist);
+  flush_histogram(a, s_hist);
+  __syncthreads();  // the slots written above, for the whole block
+  small_permutation_block(a.slots, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
+                          plan_smem);
 }
 
 __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act) {
@@ -504,6 +544,22 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
   return gpu::launch_dependent(small_permutation_kernel, dim3(1), dim3(kSmallPlanThreads), smem, stream, slots,
                                static_cast<int>(num_entries), top_k, num_slots, slot_counts, offsets, entry_row,
                                row_token, active);
+}
+
+cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
+                                      int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream) {
+  const int64_t num_entries = args.num_tokens * args.top_k;
+  if (args.static_slot_of == nullptr || args.num_tokens < 1 || num_entries > kSmallPlanMaxEntries || num_slots < 1 ||
+      num_slots > kSmallPlanMaxSlots || args.top_k < 1 || args.num_experts > kMaxRouterExperts) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(num_slots) + static_cast<size_t>(num_entries)) +
+                      (args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0);
+  cudaError_t status = cudaFuncSetAttribute(small_route_permute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem));
+  if (status != cudaSuccess) return status;
+  return gpu::launch_dependent(small_route_permute_kernel, dim3(1), dim3(kSmallPlanThreads), smem, stream, args,
+                               num_slots, slot_counts, offsets, entry_row, row_token, active);
 }
 
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,

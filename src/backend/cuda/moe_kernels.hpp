@@ -87,6 +87,11 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
                                      int32_t* slot_counts, int32_t* offsets, int32_t* entry_row, int32_t* row_token,
                                      int32_t* active, cudaStream_t stream);
 
+// launch_moe_router (static replicas only: args.static_slot_of set) and launch_small_permutation of its slots in
+// one single-block launch, for the same bounds; the same outputs bit for bit as the two launches.
+cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
+                                      int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream);
+
 // act [n, I] = bf16(silu(gate) * up) from h [n, 2I] (gate | up), fp32 math.
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
                                  cudaStream_t stream);

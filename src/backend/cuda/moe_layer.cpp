@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "backend/cuda/cuda_check.hpp"
@@ -501,7 +503,7 @@ void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
                                     CUBLAS_GEMM_DEFAULT));
 }
 
-void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
+cuda::moe::RouterArgs GpuMoeLayer::router_args(const float* logits, int64_t num_tokens) {
   FULCRUM_CHECK(has_spec_, "MoE layer: set_replica_choice before the first forward");
   FULCRUM_CHECK(num_tokens >= 0 && num_tokens <= shape_.max_tokens, "MoE layer: {} tokens, at most {}", num_tokens,
                 shape_.max_tokens);
@@ -527,7 +529,13 @@ void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
   args.slots = w.slots.as<int32_t>();
   args.multi_draws = w.multi_draws.as<int32_t>();
   args.histogram = histogram_row_;
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_moe_router(args, stream_));
+  return args;
+}
+
+void GpuMoeLayer::route(const float* logits, int64_t num_tokens) {
+  MoeWorkspace& w = ws();
+  const bool is_static = spec_.algorithm == eplb::DispatchAlgorithm::kStatic;
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_moe_router(router_args(logits, num_tokens), stream_));
   if (spec_.algorithm == eplb::DispatchAlgorithm::kBalanced) {
     choose_balanced(num_tokens);
     return;
@@ -799,13 +807,29 @@ bool GpuMoeLayer::uses_skinny(int64_t num_tokens) const {
          has_expert_weights_;
 }
 
+// Read once; FULCRUM_FUSED_ROUTER=0 keeps the router and the small permutation in two launches, for measurement.
+static bool fused_small_route_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("FULCRUM_FUSED_ROUTER");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled;
+}
+
 void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
   MoeWorkspace& w = ws();
   const int p = shape_.num_slots, k = shape_.num_experts_per_tok;
-  const int64_t entries = num_tokens * k;
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_small_permutation(w.slots.as<int32_t>(), entries, k, p, w.counts.as<int32_t>(),
-                                                         w.offsets.as<int32_t>(), w.entry_row.as<int32_t>(),
-                                                         w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_small_permutation(w.slots.as<int32_t>(), num_tokens * k, k, p,
+                                                         w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
+                                                         w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(),
+                                                         w.active.as<int32_t>(), stream_));
+  skinny_gemms(x, num_tokens);
+}
+
+void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
+  MoeWorkspace& w = ws();
+  const int p = shape_.num_slots;
+  const int64_t entries = num_tokens * shape_.num_experts_per_tok;
   own_problems_built_ = false;
   gpu::ExpertSkinnyArgs gemm;
   gemm.x = x;  // token rows [T, H], read through row_token
@@ -833,8 +857,18 @@ void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
 
 void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens) {
   check_holds_all_slots();
+  const bool skinny = uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  if (skinny && num_tokens > 0 && spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled()) {
+    // Static replicas: the router and the permutation in one launch (one kernel less per layer in decode).
+    MoeWorkspace& w = ws();
+    FULCRUM_CUDA_CHECK(cuda::moe::launch_small_route_permute(
+        router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
+        w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+    skinny_gemms(x, num_tokens);
+    return;
+  }
   route(logits, num_tokens);
-  if (uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+  if (skinny) {
     skinny_experts(x, num_tokens);
   } else {
     permute(x, num_tokens);

@@ -33,6 +33,9 @@
 
 struct CUstream_st;
 struct cublasContext;
+namespace fulcrum::cuda::moe {
+struct RouterArgs;  // moe_kernels.hpp
+}
 
 namespace fulcrum::backend {
 
@@ -227,6 +230,7 @@ class GpuMoeLayer {
   // Stages, in order (forward runs them all); tests and the benchmark call them one by one.
   void router_logits(const uint16_t* x, int64_t num_tokens);  // -> logits()
   void route(const float* logits, int64_t num_tokens);         // -> expert_ids, weights, slots; histogram
+  cuda::moe::RouterArgs router_args(const float* logits, int64_t num_tokens);  // checks; the step's bookkeeping
                                                                //    (balanced: also host slot counts)
   void permute(const uint16_t* x, int64_t num_tokens);         // -> slot offsets, entry_row, permuted rows
                                                                //    (cuBLAS: host counts and GEMM problems)
@@ -291,8 +295,10 @@ class GpuMoeLayer {
                        int64_t max_rows, int64_t total_rows, uint16_t* out);
   // route, then the skinny path or permute + run_experts: expert_out rows for combine.
   void experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens);
-  // The skinny path after route: permutation, both expert GEMMs (SwiGLU fused) -> expert_out rows.
+  // The skinny path after route: permutation, then skinny_gemms: both expert GEMMs (SwiGLU fused) -> expert_out
+  // rows (with static replicas experts_from_logits routes and permutes in one launch, then skinny_gemms).
   void skinny_experts(const uint16_t* x, int64_t num_tokens);
+  void skinny_gemms(const uint16_t* x, int64_t num_tokens);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
