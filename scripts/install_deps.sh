@@ -8,6 +8,8 @@ for p in "${packages[@]}"; do
 done
 # pip downloads the pinned kernel-header wheels (scripts/fetch_kernel_headers.sh) on machines with nvcc.
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+# venv: the Python module's tests (python/run_tests.sh) install it into build-python/venv.
+python3 -c "import ensurepip, venv" >/dev/null 2>&1 || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "installing missing packages: ${missing[*]}"
 SUDO=""

@@ -37,7 +37,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "eplb/error.hpp"
 #include "gpu/flashinfer/flashinfer_attention.hpp"
 #include "gpu/reference/attention_reference.hpp"

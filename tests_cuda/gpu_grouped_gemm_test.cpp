@@ -22,7 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "gpu/cutlass/grouped_gemm.hpp"
 #include "moe_cuda_test_util.hpp"
 

@@ -26,7 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "gpu/dense_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/reference/skinny_gemm_reference.hpp"

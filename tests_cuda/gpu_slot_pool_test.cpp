@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/gpu_slot_pool.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 #include "model/random_weights.hpp"
 #include "slot_pool_test_util.hpp"
 #include "test_data.hpp"

@@ -12,7 +12,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "model/checkpoint_writer.hpp"
 #include "moe_test_util.hpp"
 

@@ -36,7 +36,7 @@
 
 #include "backend/cpu/cpu_backend.hpp"
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "eplb/error.hpp"
 #include "model/checkpoint_writer.hpp"
 #include "model/model_parallel.hpp"

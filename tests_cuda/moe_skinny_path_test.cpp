@@ -19,8 +19,8 @@
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/moe_kernels.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_kernels.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/reference/skinny_gemm_reference.hpp"
 #include "model/moe_reference.hpp"

@@ -26,8 +26,8 @@
 #include <numeric>
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_kernels.hpp"
-#include "comm/nccl_ep_moe_layer.hpp"
+#include "gpu/moe/moe_kernels.hpp"
+#include "gpu/moe/nccl_ep_moe_layer.hpp"
 #include "eplb/error.hpp"
 #include "moe_cuda_test_util.hpp"
 #include "nccl_rank_util.hpp"

@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <regex>
 
-#include "comm/nccl_slot_copy_executor.hpp"
+#include "gpu/moe/nccl_slot_copy_executor.hpp"
 #include "cuda_test_util.hpp"
 #include "eplb/error.hpp"
 #include "model_test_util.hpp"

@@ -22,8 +22,8 @@
 #include <fmt/format.h>
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/gpu_slot_pool.hpp"
-#include "comm/nccl_slot_pool_migration.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
+#include "gpu/moe/nccl_slot_pool_migration.hpp"
 #include "eplb/error.hpp"
 #include "nccl_rank_util.hpp"
 #include "slot_pool_test_util.hpp"

@@ -5,7 +5,7 @@
 #include <span>
 #include <vector>
 
-#include "backend/cuda/gpu_slot_pool.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 #include "model/random_weights.hpp"
 
 namespace fulcrum::test {

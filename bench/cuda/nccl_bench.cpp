@@ -28,10 +28,10 @@
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "comm/local_ranks.hpp"
 #include "comm/nccl_communicator.hpp"
-#include "comm/nccl_slot_copy_executor.hpp"
+#include "gpu/moe/nccl_slot_copy_executor.hpp"
 #include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
 #include "row_exchange_workload.hpp"

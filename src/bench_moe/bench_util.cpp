@@ -5,8 +5,8 @@
 
 #include <cublas_v2.h>
 
-#include "backend/cuda/moe_kernels.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_kernels.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
 #include "eplb/loads.hpp"

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "bench_moe/moe_bench.hpp"
 #include "eplb/dispatch.hpp"
 

@@ -13,7 +13,7 @@
 #include "bench_moe/bench_util.hpp"
 #include "bench_moe/ep_bench.hpp"
 #include "comm/nccl_communicator.hpp"
-#include "comm/nccl_ep_moe_layer.hpp"
+#include "gpu/moe/nccl_ep_moe_layer.hpp"
 #include "comm/peer_mesh.hpp"
 #include "engine/multi_process_run.hpp"
 #include "eplb/dispatch.hpp"

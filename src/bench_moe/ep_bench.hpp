@@ -6,10 +6,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "bench_moe/bench_util.hpp"
 #include "comm/nccl_communicator.hpp"
-#include "comm/nccl_ep_moe_layer.hpp"
+#include "gpu/moe/nccl_ep_moe_layer.hpp"
 #include "model/moe_reference.hpp"
 
 namespace fulcrum::bench_moe {

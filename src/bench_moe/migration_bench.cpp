@@ -14,9 +14,9 @@
 //               alternate with passes without; median of --passes each
 #include <fmt/format.h>
 
-#include "backend/cuda/gpu_slot_pool.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 #include "bench_moe/ep_bench.hpp"
-#include "comm/nccl_slot_pool_migration.hpp"
+#include "gpu/moe/nccl_slot_pool_migration.hpp"
 #include "eplb/migration_plan.hpp"
 #include "eplb/placement.hpp"
 

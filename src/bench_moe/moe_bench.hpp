@@ -1,5 +1,5 @@
 #pragma once
-// `fulcrum bench moe`: the bf16 GPU MoE layer (src/backend/cuda/moe_layer.hpp) at the Qwen3-30B-A3B and
+// `fulcrum bench moe`: the bf16 GPU MoE layer (src/gpu/moe/moe_layer.hpp) at the Qwen3-30B-A3B and
 // Qwen3-235B-A22B MoE shapes with random weights, routing drawn from one layer of a real load matrix or
 // uniform. One GPU: every slot on the GPU, EP ranks simulated (single_gpu_bench.cpp). Several GPUs: one
 // process per GPU, real expert parallelism over NCCL, plus live migration against raw NCCL P2P and the

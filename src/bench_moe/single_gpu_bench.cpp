@@ -17,7 +17,7 @@
 
 #include <numeric>
 
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "bench_moe/bench_util.hpp"
 #include "eplb/dispatch.hpp"
 #include "model/moe_reference.hpp"

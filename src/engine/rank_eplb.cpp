@@ -8,7 +8,7 @@
 #include "eplb/error.hpp"
 #include "eplb_runtime/slot_copy_executor.hpp"
 #ifdef FULCRUM_WITH_NCCL
-#include "comm/nccl_slot_copy_executor.hpp"
+#include "gpu/moe/nccl_slot_copy_executor.hpp"
 #endif
 
 namespace fulcrum::engine {

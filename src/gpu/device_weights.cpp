@@ -7,7 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_kernels.hpp"
+#include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
 #include "model/checkpoint_writer.hpp"
 #include "model/rng.hpp"

@@ -16,7 +16,7 @@
 #include <memory>
 #include <vector>
 
-#include "backend/cuda/gpu_slot_pool.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 #include "eplb/placement.hpp"
 #include "model/qwen3_config.hpp"
 #include "model/safetensors.hpp"

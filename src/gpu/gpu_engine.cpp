@@ -8,8 +8,8 @@
 #include <set>
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_kernels.hpp"
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_kernels.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "eplb/error.hpp"
 #include "gpu/attention_runner.hpp"
 #include "gpu/dense_gemm.hpp"

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "eplb/dispatch.hpp"
 #include "eplb/placement.hpp"
 #include "gpu/device_kv_pool.hpp"

@@ -1,6 +1,6 @@
 #pragma once
 // The engine's own paged attention over a ragged batch (gpu::AttentionBatch, attention_batch.hpp; CPU reference
-// gpu::reference::paged_attention), in the style of src/backend/cuda/moe_kernels.hpp: a host plan, then a
+// gpu::reference::paged_attention), in the style of src/gpu/moe/moe_kernels.hpp: a host plan, then a
 // launcher that enqueues on `stream` and returns the launch status. Kernels: paged_attention.cu (launcher, split
 // merge), paged_attention_mma.cu (tensor cores, head_dim 64 / 128), paged_attention_simt.cu (CUDA cores, every
 // head_dim; the fallback).

@@ -7,7 +7,7 @@
 // host draws each sequence's uniform from its own model::Rng (Rng::uniform(), as sample_token does) and passes
 // it in, so every engine advances a sequence's Rng alike. Algorithm: sampler.cu (top comment).
 //
-// Launcher in the style of src/backend/cuda/moe_kernels.hpp: enqueues on `stream`, returns the launch status
+// Launcher in the style of src/gpu/moe/moe_kernels.hpp: enqueues on `stream`, returns the launch status
 // (a cudaError_t value, returned as int so that this header includes no CUDA header; 0 is cudaSuccess).
 // CUDA-graph capture: one launch, grid = num_rows, nothing allocated or synchronized; the parameters, uniforms
 // and logits are read from device memory, so a captured graph replays with new ones.

@@ -1,6 +1,6 @@
 #pragma once
 // The GPU engine's per-token kernels (step_ops.cu) as raw-pointer launchers, in the style of
-// src/backend/cuda/moe_kernels.hpp: each enqueues its work on `stream` and returns the launch status. CPU
+// src/gpu/moe/moe_kernels.hpp: each enqueues its work on `stream` and returns the launch status. CPU
 // reference of each, with the exact arithmetic: src/gpu/reference/step_ops_reference.hpp. All pointers are
 // device pointers, bf16 tensors are uint16_t bits, fp32 tensors dense row-major. Every launcher accepts zero
 // rows (no launch, cudaSuccess), allocates nothing and synchronizes nothing, so it can be captured in a CUDA

@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend/cuda/gpu_slot_pool.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 #include "comm/nccl_communicator.hpp"
 #include "eplb/topology.hpp"
 

@@ -1,5 +1,5 @@
 // Expert-parallel MoE layer over NCCL (see nccl_ep_moe_layer.hpp).
-#include "comm/nccl_ep_moe_layer.hpp"
+#include "gpu/moe/nccl_ep_moe_layer.hpp"
 
 #include <chrono>
 #include <numeric>

@@ -1,4 +1,4 @@
-#include "comm/nccl_slot_pool_migration.hpp"
+#include "gpu/moe/nccl_slot_pool_migration.hpp"
 
 #include <cuda_runtime.h>
 

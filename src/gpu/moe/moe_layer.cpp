@@ -1,6 +1,6 @@
 // GPU MoE layer: the shared workspace, buffers, cuBLAS / CUTLASS calls and the launch sequence (kernels in
 // moe_kernels.cu, the grouped GEMM in src/gpu/cutlass/).
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_kernels.hpp"
+#include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"

@@ -1,7 +1,7 @@
-#include "backend/cuda/gpu_slot_pool.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 
 #include "backend/cuda/cuda_check.hpp"
-#include "backend/cuda/moe_kernels.hpp"
+#include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
 #include "model/random_weights.hpp"
 

@@ -22,7 +22,7 @@
 #include <memory>
 #include <vector>
 
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "comm/nccl_communicator.hpp"
 
 namespace fulcrum::comm {

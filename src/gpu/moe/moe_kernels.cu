@@ -4,7 +4,7 @@
 #include <cuda_bf16.h>
 
 #include "backend/cuda/launch_util.cuh"
-#include "backend/cuda/moe_kernels.hpp"
+#include "gpu/moe/moe_kernels.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
 
 namespace fulcrum::cuda::moe {

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend/cuda/moe_layer.hpp"
+#include "gpu/moe/moe_layer.hpp"
 #include "eplb_runtime/slot_buffer_map.hpp"
 
 struct CUstream_st;  // cudaStream_t

@@ -1,4 +1,4 @@
-#include "comm/nccl_slot_copy_executor.hpp"
+#include "gpu/moe/nccl_slot_copy_executor.hpp"
 
 #include <cuda_runtime.h>
 
