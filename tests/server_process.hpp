@@ -69,12 +69,23 @@ class ServerProcess {
     FULCRUM_CHECK(std::regex_search(status, m, vm_rss), "no VmRSS for process {}", pid_);
     return std::stoll(m[1]);
   }
+  // Ranks as processes: the pid of world rank `rank`, from its "rank R (pid P) joined" log line (-1: none yet).
+  pid_t rank_pid(int rank) const {
+    const std::regex joined("rank " + std::to_string(rank) + " \\(pid ([0-9]+)\\) joined");
+    std::smatch m;
+    const std::string text = log();
+    return std::regex_search(text, m, joined) ? static_cast<pid_t>(std::stol(m[1])) : -1;
+  }
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
   std::string log() const { return slurp(log_file_); }
 
   // SIGTERM, then waits (up to `timeout_s`) for the exit; returns the exit code (-1: did not exit or crashed).
   int terminate(double timeout_s = 30) {
     ::kill(pid_, SIGTERM);
+    return wait_exit(timeout_s);
+  }
+  // Waits (up to `timeout_s`) for the exit; returns the exit code (-1: did not exit or crashed).
+  int wait_exit(double timeout_s) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
     while (std::chrono::steady_clock::now() < deadline) {
       int status = 0;

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/dist_flags.hpp"
 #include "cli/engine_flags.hpp"
 #include "cli/gpu_commands.hpp"
 #include "cli/token_ids.hpp"
@@ -132,15 +133,7 @@ void register_generate_command(CLI::App& app) {
   EngineFlags::add_to(cmd, flags->engine);
   cmd->add_option("--expert-distribution-dump", flags->expert_distribution_dump,
                   "Write the recorder's window (JSON that `fulcrum plan --loads` reads)");
-  cmd->add_option("--nnodes", flags->dist.nnodes, "Nodes the ranks spread over; start one command per node")
-      ->capture_default_str();
-  cmd->add_option("--node-rank", flags->dist.node_rank, "This node's index in [0, --nnodes)")->capture_default_str();
-  cmd->add_option("--dist-init-addr", flags->dist.dist_init_addr,
-                  "HOST:PORT of node 0, where world rank 0 serves the rendezvous (default: a free local port)");
-  cmd->add_option("--dist-timeout", flags->dist.dist_timeout_s, "Seconds the rendezvous waits for every rank")
-      ->capture_default_str();
-  cmd->add_flag("--multi-process", flags->dist.multi_process,
-                "Ranks as processes (TCP between them) with --device cpu; always so with cuda and several ranks");
+  add_dist_flags(cmd, flags->dist);
   cmd->callback([flags] { run_generate(*flags); });
 }
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/dist_flags.hpp"
 #include "eplb/atomic_file.hpp"
 #include "cli/engine_flags.hpp"
 #include "cli/number_checks.hpp"
@@ -62,10 +63,25 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
       ->capture_default_str()->check(kNonNegative);
   EngineFlags::add_to(cmd, engine_flags);
-  cmd->callback([o, engine_flags] {
+  auto dist = std::make_shared<engine::DistFlags>();
+  add_dist_flags(cmd, *dist);
+  cmd->add_option("--elastic-ep-timeout", o->elastic_ep_timeout_s,
+                  "Ranks as processes: seconds after which a rank that sent nothing, not even a heartbeat, has "
+                  "failed (a hung or stopped process, a cut link); every wait on a peer is bounded by it")
+      ->capture_default_str()->check(kPositive);
+  cmd->callback([o, engine_flags, dist] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
     o->parallel = engine_flags->resolved_parallel();
-    o->run = engine_flags->make_run(engine::ParallelLayout(o->parallel, config), config);
+    const engine::ParallelLayout layout(o->parallel, config);
+    o->run = engine_flags->make_run(layout, config);
+    o->rank = engine::launched_rank();
+    // Ranks as processes on cpu (cuda ranks of the parallel engine are not served yet: serve says so).
+    if (!o->rank && o->run.device == "cpu" && engine::runs_as_processes(*dist, o->run.device, layout.world_size())) {
+      engine::validate_dist_flags(*dist, layout.world_size());
+      engine::launch_rank_processes(*dist, layout.world_size(), o->run.device,
+                                    {.stream_stderr = true, .forward_signals = true});
+      return;
+    }
     server::serve(*o);
   });
 }

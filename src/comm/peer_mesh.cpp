@@ -15,6 +15,8 @@ namespace {
 // NOTES: the wire format is the hosts' native byte order (every rank runs the same x86-64 build).
 constexpr uint32_t kMagic = 0x464c4d31;  // "FLM1"
 constexpr uint64_t kGoodbyeChannel = 0;  // a frame on channel 0 says "this rank is done"
+constexpr uint64_t kHeartbeatChannel = 1;  // "still here" (no group uses it: group ids are even and nonzero)
+constexpr int kHeartbeatsPerTimeout = 5;
 
 struct Hello {
   uint32_t magic = kMagic;
@@ -181,14 +183,61 @@ std::shared_ptr<PeerMesh> PeerMesh::connect(const DistInit& init) {
     mesh->peers_[h.rank]->address = fmt::format("{}:{}", peer_address(s), table[h.rank].port);
     mesh->peers_[h.rank]->socket = std::move(s);
   }
+  mesh->liveness_timeout_ = init.liveness_timeout;
   mesh->start_readers();
+  if (init.liveness_timeout.count() > 0) mesh->heartbeat_ = std::thread([m = mesh.get()] { m->heartbeat_loop(); });
   return mesh;
 }
 
 void PeerMesh::start_readers() {
+  const Clock::time_point now = Clock::now();
   for (int r = 0; r < size(); ++r) {
-    if (r != rank_) peers_[r]->reader = std::thread([this, r] { read_loop(r); });
+    if (r == rank_) continue;
+    peers_[r]->last_heard = now;
+    peers_[r]->reader = std::thread([this, r] { read_loop(r); });
   }
+}
+
+void PeerMesh::heartbeat_loop() {
+  const auto tick = liveness_timeout_ / kHeartbeatsPerTimeout;
+  std::unique_lock lock(mutex_);
+  while (!closing_) {
+    lock.unlock();
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      Peer& peer = *peers_[r];
+      // try_lock: a send in progress says as much as a heartbeat, and a blocked one must not block this loop.
+      std::unique_lock write(peer.write_mutex, std::try_to_lock);
+      if (!write.owns_lock()) continue;
+      try {
+        write_all(peer.socket, pod_bytes(FrameHeader{kHeartbeatChannel, 0}), "heartbeat");
+      } catch (const Error&) {
+        // the reader sees why
+      }
+    }
+    lock.lock();
+    cv_.wait_for(lock, tick, [&] { return closing_; });
+  }
+}
+
+void PeerMesh::check_liveness(int src, Clock::time_point now) {
+  Peer& peer = *peers_[src];
+  if (liveness_timeout_.count() == 0 || peer.state != PeerState::kConnected || now - peer.last_heard < liveness_timeout_) {
+    return;
+  }
+  peer.state = PeerState::kFailed;
+  if (failure_.empty()) {
+    failure_ = fmt::format("rank {} ({}) sent nothing, not even a heartbeat, for {:.1f} s (it hung, was stopped or lost "
+                           "its connection): {}",
+                           src, peer.address, liveness_timeout_.count() / 1000.0, kPeerFailedPhrase);
+  }
+  peer.socket.shutdown_both();  // it is out of this world for good, whatever it does later
+}
+
+bool PeerMesh::peer_failed(int peer) const {
+  FULCRUM_CHECK(peer >= 0 && peer < size() && peer != rank_, "peer {} outside the world of {} (or self)", peer, size());
+  std::lock_guard lock(mutex_);
+  return peers_[peer]->state == PeerState::kFailed;
 }
 
 void PeerMesh::read_loop(int src) {
@@ -203,10 +252,16 @@ void PeerMesh::read_loop(int src) {
         end = PeerState::kLeft;
         break;
       }
+      if (header.channel == kHeartbeatChannel) {
+        std::lock_guard lock(mutex_);
+        peer.last_heard = Clock::now();
+        continue;
+      }
       FULCRUM_CHECK(header.num_bytes <= (uint64_t{1} << 40), "{}: frame of {} bytes", what, header.num_bytes);
       std::vector<std::byte> message(header.num_bytes);
       if (!read_all(peer.socket, message, what) && !message.empty()) break;
       std::lock_guard lock(mutex_);
+      peer.last_heard = Clock::now();
       mailboxes_[{header.channel, src}].push_back(std::move(message));
       cv_.notify_all();
     }
@@ -214,7 +269,8 @@ void PeerMesh::read_loop(int src) {
     // a reset, a cut connection or a garbage frame: the peer failed
   }
   std::lock_guard lock(mutex_);
-  peer.state = end;
+  if (peer.state == PeerState::kConnected) peer.state = end;  // (a silent peer was marked failed already)
+  end = peer.state;
   peer.reader_done = true;
   if (end == PeerState::kFailed && failure_.empty()) {
     failure_ = fmt::format("rank {} ({}) {}: it failed or was killed", src, peer.address, kPeerFailedPhrase);
@@ -225,6 +281,10 @@ void PeerMesh::read_loop(int src) {
 void PeerMesh::send(uint64_t channel, int dst, std::span<const std::byte> data) {
   FULCRUM_CHECK(dst >= 0 && dst < size() && dst != rank_, "send: peer {} outside the world of {} (or self)", dst, size());
   Peer& peer = *peers_[dst];
+  {
+    std::lock_guard lock(mutex_);
+    FULCRUM_CHECK(peer.state != PeerState::kFailed, "{}", failure_.empty() ? "a peer failed" : failure_);
+  }
   const std::string what = fmt::format("rank {} sending to rank {} ({})", rank_, dst, peer.address);
   try {
     std::lock_guard lock(peer.write_mutex);
@@ -244,7 +304,15 @@ std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) {
   std::unique_lock lock(mutex_);
   auto& box = mailboxes_[{channel, src}];
   const Peer& peer = *peers_[src];
-  cv_.wait(lock, [&] { return !box.empty() || peer.state != PeerState::kConnected; });
+  const auto ready = [&] { return !box.empty() || peer.state != PeerState::kConnected; };
+  if (liveness_timeout_.count() == 0) {
+    cv_.wait(lock, ready);
+  } else {
+    while (!ready()) {
+      cv_.wait_for(lock, liveness_timeout_ / kHeartbeatsPerTimeout);
+      if (box.empty()) check_liveness(src, Clock::now());
+    }
+  }
   if (box.empty()) {
     FULCRUM_CHECK(peer.state != PeerState::kFailed, "{}", failure_.empty() ? "a peer failed" : failure_);
     throw Error(fmt::format("rank {} ({}) finished while rank {} still expected a message from it", src, peer.address,
@@ -266,6 +334,14 @@ const Socket& PeerMesh::peer_socket(int peer) const {
 }
 
 PeerMesh::~PeerMesh() {
+  if (heartbeat_.joinable()) {
+    {
+      std::lock_guard lock(mutex_);
+      closing_ = true;
+    }
+    cv_.notify_all();
+    heartbeat_.join();
+  }
   // Unwinding after an error: no goodbye, so the peers take this rank for failed instead of waiting for it.
   if (std::uncaught_exceptions() > 0) {
     for (auto& peer : peers_) peer->socket.shutdown_both();

@@ -4,6 +4,9 @@
 // socket per pair of ranks. Each socket has a reader thread that files incoming messages per (channel,
 // sender), so a send never waits for its receiver (the buffered semantics of Communicator::send).
 // A peer that exits without saying goodbye (a crash, a kill) is a failure every later receive reports.
+// With a liveness timeout every rank also sends a heartbeat to every peer a few times per timeout, so a
+// receive from a peer that sent nothing at all (not even a heartbeat) for that long fails instead of
+// waiting forever: a stopped or hung process, a cut link. Idle waits on live peers are never cut short.
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -29,6 +32,8 @@ struct DistInit {
   int rank = 0;
   // How long the rendezvous waits for every rank (and each rank for rank 0) before failing.
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  // After the rendezvous: a peer silent this long has failed (0: never; a hung peer then blocks receives).
+  std::chrono::milliseconds liveness_timeout{0};
 };
 
 class PeerMesh {
@@ -49,6 +54,8 @@ class PeerMesh {
   std::vector<std::byte> recv(uint64_t channel, int src);
   // Empty while no peer has failed; else one line naming the first peer that did.
   std::string failure() const;
+  // Whether `peer` has failed (closed without goodbye, or silent past the liveness timeout).
+  bool peer_failed(int peer) const;
   // The connection to `peer` (tests read its options).
   const Socket& peer_socket(int peer) const;
 
@@ -64,11 +71,15 @@ class PeerMesh {
     std::thread reader;
     PeerState state = PeerState::kConnected;
     bool reader_done = false;
+    Clock::time_point last_heard;  // last frame of any kind (heartbeats included)
   };
 
   PeerMesh(int rank, int world_size);
   void start_readers();
   void read_loop(int src);
+  void heartbeat_loop();
+  // Under mutex_: marks `src` failed when it has been silent past the liveness timeout.
+  void check_liveness(int src, Clock::time_point now);
 
   int rank_;
   std::vector<std::unique_ptr<Peer>> peers_;  // peers_[rank_] is unused
@@ -76,6 +87,9 @@ class PeerMesh {
   std::condition_variable cv_;
   std::map<std::pair<uint64_t, int>, std::deque<std::vector<std::byte>>> mailboxes_;  // (channel, src)
   std::string failure_;
+  std::chrono::milliseconds liveness_timeout_{0};
+  bool closing_ = false;       // stops the heartbeat thread
+  std::thread heartbeat_;
 };
 
 }  // namespace fulcrum::comm

@@ -1,5 +1,7 @@
 #include "engine/multi_process_run.hpp"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -7,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -71,26 +74,70 @@ std::string describe_status(int status) {
   return "stopped";
 }
 
-// An unlinked temporary file: a child's stderr, read back by the launcher once the child is gone.
-int anonymous_file() {
-  char path[] = "/tmp/fulcrum_rank_stderr_XXXXXX";
-  const int fd = ::mkstemp(path);
-  FULCRUM_CHECK(fd >= 0, "cannot create a temporary file for a rank's stderr: {}", std::strerror(errno));
-  ::unlink(path);
-  return fd;
+// What the launcher holds of one rank process's stderr, read from a pipe as it comes.
+struct RankOutput {
+  int fd = -1;          // the pipe's read end (-1 once the child closed it)
+  std::string pending;  // a line not yet complete
+  std::string held;     // hold-back mode: everything; streaming: only the "fulcrum: error: " lines
+};
+
+constexpr const char* kErrorPrefix = "fulcrum: error: ";
+
+// Reads what is there; streaming passes complete lines on at once, except the error lines, which the launcher
+// keeps to say once itself.
+void drain(RankOutput& out, bool stream) {
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = ::read(out.fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    if (n <= 0) {
+      ::close(out.fd);
+      out.fd = -1;
+      if (!out.pending.empty()) out.pending += '\n';
+    } else {
+      out.pending.append(buffer, static_cast<size_t>(n));
+    }
+    if (!stream) {
+      out.held += out.pending;
+      out.pending.clear();
+    }
+    for (size_t eol; (eol = out.pending.find('\n')) != std::string::npos;) {
+      const std::string line = out.pending.substr(0, eol + 1);
+      out.pending.erase(0, eol + 1);
+      if (line.starts_with(kErrorPrefix)) {
+        out.held += line;
+      } else {
+        std::fputs(line.c_str(), stderr);
+        std::fflush(stderr);
+      }
+    }
+    if (out.fd < 0) return;
+  }
 }
 
-std::string read_back(int fd) {
-  std::string text;
-  char buffer[4096];
-  for (off_t offset = 0;;) {
-    const ssize_t n = ::pread(fd, buffer, sizeof(buffer), offset);
-    if (n <= 0) break;
-    text.append(buffer, static_cast<size_t>(n));
-    offset += n;
+// Waits up to `ms` for output of any rank and drains it.
+void drain_all(std::vector<RankOutput>& outputs, bool stream, int ms) {
+  std::vector<pollfd> fds;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].fd < 0) continue;
+    fds.push_back({outputs[i].fd, POLLIN, 0});
+    which.push_back(i);
   }
-  return text;
+  if (fds.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), ms) <= 0) return;
+  for (size_t k = 0; k < fds.size(); ++k) {
+    if (fds[k].revents != 0) drain(outputs[which[k]], stream);
+  }
 }
+
+// SIGINT / SIGTERM sent to a launcher that forwards them (serve): noted here, passed on by the reaping loop.
+volatile std::sig_atomic_t g_forward_signal = 0;
+extern "C" void note_signal(int sig) { g_forward_signal = sig; }
 
 // The child's own one-line error (its last "fulcrum: error: " line), without the prefix.
 std::string error_line(const std::string& err) {
@@ -130,7 +177,8 @@ std::optional<LaunchedRank> launched_rank() {
   return me;
 }
 
-void launch_rank_processes(const DistFlags& flags, int world_size, const std::string& device) {
+void launch_rank_processes(const DistFlags& flags, int world_size, const std::string& device,
+                           const LaunchOptions& options) {
   validate_dist_flags(flags, world_size);
   const int num_local = world_size / flags.nnodes;
   const int first_rank = flags.node_rank * num_local;
@@ -139,10 +187,18 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
   const std::vector<std::string> gpus = device == "cuda" ? local_gpus(num_local) : std::vector<std::string>(num_local);
   const std::vector<std::string> args = own_arguments();
   std::fflush(nullptr);  // nothing buffered is written twice by the children
+  if (options.forward_signals) {
+    struct sigaction action {};
+    action.sa_handler = note_signal;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGINT, &action, nullptr);
+    ::sigaction(SIGTERM, &action, nullptr);
+  }
 
   const pid_t launcher = ::getpid();
-  std::map<pid_t, int> running;  // pid -> local rank
-  std::vector<int> stderr_fds;   // per local rank
+  std::map<pid_t, int> running;     // pid -> local rank
+  std::vector<pid_t> pids;          // per local rank
+  std::vector<RankOutput> outputs;  // per local rank
   struct Failure {
     std::string line;
     bool lost_a_peer = false;  // it only reports another rank's failure
@@ -158,9 +214,14 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     std::vector<std::pair<std::string, std::string>> env{{kLaunchEnv, launch}};
     if (!gpus[local].empty()) env.emplace_back("CUDA_VISIBLE_DEVICES", gpus[local]);
     const comm::ExecImage image = comm::exec_image(args, env);
-    stderr_fds.push_back(anonymous_file());
+    int pipe_fds[2];
+    FULCRUM_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "cannot create a pipe for a rank's stderr: {}", std::strerror(errno));
     const pid_t pid = ::fork();
-    if (pid == 0) comm::exec_self(image, launcher, stderr_fds.back());
+    if (pid == 0) comm::exec_self(image, launcher, pipe_fds[1]);
+    ::close(pipe_fds[1]);
+    ::fcntl(pipe_fds[0], F_SETFL, O_NONBLOCK);
+    outputs.push_back({pipe_fds[0]});
+    pids.push_back(pid);
     if (pid < 0) {
       failures.push_back({fmt::format("cannot start local rank {}: fork failed: {}", local, std::strerror(errno))});
       num_stopped = running.size();
@@ -169,9 +230,20 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     }
     running[pid] = local;
   }
-  // Reap; the first failure stops the rest (SIGTERM, then SIGKILL after a grace period).
+  // The rank that owns the front end (world rank 0, on node 0): its exit ends the launch.
+  const int front_local = first_rank == 0 ? 0 : -1;
+  // Reap; the first failure stops the rest (SIGTERM, then SIGKILL after a grace period), except, with
+  // options.survive_lost_ranks, a rank other than world rank 0: the others go on without it.
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
   while (!running.empty()) {
+    if (const int sig = g_forward_signal; sig != 0) {
+      g_forward_signal = 0;
+      if (front_local >= 0 && running.contains(pids[front_local])) {
+        ::kill(pids[front_local], sig);
+      } else {
+        stop_all(sig);
+      }
+    }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid < 0 && errno != EINTR) break;
@@ -180,19 +252,33 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
         stop_all(SIGKILL);
         kill_deadline = std::chrono::steady_clock::time_point::max();
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      drain_all(outputs, options.stream_stderr, 20);
       continue;
     }
     const auto it = running.find(pid);
     if (it == running.end()) continue;
     const int local = it->second;
     running.erase(it);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
-    const bool stopped_by_us = !failures.empty() && WIFSIGNALED(status) &&
-                               (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
+    if (outputs[local].fd >= 0) drain(outputs[local], options.stream_stderr);
+    const bool front_end_left = local == front_local;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+      if (front_end_left && options.survive_lost_ranks) {  // the others may wait for a rank that is gone
+        stop_all(SIGTERM);
+        kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      }
+      continue;
+    }
+    const bool stopped_by_us = (!failures.empty() || kill_deadline != std::chrono::steady_clock::time_point::max()) &&
+                               WIFSIGNALED(status) && (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
     if (stopped_by_us) continue;
-    const std::string own = error_line(read_back(stderr_fds[local]));
+    const std::string own = error_line(outputs[local].held);
     const std::string exit = fmt::format("rank {} (pid {}) {}", first_rank + local, pid, describe_status(status));
+    if (options.survive_lost_ranks && !front_end_left && first_rank + local != 0) {
+      std::fputs(fmt::format("fulcrum: rank {} lost: {}\n", first_rank + local, own.empty() ? exit : own + " [" + exit + "]").c_str(),
+                 stderr);
+      std::fflush(stderr);
+      continue;
+    }
     failures.push_back({own.empty() ? exit : own + " [" + exit + "]",
                         own.find(comm::kPeerFailedPhrase) != std::string::npos});
     if (failures.size() == 1) {
@@ -203,9 +289,11 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
   }
   // Success: pass on what the ranks said (warnings). Failure: one line, the cause's (a rank that failed on
   // its own rather than one that lost its peer), whichever the launcher happened to reap first.
-  for (const int fd : stderr_fds) {
-    if (failures.empty()) std::fputs(read_back(fd).c_str(), stderr);
-    ::close(fd);
+  const auto any_open = [&] { return std::any_of(outputs.begin(), outputs.end(), [](const RankOutput& o) { return o.fd >= 0; }); };
+  for (int i = 0; i < 100 && any_open(); ++i) drain_all(outputs, options.stream_stderr, 10);  // the last words
+  for (RankOutput& out : outputs) {
+    if (out.fd >= 0) ::close(out.fd);
+    if (failures.empty() && !options.stream_stderr) std::fputs(out.held.c_str(), stderr);
   }
   if (failures.empty()) return;
   const auto cause = std::find_if(failures.begin(), failures.end(), [](const Failure& f) { return !f.lost_a_peer; });

@@ -44,7 +44,17 @@ std::optional<LaunchedRank> launched_rank();
 // and exit (the ranks' stderr is held back and passed on only on success); children die with the
 // launcher (PR_SET_PDEATHSIG), so none is orphaned. With --device cuda, local rank i sees only the i-th
 // visible GPU (CUDA_VISIBLE_DEVICES). NVLink multicast stays off (NCCL_NVLS_ENABLE=0) in every child.
-void launch_rank_processes(const DistFlags& flags, int world_size, const std::string& device);
+// LaunchOptions change that for a server: its ranks' stderr is its log, passed on line by line as it comes
+// (their "fulcrum: error: " lines excepted: the launcher's own line says the failure once), SIGINT/SIGTERM
+// go to world rank 0 (it drains and stops the others), and with elastic EP a rank other than world rank 0
+// that fails is reported ("fulcrum: rank R lost: ...") while the others go on.
+struct LaunchOptions {
+  bool stream_stderr = false;
+  bool forward_signals = false;
+  bool survive_lost_ranks = false;
+};
+void launch_rank_processes(const DistFlags& flags, int world_size, const std::string& device,
+                           const LaunchOptions& options = {});
 
 // A launched rank: joins the world and runs generate_on_rank. Only world rank 0's result is complete.
 InProcessResult generate_as_rank(const LaunchedRank& me, const std::string& model_dir,

@@ -35,6 +35,25 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
   initial_placement_ = engine::prepare_in_process_run(config_, *layout_, run);
 
   const int world_size = layout_->world_size();
+  comm::Communicator* process_world = options_.process_world;
+  if (process_world != nullptr) {
+    // This process's rank only; the bar counts its own layers.
+    FULCRUM_CHECK(process_world->size() == world_size, "the layout has {} ranks, the world {}", world_size,
+                  process_world->size());
+    run.on_layer_loaded = [&](int, int done, int total) {
+      if (options_.on_layers_loaded) options_.on_layers_loaded(done, total);
+    };
+    ranks_.resize(1);
+    try {
+      ranks_[0] = engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_,
+                                                *process_world);
+      if (options_.kv_pages > 0) ranks_[0].engine->model().reserve_kv_pool(options_.kv_pages, options_.page_size);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("loading {} on rank {} failed: {}", options_.model_dir, process_world->rank(), e.what()));
+    }
+    run.on_layer_loaded = nullptr;
+    return;
+  }
   ranks_.resize(static_cast<size_t>(world_size));
   threads_ = std::make_unique<engine::RankThreads>(world_size);
   std::mutex progress_mutex;
@@ -62,6 +81,21 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
 }
 
 EngineStepExecutor::~EngineStepExecutor() {
+  if (threads_ == nullptr) {
+    if (options_.process_world != nullptr && options_.process_world->rank() == 0) {
+      try {
+        RankCommand stop{.kind = RankCommand::Kind::kStop};
+        broadcast_command(*options_.process_world, stop);
+      } catch (const std::exception&) {
+        // a rank already gone; the others see rank 0 leave
+      }
+    }
+    engine::InProcessRank& r = ranks_.at(0);
+    r.eplb.reset();
+    r.engine.reset();
+    r.backend.reset();
+    return;
+  }
   // Each rank's state is destroyed on its own thread (a device backend belongs to the thread that made it).
   try {
     threads_->run_local([this](int rank, comm::Communicator&) {
@@ -81,7 +115,7 @@ int64_t EngineStepExecutor::max_sequence_length() const {
 }
 
 void EngineStepExecutor::allocate(SequenceId id, int64_t capacity) {
-  add_on_ranks(id, capacity, [&](engine::RankEngine& engine) { engine.add_sequence(id, capacity); });
+  add_on_ranks({.kind = RankCommand::Kind::kAdd, .id = id, .capacity = capacity});
 }
 
 void EngineStepExecutor::allocate_on_pages(SequenceId id, const model::SequencePages& pages) {
@@ -89,30 +123,67 @@ void EngineStepExecutor::allocate_on_pages(SequenceId id, const model::SequenceP
                 id, pages.dp_group, num_kv_groups());
   FULCRUM_CHECK(pages.num_cached_tokens >= 0 && pages.num_cached_tokens < pages.capacity,
                 "sequence {}: {} cached positions of {}", id, pages.num_cached_tokens, pages.capacity);
-  add_on_ranks(id, pages.capacity, [&](engine::RankEngine& engine) {
-    engine.add_sequence_on_pages(id, pages.capacity, pages.dp_group, pages.page_ids, pages.num_cached_tokens);
-  });
+  add_on_ranks({.kind = RankCommand::Kind::kAddOnPages, .id = id, .capacity = pages.capacity, .dp_group = pages.dp_group,
+                .page_ids = {pages.page_ids.begin(), pages.page_ids.end()}, .num_cached_tokens = pages.num_cached_tokens});
   live_.at(id).num_tokens = pages.num_cached_tokens;
 }
 
-void EngineStepExecutor::add_on_ranks(SequenceId id, int64_t capacity,
-                                      const std::function<void(engine::RankEngine&)>& add) {
+void EngineStepExecutor::apply_add(engine::InProcessRank& me, const RankCommand& add) {
+  engine::RankEngine& engine = *me.engine;
+  for (const SequenceId r : add.releases) engine.drop_sequence(r);
+  if (add.kind == RankCommand::Kind::kAdd) {
+    engine.add_sequence(add.id, add.capacity);
+  } else {
+    engine.add_sequence_on_pages(add.id, add.capacity, add.dp_group, add.page_ids, add.num_cached_tokens);
+  }
+}
+
+void EngineStepExecutor::add_collectively(const RankCommand& add) {
+  engine::InProcessRank& me = ranks_.at(0);
+  std::string error;
+  try {
+    apply_add(me, add);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::vector<std::string> errors;
+  try {
+    errors = gather_errors(*options_.process_world, error);
+  } catch (const std::exception& e) {
+    throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
+  }
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    me.engine->drop_sequence(add.id);
+    throw Error(r == 0 ? errors[r] : fmt::format("rank {}: {}", r, errors[r]));
+  }
+}
+
+void EngineStepExecutor::add_on_ranks(RankCommand add) {
+  const SequenceId id = add.id;
   FULCRUM_CHECK(!live_.contains(id), "sequence {} is already allocated", id);
-  FULCRUM_CHECK(capacity > 0 && capacity <= max_sequence_length(), "sequence {}: capacity {} outside [1, {}]", id,
-                capacity, max_sequence_length());
-  std::vector<SequenceId> releases = std::move(pending_releases_);
+  FULCRUM_CHECK(add.capacity > 0 && add.capacity <= max_sequence_length(), "sequence {}: capacity {} outside [1, {}]", id,
+                add.capacity, max_sequence_length());
+  add.releases = std::move(pending_releases_);
   pending_releases_.clear();
-  const std::vector<std::exception_ptr> errors = threads_->run_local([&](int rank, comm::Communicator&) {
-    engine::RankEngine& engine = *ranks_[static_cast<size_t>(rank)].engine;
-    for (const SequenceId r : releases) engine.drop_sequence(r);
-    add(engine);
-  });
+  if (threads_ == nullptr) {
+    try {
+      broadcast_command(*options_.process_world, add);
+    } catch (const std::exception& e) {
+      throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
+    }
+    add_collectively(add);
+    live_.emplace(id, Capacity{add.capacity, 0});
+    return;
+  }
+  const std::vector<std::exception_ptr> errors =
+      threads_->run_local([&](int rank, comm::Communicator&) { apply_add(ranks_[static_cast<size_t>(rank)], add); });
   for (const std::exception_ptr& error : errors) {
     if (!error) continue;
     threads_->run_local([&](int rank, comm::Communicator&) { ranks_[static_cast<size_t>(rank)].engine->drop_sequence(id); });
     std::rethrow_exception(error);
   }
-  live_.emplace(id, Capacity{capacity, 0});
+  live_.emplace(id, Capacity{add.capacity, 0});
 }
 
 void EngineStepExecutor::release(SequenceId id) {
@@ -120,22 +191,24 @@ void EngineStepExecutor::release(SequenceId id) {
 }
 
 model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> batch) {
-  std::vector<engine::SequenceTokens> entries;
-  entries.reserve(batch.size());
+  RankCommand pass{.kind = RankCommand::Kind::kPass};
   for (const model::StepSequence& in : batch) {
     const auto it = live_.find(in.id);
     FULCRUM_CHECK(it != live_.end(), "step: sequence {} is not allocated", in.id);
     FULCRUM_CHECK(!in.token_ids.empty(), "step: sequence {} has no new token", in.id);
     FULCRUM_CHECK(it->second.num_tokens + static_cast<int64_t>(in.token_ids.size()) <= it->second.capacity,
                   "step: sequence {} would exceed its capacity {}", in.id, it->second.capacity);
-    for (const engine::SequenceTokens& e : entries) FULCRUM_CHECK(e.id != in.id, "step: sequence {} twice", in.id);
-    entries.push_back({in.id, in.token_ids});
+    for (const SequenceId seen : pass.batch_ids) FULCRUM_CHECK(seen != in.id, "step: sequence {} twice", in.id);
+    pass.batch_ids.push_back(in.id);
+    pass.batch_tokens.emplace_back(in.token_ids.begin(), in.token_ids.end());
   }
-  std::vector<SequenceId> releases = std::move(pending_releases_);
+  pass.releases = std::move(pending_releases_);
   pending_releases_.clear();
+  pass.pass_idx = num_passes_++;
+  pass.record_routing = recorder_ != nullptr && recorder_->recording();
   std::vector<std::vector<float>> logits;
   try {
-    run_pass(entries, std::move(releases), logits);
+    run_pass(pass, logits);
   } catch (const std::exception& e) {
     throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
   }
@@ -146,33 +219,89 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
   return out;
 }
 
-void EngineStepExecutor::run_pass(const std::vector<engine::SequenceTokens>& batch, std::vector<SequenceId> releases,
-                                  std::vector<std::vector<float>>& logits) {
-  const uint64_t pass_idx = num_passes_++;
-  threads_->run([&](int rank, comm::Communicator&) {
-    engine::InProcessRank& me = ranks_[static_cast<size_t>(rank)];
-    for (const SequenceId r : releases) me.engine->drop_sequence(r);
-    std::vector<model::HostTensor> out = me.engine->forward(batch, engine::LogitRows::kLast);
-    if (rank == 0) {
-      logits.resize(out.size());
-      for (size_t i = 0; i < out.size(); ++i) logits[i] = std::move(out[i].data);
-    }
-    if (me.eplb == nullptr) return;
-    const eplb_runtime::PassOutcome outcome = me.eplb->after_forward_pass();
-    ServerMetrics* metrics = options_.metrics;
-    if (metrics == nullptr) return;
-    if (rank == 0 && outcome.rebalance && !outcome.rebalance->skipped) {
-      metrics->add_eplb_rebalance(outcome.rebalance->num_bytes_moved);
-    }
-    // Every rank takes the same branch (the outcome and the pass count are the same everywhere).
-    if (outcome.rebalance || !outcome.switched_layers.empty() || (pass_idx + 1) % kRefreshPasses == 0) {
-      const eplb::LoadMatrix window = me.eplb->merged_window_loads();
-      if (rank == 0) {
-        const eplb::PlacementReport report = eplb::evaluate_placement(me.eplb->live_placement(), window);
-        metrics->set_eplb_balancedness(report.balancedness_per_layer, report.balancedness_mean);
+void EngineStepExecutor::run_pass(const RankCommand& pass, std::vector<std::vector<float>>& logits) {
+  if (threads_ == nullptr) {
+    RankCommand sent = pass;
+    broadcast_command(*options_.process_world, sent);
+    apply_pass(ranks_.at(0), 0, *options_.process_world, pass, &logits);
+    return;
+  }
+  threads_->run([&](int rank, comm::Communicator& world) {
+    apply_pass(ranks_[static_cast<size_t>(rank)], rank, world, pass, rank == 0 ? &logits : nullptr);
+  });
+}
+
+void EngineStepExecutor::apply_pass(engine::InProcessRank& me, int rank, comm::Communicator& world,
+                                    const RankCommand& pass, std::vector<std::vector<float>>* logits) {
+  for (const SequenceId r : pass.releases) me.engine->drop_sequence(r);
+  std::vector<engine::SequenceTokens> batch;
+  batch.reserve(pass.batch_ids.size());
+  for (size_t i = 0; i < pass.batch_ids.size(); ++i) batch.push_back({pass.batch_ids[i], pass.batch_tokens[i]});
+  const bool worker_process = threads_ == nullptr && rank != 0;
+  if (worker_process && recorder_ != nullptr && pass.record_routing != recorder_->recording()) {
+    pass.record_routing ? recorder_->start() : recorder_->stop();  // follow rank 0's endpoints
+  }
+  std::vector<model::HostTensor> out = me.engine->forward(batch, engine::LogitRows::kLast);
+  if (rank == 0) {
+    logits->resize(out.size());
+    for (size_t i = 0; i < out.size(); ++i) (*logits)[i] = std::move(out[i].data);
+  }
+  // Ranks as processes: rank 0's recorder gets every rank's counts of this pass (each token once).
+  if (threads_ == nullptr && pass.record_routing && recorder_ != nullptr) {
+    if (rank != 0) {
+      const std::vector<int64_t> counts = recorder_->take_counts();
+      world.send(comm::bytes_of(std::span<const int64_t>(counts)), 0);
+    } else {
+      std::vector<int64_t> counts(static_cast<size_t>(recorder_->num_values()));
+      for (int r = 1; r < world.size(); ++r) {
+        world.recv(comm::writable_bytes_of(std::span<int64_t>(counts)), r);
+        recorder_->add_counts(counts);
       }
     }
-  });
+  }
+  if (me.eplb == nullptr) return;
+  const eplb_runtime::PassOutcome outcome = me.eplb->after_forward_pass();
+  ServerMetrics* metrics = options_.metrics;
+  // Every rank takes the same branch (the outcome and the pass count are the same everywhere); metrics live
+  // with rank 0, so with ranks as processes every rank refreshes whether or not rank 0 keeps metrics.
+  if (metrics == nullptr && threads_ != nullptr) return;
+  if (rank == 0 && metrics != nullptr && outcome.rebalance && !outcome.rebalance->skipped) {
+    metrics->add_eplb_rebalance(outcome.rebalance->num_bytes_moved);
+  }
+  if (outcome.rebalance || !outcome.switched_layers.empty() || (pass.pass_idx + 1) % kRefreshPasses == 0) {
+    const eplb::LoadMatrix window = me.eplb->merged_window_loads();
+    if (rank == 0 && metrics != nullptr) {
+      const eplb::PlacementReport report = eplb::evaluate_placement(me.eplb->live_placement(), window);
+      metrics->set_eplb_balancedness(report.balancedness_per_layer, report.balancedness_mean);
+    }
+  }
+}
+
+void EngineStepExecutor::serve_as_worker() {
+  comm::Communicator& world = *options_.process_world;
+  FULCRUM_CHECK(threads_ == nullptr && world.rank() != 0, "serve_as_worker: only a worker rank process runs it");
+  engine::InProcessRank& me = ranks_.at(0);
+  for (;;) {
+    RankCommand command;
+    broadcast_command(world, command);
+    switch (command.kind) {
+      case RankCommand::Kind::kStop:
+        return;
+      case RankCommand::Kind::kAdd:
+      case RankCommand::Kind::kAddOnPages:
+        try {
+          add_collectively(command);
+        } catch (const ExecutorFailure&) {
+          throw;
+        } catch (const Error&) {
+          // rank 0 reports it; the sequence was dropped everywhere
+        }
+        break;
+      case RankCommand::Kind::kPass:
+        apply_pass(me, world.rank(), world, command, nullptr);
+        break;
+    }
+  }
 }
 
 }  // namespace fulcrum::server

@@ -15,6 +15,11 @@
 //   endpoints           recorder() counts every rank's routing (each token once) for /start_, /stop_ and
 //                       /dump_expert_distribution_record.
 // A failure on any rank aborts the world (no hang) and step() throws ExecutorFailure with its message.
+//
+// Ranks as processes (serve --multi-process, options.process_world): this object holds only its own
+// process's rank. On world rank 0 (the front end) every call above becomes a RankCommand (rank_command.hpp)
+// broadcast to the other ranks before this rank runs it; on the others serve_as_worker() runs the same
+// commands as they come. Their routing counts reach rank 0's recorder after each pass while it records.
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,6 +30,7 @@
 #include "engine/rank_threads.hpp"
 #include "server/expert_distribution.hpp"
 #include "server/metrics.hpp"
+#include "server/rank_command.hpp"
 #include "server/step_executor.hpp"
 
 namespace fulcrum::server {
@@ -42,6 +48,8 @@ struct EngineExecutorOptions {
   // never runs short whatever attention-DP group its sequences join. 0: the pool grows as needed.
   int64_t kv_pages = 0;
   int page_size = 16;
+  // Set: ranks as processes, this process being rank process_world->rank() (it must outlive the executor).
+  comm::Communicator* process_world = nullptr;
 };
 
 class EngineStepExecutor final : public StepExecutor {
@@ -66,23 +74,32 @@ class EngineStepExecutor final : public StepExecutor {
   // Null for a model without MoE layers.
   ExpertDistributionRecorder* recorder() { return recorder_.get(); }
 
+  // Ranks as processes, on a rank other than 0: runs world rank 0's commands until it says stop.
+  void serve_as_worker();
+
  private:
   struct Capacity {
     int64_t capacity = 0;
     int64_t num_tokens = 0;
   };
-  // Runs `add` (one rank's add_sequence) on every rank after the pending releases; undoes it on a failure.
-  void add_on_ranks(SequenceId id, int64_t capacity, const std::function<void(engine::RankEngine&)>& add);
-  void run_pass(const std::vector<engine::SequenceTokens>& batch, std::vector<SequenceId> releases,
-                std::vector<std::vector<float>>& logits);
+  // Runs `add` (kAdd or kAddOnPages) on every rank after the pending releases; undoes it on a failure.
+  void add_on_ranks(RankCommand add);
+  void run_pass(const RankCommand& pass, std::vector<std::vector<float>>& logits);
+  // One rank's share of a command: kAdd / kAddOnPages do not use `world`; kPass is collective. `logits`
+  // (world rank 0's) gets the pass's last-position logits.
+  void apply_add(engine::InProcessRank& me, const RankCommand& add);
+  void apply_pass(engine::InProcessRank& me, int rank, comm::Communicator& world, const RankCommand& pass,
+                  std::vector<std::vector<float>>* logits);
+  // Ranks as processes: this rank's add, then every rank's outcome; undone everywhere when one failed.
+  void add_collectively(const RankCommand& add);
 
   EngineExecutorOptions options_;
   model::Qwen3MoeConfig config_;
   std::unique_ptr<engine::ParallelLayout> layout_;
   eplb::Placement initial_placement_;
   std::unique_ptr<RoutingCountRecorder> recorder_;
-  std::vector<engine::InProcessRank> ranks_;  // [world size]; rank r's touched only by its thread
-  std::unique_ptr<engine::RankThreads> threads_;
+  std::vector<engine::InProcessRank> ranks_;  // [world size]; rank r's touched only by its thread (processes: [1])
+  std::unique_ptr<engine::RankThreads> threads_;  // null with ranks as processes
   std::map<SequenceId, Capacity> live_;       // caller side: validation before anything reaches the ranks
   std::vector<SequenceId> pending_releases_;
   uint64_t num_passes_ = 0;

@@ -41,6 +41,24 @@ bool RoutingCountRecorder::recording() const {
   return recording_;
 }
 
+std::vector<int64_t> RoutingCountRecorder::take_counts() {
+  std::lock_guard lock(mutex_);
+  std::vector<int64_t> out = counts_;
+  out.push_back(num_tokens_);
+  std::fill(counts_.begin(), counts_.end(), 0);
+  num_tokens_ = 0;
+  return out;
+}
+
+void RoutingCountRecorder::add_counts(std::span<const int64_t> counts) {
+  std::lock_guard lock(mutex_);
+  FULCRUM_CHECK(counts.size() == counts_.size() + 1, "routing counts: {} values, expected {}", counts.size(),
+                counts_.size() + 1);
+  if (!recording_) return;
+  for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += counts[i];
+  num_tokens_ += counts.back();
+}
+
 nlohmann::json RoutingCountRecorder::dump(const std::string& path) {
   nlohmann::json out;
   {

@@ -38,6 +38,12 @@ class RoutingCountRecorder final : public ExpertDistributionRecorder {
   bool recording() const override;
   nlohmann::json dump(const std::string& path) override;
 
+  // Ranks as processes: a worker rank's counts since its last take ([num_layers * num_experts], then
+  // num_tokens), zeroed; world rank 0 adds them to its own (ignored unless recording).
+  std::vector<int64_t> take_counts();
+  size_t num_values() const { return counts_.size() + 1; }
+  void add_counts(std::span<const int64_t> counts);
+
  private:
   mutable std::mutex mutex_;
   int num_layers_;

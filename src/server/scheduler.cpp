@@ -138,6 +138,10 @@ void Scheduler::admit() {
                                    .dp_group = group,
                                    .page_ids = seq->lease.page_ids,
                                    .num_cached_tokens = cached});
+    } catch (const ExecutorFailure&) {  // no rank can run anything: Scheduler::run ends every request and stops
+      cache.release(seq->lease, {}, 0);
+      finish(*seq, FinishReason::kError);
+      throw;
     } catch (const std::exception& e) {
       cache.release(seq->lease, {}, 0);
       fmt::print(stderr, "fulcrum serve: request {} could not get its KV cache: {}\n", seq->handle->id(), e.what());

@@ -17,6 +17,7 @@
 #include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
 #include "server/http_server.hpp"
+#include "comm/tcp_communicator.hpp"
 #include "server/engine_step_executor.hpp"
 #ifdef FULCRUM_WITH_GPU_SERVE
 #include "server/gpu_step_executor.hpp"
@@ -73,9 +74,51 @@ class SignalsDuringLoad {
   std::thread thread_;  // last: starts once the members above exist
 };
 
+// Ranks as processes: joins the world (the mesh's liveness timeout bounds every wait on a silent peer).
+std::shared_ptr<comm::PeerMesh> join_world(const ServeOptions& options) {
+  comm::DistInit init = options.rank->dist_init();
+  init.liveness_timeout = std::chrono::milliseconds(static_cast<int64_t>(options.elastic_ep_timeout_s * 1000));
+  std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
+  log(fmt::format("rank {} (pid {}) joined the world of {} at {}", options.rank->world_rank, ::getpid(),
+                  options.rank->world_size, options.rank->dist_init_addr));
+  return mesh;
+}
+
+EngineExecutorOptions engine_executor_options(const ServeOptions& options) {
+  EngineExecutorOptions engine_options;
+  engine_options.model_dir = options.model_dir;
+  engine_options.parallel = options.parallel;
+  engine_options.run = options.run;
+  engine_options.kv_pages = options.scheduler.kv_pages;
+  engine_options.page_size = options.scheduler.page_size;
+  return engine_options;
+}
+
 }  // namespace
 
+void serve_worker_rank(const ServeOptions& options) {
+  FULCRUM_CHECK(options.rank && options.rank->world_rank != 0, "serve_worker_rank: not a worker rank");
+  // Ctrl-C reaches every process of the terminal's group: only the front end acts on it (it drains, then
+  // stops this rank); SIGTERM (the launcher stopping the world) ends this rank at once.
+  std::signal(SIGINT, SIG_IGN);
+  std::signal(SIGPIPE, SIG_IGN);
+  try {
+    const std::shared_ptr<comm::PeerMesh> mesh = join_world(options);
+    comm::TcpCommunicator world(mesh);
+    EngineExecutorOptions engine_options = engine_executor_options(options);
+    engine_options.process_world = &world;
+    EngineStepExecutor executor(std::move(engine_options));
+    executor.serve_as_worker();
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank {}: {}", options.rank->world_rank, e.what()));
+  }
+}
+
 void serve(const ServeOptions& options) {
+  if (options.rank && options.rank->world_rank != 0) {
+    serve_worker_rank(options);
+    return;
+  }
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -104,6 +147,13 @@ void serve(const ServeOptions& options) {
     progress->update(done);
   };
   // One GPU: the GPU engine (the whole step on the device); otherwise the parallel engine's ranks.
+  // Ranks as processes: the world this front end drives (declared before the executor, which uses it).
+  std::shared_ptr<comm::PeerMesh> mesh;
+  std::unique_ptr<comm::TcpCommunicator> process_world;
+  if (options.rank) {
+    mesh = join_world(options);
+    process_world = std::make_unique<comm::TcpCommunicator>(mesh);
+  }
   std::unique_ptr<StepExecutor> executor_owner;
   const model::Qwen3MoeConfig* config = nullptr;
   ExpertDistributionRecorder* recorder = nullptr;
@@ -121,18 +171,14 @@ void serve(const ServeOptions& options) {
   }
 #endif
   if (!executor_owner) {
-    EngineExecutorOptions engine_options;
-    engine_options.model_dir = options.model_dir;
-    engine_options.parallel = options.parallel;
-    engine_options.run = options.run;
+    EngineExecutorOptions engine_options = engine_executor_options(options);
     engine_options.metrics = &metrics;
-    engine_options.kv_pages = options.scheduler.kv_pages;
-    engine_options.page_size = options.scheduler.page_size;
     engine_options.on_layers_loaded = on_layers_loaded;
+    engine_options.process_world = process_world.get();
     auto cpu = std::make_unique<EngineStepExecutor>(std::move(engine_options));
     config = &cpu->config();
     recorder = cpu->recorder();
-    where = cpu->layout().describe();
+    where = cpu->layout().describe() + (options.rank ? fmt::format(", {} rank processes", options.rank->world_size) : "");
     eplb_on = cpu->eplb_enabled();
     executor_owner = std::move(cpu);
   }

@@ -5,8 +5,10 @@
 // shuts down gracefully: /health turns 503 and new requests are refused (503), in-flight requests finish
 // (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), then the
 // listener closes once every handler has sent its response.
+#include <optional>
 #include <string>
 
+#include "engine/multi_process_run.hpp"
 #include "engine/parallel_generate.hpp"
 #include "server/scheduler.hpp"
 
@@ -25,7 +27,14 @@ struct ServeOptions {
   std::string expert_distribution_dir = ".";
   double shutdown_timeout_s = 30;
   std::string api_key;  // --api-key: Bearer auth on every route but /health and /metrics
+  // Ranks as processes (--multi-process): the rank this process is, as its launcher said. World rank 0 runs
+  // the HTTP front end and the scheduler; the others run the engine's commands (serve_as_worker).
+  std::optional<engine::LaunchedRank> rank;
+  double elastic_ep_timeout_s = 30;  // --elastic-ep-timeout: a rank silent this long has failed
 };
+
+// Ranks as processes: what serve() does on a rank other than world rank 0. Returns when rank 0 stops it.
+void serve_worker_rank(const ServeOptions& options);
 
 // Blocks until a SIGINT or SIGTERM has been handled; throws (after shutting down) when the engine's ranks
 // or the server's threads failed. Call before starting other threads (it blocks the
