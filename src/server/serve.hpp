@@ -3,11 +3,13 @@
 // live EPLB when asked; a progress bar on stderr while weights load), runs the scheduler loop on its own thread
 // and the HTTP server on a pool, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
 // shuts down gracefully: /health turns 503 and new requests are refused (503), in-flight requests finish
-// (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), then the
-// listener closes once every handler has sent its response.
+// (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), responses get
+// 2 s to be written, then every connection closes: the process exits within
+// shutdown_timeout_s + 4 s (plus one model step) whatever the clients do.
 #include <string>
 
 #include "engine/parallel_generate.hpp"
+#include "server/http_transport.hpp"
 #include "server/scheduler.hpp"
 
 namespace fulcrum::server {
@@ -25,6 +27,10 @@ struct ServeOptions {
   std::string expert_distribution_dir = ".";
   double shutdown_timeout_s = 30;
   std::string api_key;  // --api-key: Bearer auth on every route but /health and /metrics
+  HttpTransportOptions http;     // body / header limits, header and idle timeouts, --max-connections, --request-timeout
+  int max_queued_requests = 1024;
+  std::string cors_allow_origin;
+  bool access_log = false;
 };
 
 // Blocks until a SIGINT or SIGTERM has been handled; throws (after shutting down) when the engine's ranks
