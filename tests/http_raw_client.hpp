@@ -60,6 +60,10 @@ struct RawResponse {
   int status = 0;
   std::map<std::string, std::string> headers;  // names lower-cased
   std::string body;                            // chunked bodies joined
+  std::string header(const std::string& name) const {  // "" when absent
+    const auto it = headers.find(name);
+    return it == headers.end() ? std::string() : it->second;
+  }
 };
 
 // One response off `buffer` (reading more from `fd` as needed); what follows it stays in `buffer`.

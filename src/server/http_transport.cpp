@@ -225,33 +225,32 @@ struct HttpTransport::Impl {
 
   // Polls the deferred response; true when it completed (the connection is back to reading).
   bool poll_deferred(Connection& c) {
-    HttpResponse& r = c.response;
+    const std::shared_ptr<DeferredBody> body = c.response.deferred;  // poll() may not outlive it
+    HttpResponse out;
     c.last_poll = Clock::now();
     bool done = false;
     try {
+      done = body->poll(out);
       if (c.phase == Phase::kStreaming) {
-        r.body.clear();
-        done = r.deferred->poll(r);
-        c.out += http_chunk(r.body);
+        c.out += http_chunk(out.body);
         if (done) c.out += kLastChunk;
-      } else {
-        done = r.deferred->poll(r);
-        if (done) queue_whole(c, r, c.request.keep_alive);
+      } else if (done) {
+        queue_whole(c, out, c.request.keep_alive);
       }
     } catch (const std::exception& e) {
       // Nothing sensible can follow a broken stream; a whole response is not sent yet, so it can be an error.
       fmt::print(stderr, "fulcrum serve: response failed: {}\n", e.what());
-      r.deferred->cancel(false);
+      body->cancel(false);
       if (c.phase == Phase::kStreaming) {
         c.close_after = true;
       } else {
-        r = internal_error("the response failed; see the server log");
-        queue_whole(c, r, false);
+        out = internal_error("the response failed; see the server log");
+        queue_whole(c, out, false);
       }
       done = true;
     }
     if (!done) return false;
-    answered(c, c.request, r.status, r.deferred ? r.deferred->tokens() : 0, false);
+    answered(c, c.request, c.phase == Phase::kStreaming ? c.response.status : out.status, body->tokens(), false);
     if (c.phase == Phase::kStreaming && !c.request.keep_alive) c.close_after = true;
     c.response = HttpResponse{};
     c.phase = Phase::kReading;

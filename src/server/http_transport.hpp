@@ -26,9 +26,9 @@ struct HttpTransportOptions {
 class DeferredBody {
  public:
   virtual ~DeferredBody() = default;
-  // Streamed responses (HttpResponse::stream): appends the bytes to send now to `response.body`. Otherwise
-  // fills `response` (status, headers, body) once ready. True when the response is complete.
-  virtual bool poll(struct HttpResponse& response) = 0;
+  // Streamed responses (HttpResponse::stream): sets `out.body` to the bytes to send now. Otherwise fills `out`
+  // (status, headers, body) once ready. True when the response is complete. `out` starts empty.
+  virtual bool poll(struct HttpResponse& out) = 0;
   // The client went away (`timed_out` false; the response is dropped) or the request outlived
   // --request-timeout (true; the next poll() must complete the response with an error).
   virtual void cancel(bool timed_out) = 0;
