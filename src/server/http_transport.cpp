@@ -235,6 +235,8 @@ struct HttpTransport::Impl {
         c.out += http_chunk(out.body);
         if (done) c.out += kLastChunk;
       } else if (done) {
+        // The handler's headers (CORS) go with the response it deferred.
+        out.headers.insert(out.headers.end(), c.response.headers.begin(), c.response.headers.end());
         queue_whole(c, out, c.request.keep_alive);
       }
     } catch (const std::exception& e) {

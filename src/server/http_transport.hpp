@@ -39,7 +39,7 @@ struct HttpResponse {
   int status = 200;
   std::vector<std::pair<std::string, std::string>> headers;  // Content-Type among them
   std::string body;
-  bool stream = false;  // chunked: the head now, then the bytes `deferred` gives
+  bool stream = false;  // chunked: the head now, then the bytes `deferred` gives; else `headers` join its answer
   std::shared_ptr<DeferredBody> deferred;
   bool rejected = false;  // refused before running (counted in fulcrum_requests_rejected_total)
 };
