@@ -1,7 +1,7 @@
 #pragma once
 // `fulcrum serve`: loads a checkpoint into an EngineStepExecutor (the parallel engine's ranks as threads,
 // live EPLB when asked; a progress bar on stderr while weights load), runs the scheduler loop on its own thread
-// and the HTTP server on a pool, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
+// and the HTTP event loop on another, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
 // shuts down gracefully: /health turns 503 and new requests are refused (503), in-flight requests finish
 // (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), responses get
 // 2 s to be written, then every connection closes: the process exits within
