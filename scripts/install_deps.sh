@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Fulcrum builds with, if any is missing. Idempotent; quiet when all present.
 set -euo pipefail
-packages=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev pkg-config unzip xz-utils)
+packages=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev libhttp-parser-dev pkg-config unzip xz-utils)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a build on the GPU machine needs and cannot install there (it has no registry): static PCRE2 and
-# utf8proc with their headers and pkg-config files, and cpp-httplib (Debian builds it as a shared library, with
+# utf8proc with their headers and pkg-config files, static http-parser, and cpp-httplib (Debian builds it as a shared library, with
 # its OpenSSL / zlib / brotli headers; the GPU machine's own libssl.so.3 and libz.so.1 serve it at run time,
 # brotli's libraries travel along), from this machine's Debian packages, into .devdeps/ (ignored by git; carry
 # it). scripts/cuda_tests.sh and scripts/gpu_machine_run.sh put .devdeps/lib/pkgconfig on PKG_CONFIG_PATH.
@@ -19,6 +19,9 @@ for pc in libpcre2-8 libutf8proc; do
   sed -e "s|^prefix=.*|prefix=$root|" -e "s|^libdir=.*|libdir=\${prefix}/lib|" -e "s|^includedir=.*|includedir=\${prefix}/include|" \
       -e "s|^exec_prefix=.*|exec_prefix=\${prefix}|" "$lib/pkgconfig/$pc.pc" > "$out/lib/pkgconfig/$pc.pc"
 done
+# http-parser (the server's HTTP/1.1 parser): its header and static library; CMake finds them in .devdeps.
+cp /usr/include/http_parser.h "$out/include/"
+cp "$lib/libhttp_parser.a" "$out/lib/"
 # cpp-httplib: its header, the headers it includes with Debian's build flags, the library and brotli's.
 cp -r /usr/include/httplib.h /usr/include/openssl /usr/include/zlib.h /usr/include/zconf.h /usr/include/brotli "$out/include/"
 cp -a "$lib"/x86_64-linux-gnu/openssl/. "$out/include/openssl/" 2>/dev/null || true

@@ -332,9 +332,12 @@ TEST_F(ServerHttp, DeeplyNestedJsonBodiesAre400s) {
   EXPECT_EQ(ok, 200) << again.dump();
 }
 
-// 404s (unrouted paths) and 413s (bodies over the limit) are refusals as much as 400s are.
+// 404s (unrouted paths) and 413s (bodies over the limit) are refusals as much as 400s are, each under its reason.
 TEST_F(ServerHttp, NotFoundAndPayloadTooLargeAreCountedAsRejected) {
-  const double before = metrics(port())["fulcrum_requests_rejected_total"];
+  const auto rejected = [](const std::string& reason) {
+    return metrics(port())["fulcrum_requests_rejected_total{reason=\"" + reason + "\"}"];
+  };
+  const double not_found = rejected("not_found"), too_large = rejected("body_too_large"), bad = rejected("bad_request");
   EXPECT_EQ(post(port(), "/no/such/route", "{}").first, 404);
   httplib::Client client("127.0.0.1", port());
   const httplib::Result missing = client.Get("/nowhere");
@@ -344,7 +347,9 @@ TEST_F(ServerHttp, NotFoundAndPayloadTooLargeAreCountedAsRejected) {
   ASSERT_TRUE(big);
   EXPECT_EQ(big->status, 413);
   EXPECT_EQ(post(port(), "/v1/completions", "[1, 2]").first, 400);
-  EXPECT_EQ(metrics(port())["fulcrum_requests_rejected_total"] - before, 4);
+  EXPECT_EQ(rejected("not_found") - not_found, 2);
+  EXPECT_EQ(rejected("body_too_large") - too_large, 1);
+  EXPECT_EQ(rejected("bad_request") - bad, 1);
 }
 
 TEST(ServerShutdown, SigtermFinishesInFlightStreamsAndExitsCleanly) {

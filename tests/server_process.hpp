@@ -42,7 +42,7 @@ class ServerProcess {
       ::execv(argv[0], argv.data());
       ::_exit(127);
     }
-    const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
+    const std::regex listening("listening on http://[^ ]+:([0-9]+)");  // any --host; tests connect to 127.0.0.1
     for (int i = 0; i < 3000 && port_ == 0; ++i) {
       std::smatch m;
       const std::string log = slurp(log_file);

@@ -62,6 +62,35 @@ void register_serve_command(CLI::App& app) {
                   "Require 'Authorization: Bearer KEY' on every route but /health and /metrics (401 otherwise)");
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout_s, "Seconds in-flight requests may take after SIGTERM")
       ->capture_default_str()->check(kNonNegative);
+  // HTTP front end limits (src/server/http_wire.hpp, http_transport.hpp; README "Serving").
+  cmd->add_option("--max-body-bytes", o->http.limits.max_body_bytes,
+                  "Largest request body, chunked or not (413 beyond, counted while reading)")
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--max-header-bytes", o->http.limits.max_header_bytes,
+                  "Largest request line + headers, at most 81920 (431 beyond)")
+      ->capture_default_str()->check(CLI::Range(1, 81920));
+  cmd->add_option("--max-headers", o->http.limits.max_headers, "Most request headers (431 beyond)")
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--header-timeout", o->http.header_timeout_s,
+                  "Seconds from a request's first byte to the end of its headers (408 beyond)")
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--idle-timeout", o->http.idle_timeout_s,
+                  "Seconds a keep-alive connection may sit with no request (or a body with no byte) before it is closed")
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--max-connections", o->http.max_connections,
+                  "Open connections held; one beyond gets 503 with Retry-After and is closed")
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--max-queued-requests", o->max_queued_requests,
+                  "Generation requests waiting for admission; beyond: 429 with Retry-After")
+      ->capture_default_str()->check(kPositive);
+  cmd->add_option("--request-timeout", o->http.request_timeout_s,
+                  "Seconds a generation request may take (0: no limit); past it it is cancelled (its KV freed) and "
+                  "answered 504, or a stream ends with an error event")
+      ->capture_default_str()->check(kNonNegative);
+  cmd->add_option("--cors-allow-origin", o->cors_allow_origin,
+                  "Send Access-Control-Allow-Origin with this value ('*' or an origin) and answer OPTIONS preflights");
+  cmd->add_flag("--access-log", o->access_log,
+                "One stderr line per answered request: method, path, status, latency, tokens");
   EngineFlags::add_to(cmd, engine_flags);
   auto dist = std::make_shared<engine::DistFlags>();
   add_dist_flags(cmd, *dist);

@@ -3,25 +3,33 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include <fmt/format.h>
-#include <httplib.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "server/api_error.hpp"
-#include "server/connection_watch.hpp"
 #include "server/responses.hpp"
 
 namespace fulcrum::server {
 namespace {
 
 using nlohmann::json;
+using Clock = std::chrono::steady_clock;
 
-void send_json(httplib::Response& res, int status, const json& body) {
-  res.status = status;
-  res.set_content(body.dump() + "\n", "application/json");
+HttpResponse json_response(int status, const json& body) {
+  HttpResponse r;
+  r.status = status;
+  r.headers = {{"Content-Type", "application/json"}};
+  if (status == 429 || status == 503) r.headers.emplace_back("Retry-After", "1");
+  r.body = body.dump() + "\n";
+  return r;
+}
+
+HttpResponse refusal(int status, const std::string& message, const std::string& type) {
+  HttpResponse r = json_response(status, error_body(message, type));
+  r.rejected = true;
+  return r;
 }
 
 // Client bytes for an error message: at most `max_bytes`, anything but printable ASCII as \xNN.
@@ -47,53 +55,172 @@ void check_dump_name(const std::string& name) {
                   "'name' must be a plain file name (no '/', not '.' or '..')");
 }
 
+// The rest of a generation response: the choices' ResponseWriters, polled by the transport whenever a
+// handle made progress (RequestHandle::set_on_progress) and at least once a second.
+class GenerationBody : public DeferredBody {
+ public:
+  GenerationBody(Endpoint endpoint, std::vector<std::shared_ptr<ResponseWriter>> writers, const ParsedRequest& parsed,
+                 double request_timeout_s)
+      : endpoint_(endpoint), writers_(std::move(writers)), n_(parsed.n), batched_(parsed.batched),
+        stream_(parsed.stream), request_timeout_s_(request_timeout_s) {}
+
+  bool poll(HttpResponse& response) override {
+    if (timed_out_) {
+      const std::string message = fmt::format("the request took longer than --request-timeout {} s", request_timeout_s_);
+      if (!stream_) {
+        response = json_response(504, error_body(message, "timeout"));
+      } else {
+        response.body = "data: " + error_body(message, "timeout").dump() + "\n\ndata: [DONE]\n\n";
+      }
+      return true;
+    }
+    if (stream_) {
+      ResponseWriter& writer = *writers_.at(0);  // streaming: one choice (protocol.cpp)
+      std::string events = writer.next_events(std::chrono::milliseconds(0));
+      const auto now = Clock::now();
+      // A comment after a second of silence: proxies keep the stream open, and a gone client is found out.
+      if (events.empty() && now - last_sent_ >= std::chrono::seconds(1)) events = ": keep-alive\n\n";
+      if (!events.empty()) last_sent_ = now;
+      response.body = std::move(events);
+      return writer.done();
+    }
+    for (const auto& w : writers_) {
+      if (w->handle().finish_reason() == FinishReason::kNone) return false;
+    }
+    std::vector<json> bodies;
+    bool failed = false;
+    for (const auto& w : writers_) {
+      bodies.push_back(w->complete());  // finished: does not block
+      failed = failed || w->handle().finish_reason() == FinishReason::kError;
+    }
+    response = failed ? json_response(500, error_body("the model step failed; see the server log", "internal_error"))
+                      : json_response(200, merge_choices(endpoint_, std::move(bodies), n_, batched_));
+    return true;
+  }
+
+  void cancel(bool timed_out) override {
+    timed_out_ = timed_out_ || timed_out;
+    for (const auto& w : writers_) w->handle().cancel();  // its KV pages free at the scheduler's next step
+  }
+
+  int64_t tokens() const override {
+    int64_t total = 0;
+    for (const auto& w : writers_) total += w->num_tokens();
+    return total;
+  }
+
+ private:
+  const Endpoint endpoint_;
+  const std::vector<std::shared_ptr<ResponseWriter>> writers_;
+  const int n_;
+  const bool batched_;
+  const bool stream_;
+  const double request_timeout_s_;
+  bool timed_out_ = false;
+  Clock::time_point last_sent_ = Clock::now();
+};
+
+// fulcrum_requests_rejected_total's reason label of a refusal's status.
+const char* rejection_reason(int status) {
+  switch (status) {
+    case 400: return "bad_request";
+    case 401: return "unauthorized";
+    case 404: return "not_found";
+    case 408: return "header_timeout";
+    case 413: return "body_too_large";
+    case 429: return "queue_full";
+    case 431: return "headers_too_large";
+    case 501: return "not_implemented";
+    case 503: return "unavailable";
+    default: return status >= 500 ? "internal_error" : "other";
+  }
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
+  using Route = std::function<HttpResponse(const HttpRequest&, const HttpWake&)>;
+  struct RouteEntry {
+    bool get = false, post = false;
+    Route route;
+  };
+
   Scheduler& scheduler;
   ServerMetrics& metrics;
   ExpertDistributionRecorder* recorder;
   HttpServerOptions options;
-  httplib::Server http;
+  std::map<std::string, RouteEntry, std::less<>> routes;
+  HttpTransport transport;
   std::atomic<bool> draining{false};
-  std::atomic<int> open_streams{0};  // streamed responses not yet written to the end
-  int listen_socket = -1;
-  // stop() against listen() on another thread: cpp-httplib's stop() does nothing until listen_after_bind() has
-  // marked the server running, so a stop that comes first (SIGTERM right after start) must be waited out or
-  // make listen() return at once. Sequentially consistent: one of the two always sees the other's store.
-  std::atomic<bool> stop_requested{false}, listen_started{false}, listen_returned{false};
 
   Impl(Scheduler& s, ServerMetrics& m, ExpertDistributionRecorder* r, HttpServerOptions o)
-      : scheduler(s), metrics(m), recorder(r), options(std::move(o)) {}
-
-  // Runs `handler`; an exception becomes an error response and the server keeps serving.
-  template <typename F>
-  httplib::Server::Handler guarded(F handler) {
-    return [this, handler](const httplib::Request& req, httplib::Response& res) {
-      try {
-        handler(req, res);
-      } catch (const ApiError& e) {
-        metrics.on_request_rejected();
-        send_json(res, e.status(), error_body(e.what(), e.type()));
-      } catch (const std::exception& e) {
-        metrics.on_request_rejected();
-        send_json(res, 500, error_body(e.what(), "internal_error"));
-      }
-    };
+      : scheduler(s), metrics(m), recorder(r), options(std::move(o)),
+        transport(options.transport, [this](const HttpRequest& req, const HttpWake& wake) { return handle(req, wake); },
+                  [this](const HttpExchange& e) { answered(e); }) {
+    add_routes();
   }
 
-  void generation(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+  HttpResponse handle(const HttpRequest& req, const HttpWake& wake) {
+    HttpResponse r = route(req, wake);
+    if (!options.cors_allow_origin.empty()) r.headers.emplace_back("Access-Control-Allow-Origin", options.cors_allow_origin);
+    return r;
+  }
+
+  HttpResponse route(const HttpRequest& req, const HttpWake& wake) {
+    if (req.method == "OPTIONS" && !options.cors_allow_origin.empty()) {  // a CORS preflight
+      HttpResponse r;
+      r.status = 204;
+      r.headers = {{"Access-Control-Allow-Methods", "GET, POST, OPTIONS"},
+                   {"Access-Control-Allow-Headers", "Authorization, Content-Type"},
+                   {"Access-Control-Max-Age", "86400"}};
+      return r;
+    }
+    const auto it = routes.find(req.path);
+    if (it == routes.end() || !((req.method == "GET" && it->second.get) || (req.method == "POST" && it->second.post))) {
+      return refusal(404, fmt::format("no route for {} {}", printable_excerpt(req.method), printable_excerpt(req.path)),
+                     "not_found");
+    }
+    // --api-key: every route but /health and /metrics wants "Authorization: Bearer KEY".
+    if (!options.api_key.empty() && req.path != "/health" && req.path != "/metrics" &&
+        req.header("authorization") != "Bearer " + options.api_key) {
+      return refusal(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error");
+    }
+    try {
+      return it->second.route(req, wake);
+    } catch (const ApiError& e) {
+      return refusal(e.status(), e.what(), e.type());
+    } catch (const std::exception& e) {
+      return refusal(500, e.what(), "internal_error");
+    }
+  }
+
+  void answered(const HttpExchange& e) {
+    if (e.rejected) metrics.on_request_rejected(rejection_reason(e.status));
+    if (!options.access_log) return;
+    fmt::print(stderr, "fulcrum serve: access: {} {} {} {:.1f}ms tokens={}\n", printable_excerpt(e.request.method, 16),
+               e.request.method.empty() ? "-" : printable_excerpt(e.request.target, 200), e.status, e.seconds * 1e3,
+               e.tokens);
+  }
+
+  HttpResponse generation(Endpoint endpoint, const HttpRequest& req, const HttpWake& wake) {
     const json body = parse_json_body(req.body);
     const ProtocolContext& ctx = options.protocol;
     ParsedRequest parsed = endpoint == Endpoint::kCompletion ? parse_completion_request(body, ctx)
                            : endpoint == Endpoint::kChat     ? parse_chat_request(body, ctx)
                                                              : parse_generate_request(body, ctx);
+    const int64_t waiting = scheduler.gauges().waiting;
+    if (waiting + static_cast<int64_t>(parsed.requests.size()) > options.max_queued_requests) {
+      throw ApiError(429, "rate_limit_exceeded",
+                     fmt::format("{} requests are queued (--max-queued-requests {}); retry later", waiting,
+                                 options.max_queued_requests));
+    }
     // Every choice is its own request; one refused choice cancels the ones already submitted.
     std::vector<std::shared_ptr<ResponseWriter>> writers;
     try {
       for (RequestParams& params : parsed.requests) {
         std::vector<std::string> stop = params.stop;
         std::shared_ptr<RequestHandle> handle = scheduler.submit(std::move(params));
+        handle->set_on_progress(wake);
         writers.push_back(std::make_shared<ResponseWriter>(endpoint, handle, ctx.tokenizer, std::move(stop),
                                                            ctx.model_name, parsed.include_usage, parsed.prefill_only));
       }
@@ -101,79 +228,48 @@ struct HttpServer::Impl {
       for (const auto& w : writers) w->handle().cancel();
       throw;
     }
-    if (!parsed.stream) {
-      const ConnectionWatch watch(req.remote_addr, req.remote_port, req.local_port);
-      std::vector<json> bodies;
-      bool failed = false;
-      for (const auto& w : writers) {
-        bodies.push_back(w->complete([&watch] { return watch.peer_closed(); }));
-        failed = failed || w->handle().finish_reason() == FinishReason::kError;
-      }
-      if (failed) {
-        send_json(res, 500, error_body("the model step failed; see the server log", "internal_error"));
-      } else {
-        send_json(res, 200, merge_choices(endpoint, std::move(bodies), parsed.n, parsed.batched));
-      }
-      return;
+    HttpResponse r;
+    r.deferred = std::make_shared<GenerationBody>(endpoint, std::move(writers), parsed, options.transport.request_timeout_s);
+    if (parsed.stream) {
+      r.stream = true;
+      r.headers = {{"Content-Type", "text/event-stream"}, {"Cache-Control", "no-cache"}};
     }
-    std::shared_ptr<ResponseWriter> writer = writers.at(0);  // streaming: one choice (protocol.cpp)
-    res.set_header("Cache-Control", "no-cache");
-    ++open_streams;  // the releaser below runs exactly once, when the response goes
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [writer](size_t, httplib::DataSink& sink) {
-          if (writer->done()) {
-            sink.done();
-            return true;
-          }
-          std::string events = writer->next_events(std::chrono::milliseconds(1000));
-          if (events.empty()) events = ": keep-alive\n\n";  // also finds out whether the client is still there
-          if (!sink.write(events.data(), events.size())) {
-            writer->handle().cancel();
-            return false;
-          }
-          if (writer->done()) sink.done();
-          return true;
-        },
-        [this, writer](bool success) {
-          if (!success) writer->handle().cancel();
-          --open_streams;
-        });
+    return r;
   }
 
-  void expert_distribution(const std::string& action, const httplib::Request& req, httplib::Response& res) {
+  HttpResponse expert_distribution(const std::string& action, const HttpRequest& req) {
     if (!recorder) throw ApiError(501, "not_implemented", "this executor records no expert distribution");
     if (action == "start") {
       recorder->start();
-      send_json(res, 200, {{"status", "recording"}});
-    } else if (action == "stop") {
-      recorder->stop();
-      send_json(res, 200, {{"status", "stopped"}});
-    } else {
-      std::string name = fmt::format("expert_distribution_{}.json",
-                                     std::chrono::duration_cast<std::chrono::milliseconds>(
-                                         std::chrono::system_clock::now().time_since_epoch()).count());
-      if (!req.body.empty()) {
-        const json body = parse_json_body(req.body);
-        for (const auto& [key, value] : body.items()) FULCRUM_REQUIRE(key == "name", "unknown field '{}'", key);
-        if (body.contains("name")) {
-          FULCRUM_REQUIRE(body["name"].is_string(), "'name' must be a string");
-          name = body["name"].get<std::string>();
-          check_dump_name(name);
-        }
-      }
-      const std::string path = (std::filesystem::absolute(options.expert_distribution_dir) / name).string();
-      json out;
-      try {
-        out = recorder->dump(path);
-      } catch (const std::exception& e) {
-        // The full reason (with the server's path) goes to the log only.
-        fmt::print(stderr, "fulcrum serve: expert distribution dump failed: {}\n", e.what());
-        throw ApiError(500, "internal_error", "the expert distribution could not be written; see the server log");
-      }
-      out["path"] = path;
-      send_json(res, 200, out);
+      return json_response(200, {{"status", "recording"}});
     }
+    if (action == "stop") {
+      recorder->stop();
+      return json_response(200, {{"status", "stopped"}});
+    }
+    std::string name = fmt::format("expert_distribution_{}.json",
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       std::chrono::system_clock::now().time_since_epoch()).count());
+    if (!req.body.empty()) {
+      const json body = parse_json_body(req.body);
+      for (const auto& [key, value] : body.items()) FULCRUM_REQUIRE(key == "name", "unknown field '{}'", key);
+      if (body.contains("name")) {
+        FULCRUM_REQUIRE(body["name"].is_string(), "'name' must be a string");
+        name = body["name"].get<std::string>();
+        check_dump_name(name);
+      }
+    }
+    const std::string path = (std::filesystem::absolute(options.expert_distribution_dir) / name).string();
+    json out;
+    try {
+      out = recorder->dump(path);
+    } catch (const std::exception& e) {
+      // The full reason (with the server's path) goes to the log only.
+      fmt::print(stderr, "fulcrum serve: expert distribution dump failed: {}\n", e.what());
+      throw ApiError(500, "internal_error", "the expert distribution could not be written; see the server log");
+    }
+    out["path"] = path;
+    return json_response(200, out);
   }
 
   // SGLang's /get_model_info and /get_server_info as its RuntimeEndpoint reads them.
@@ -194,129 +290,69 @@ struct HttpServer::Impl {
     return info;
   }
 
-  void routes() {
-    // --api-key: every route but /health and /metrics wants "Authorization: Bearer KEY" (401 otherwise, in
-    // OpenAI's error shape).
-    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (options.api_key.empty() || req.path == "/health" || req.path == "/metrics") return httplib::Server::HandlerResponse::Unhandled;
-      if (req.get_header_value("Authorization") == "Bearer " + options.api_key) return httplib::Server::HandlerResponse::Unhandled;
-      metrics.on_request_rejected();
-      send_json(res, 401, error_body("invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error"));
-      return httplib::Server::HandlerResponse::Handled;
-    });
-    http.Get("/get_model_info", guarded([this](const httplib::Request&, httplib::Response& res) {
-      send_json(res, 200, model_info());
-    }));
+  void add(const std::string& path, bool get, bool post, Route route) { routes[path] = {get, post, std::move(route)}; }
+  // A route whose answer is ready at once (no wake needed).
+  template <typename F>
+  void add_now(const std::string& path, bool get, bool post, F f) {
+    add(path, get, post, [f](const HttpRequest& req, const HttpWake&) { return f(req); });
+  }
+
+  void add_routes() {
+    add_now("/get_model_info", true, false, [this](const HttpRequest&) { return json_response(200, model_info()); });
     for (const char* path : {"/get_server_info", "/server_info"}) {
-      http.Get(path, guarded([this](const httplib::Request&, httplib::Response& res) { send_json(res, 200, server_info()); }));
+      add_now(path, true, false, [this](const HttpRequest&) { return json_response(200, server_info()); });
     }
-    http.Get("/health", guarded([this](const httplib::Request&, httplib::Response& res) {
+    add_now("/health", true, false, [this](const HttpRequest&) {
       if (draining) throw ApiError(503, "unavailable", "shutting down");
-      send_json(res, 200, {{"status", "ok"}});
-    }));
-    http.Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
-      send_json(res, 200, {{"object", "list"},
-                           {"data", json::array({{{"id", options.protocol.model_name}, {"object", "model"},
-                                                  {"owned_by", "fulcrum"}, {"max_model_len", options.max_model_len},
-                                                  {"vocab_size", options.vocab_size},
-                                                  {"has_tokenizer", options.protocol.tokenizer != nullptr}}})}});
-    }));
-    http.Get("/metrics", guarded([this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(metrics.render(scheduler.gauges()), "text/plain; version=0.0.4");
-    }));
+      return json_response(200, {{"status", "ok"}});
+    });
+    add_now("/v1/models", true, false, [this](const HttpRequest&) {
+      return json_response(200, {{"object", "list"},
+                                 {"data", json::array({{{"id", options.protocol.model_name}, {"object", "model"},
+                                                        {"owned_by", "fulcrum"}, {"max_model_len", options.max_model_len},
+                                                        {"vocab_size", options.vocab_size},
+                                                        {"has_tokenizer", options.protocol.tokenizer != nullptr}}})}});
+    });
+    add_now("/metrics", true, false, [this](const HttpRequest&) {
+      HttpResponse r;
+      r.headers = {{"Content-Type", "text/plain; version=0.0.4"}};
+      r.body = metrics.render(scheduler.gauges());
+      return r;
+    });
     const std::pair<const char*, Endpoint> generation_routes[] = {
         {"/v1/completions", Endpoint::kCompletion}, {"/v1/chat/completions", Endpoint::kChat},
         {"/generate", Endpoint::kGenerate}};
     for (const auto& [path, endpoint] : generation_routes) {
-      http.Post(path, guarded([this, endpoint = endpoint](const httplib::Request& req, httplib::Response& res) {
-        generation(endpoint, req, res);
-      }));
+      add(path, false, true, [this, endpoint = endpoint](const HttpRequest& req, const HttpWake& wake) {
+        return generation(endpoint, req, wake);
+      });
     }
     for (const char* action : {"start", "stop", "dump"}) {
-      const std::string path = fmt::format("/{}_expert_distribution_record", action);
-      const auto handler = guarded([this, action](const httplib::Request& req, httplib::Response& res) {
-        expert_distribution(action, req, res);
-      });
-      http.Post(path, handler);
-      http.Get(path, handler);
+      add_now(fmt::format("/{}_expert_distribution_record", action), true, true,
+              [this, action = std::string(action)](const HttpRequest& req) { return expert_distribution(action, req); });
     }
     // SGLang's endpoint: empties the prefix cache (pages running requests hold stay until they end).
-    const auto flush = guarded([this](const httplib::Request&, httplib::Response& res) {
+    add_now("/flush_cache", true, true, [this](const HttpRequest&) {
       const FlushResult r = scheduler.flush_cache();
-      send_json(res, 200, {{"flushed_pages", r.flushed_pages}, {"in_use_pages", r.in_use_pages}});
-    });
-    http.Post("/flush_cache", flush);
-    http.Get("/flush_cache", flush);
-    // Unrouted paths and refusals by httplib itself (413, 400 on a bad request line) get a JSON body.
-    // Our handlers always write a body (and count their refusals in guarded()); an empty one is httplib's own.
-    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (!res.body.empty()) return;
-      metrics.on_request_rejected();
-      const std::string message = res.status == 404 ? fmt::format("no route for {} {}", printable_excerpt(req.method),
-                                                                  printable_excerpt(req.path))
-                                                    : fmt::format("HTTP {}", res.status);
-      res.set_content(error_body(message, res.status == 404 ? "not_found" : "invalid_request_error").dump() + "\n",
-                      "application/json");
+      return json_response(200, {{"flushed_pages", r.flushed_pages}, {"in_use_pages", r.in_use_pages}});
     });
   }
 };
 
 HttpServer::HttpServer(Scheduler& scheduler, ServerMetrics& metrics, ExpertDistributionRecorder* recorder,
                        HttpServerOptions options)
-    : impl_(std::make_unique<Impl>(scheduler, metrics, recorder, std::move(options))) {
-  const int threads = impl_->options.threads;
-  impl_->http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
-  impl_->http.set_payload_max_length(impl_->options.max_body_bytes);
-  // Reuse connections for long (each reconnect costs an accept), and remember the listening socket:
-  // bind() widens its backlog, which the packaged library fixes at 5 (a burst of clients would overflow it).
-  impl_->http.set_keep_alive_max_count(100000);
-  impl_->http.set_socket_options([impl = impl_.get()](int sock) {
-    // SO_REUSEADDR only (a restart may bind while old connections sit in TIME_WAIT): httplib's default adds
-    // SO_REUSEPORT, with which a second server on the same port starts and the kernel splits connections.
-    int yes = 1;
-    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    impl->listen_socket = sock;
-  });
-  impl_->routes();
-}
+    : impl_(std::make_unique<Impl>(scheduler, metrics, recorder, std::move(options))) {}
 
 HttpServer::~HttpServer() = default;
 
-int HttpServer::bind(const std::string& host, int port) {
-  const int bound = port == 0 ? impl_->http.bind_to_any_port(host) : (impl_->http.bind_to_port(host, port) ? port : -1);
-  if (bound <= 0) impl_->listen_socket = -1;  // httplib closed the socket it made
-  FULCRUM_CHECK(bound > 0, "cannot listen on {}:{}: the port is in use, or the host is not an address of this machine",
-                host, port);
-  FULCRUM_CHECK(impl_->listen_socket >= 0 && ::listen(impl_->listen_socket, SOMAXCONN) == 0,
-                "cannot widen the listen backlog on {}:{}", host, bound);
-  return bound;
-}
+int HttpServer::bind(const std::string& host, int port) { return impl_->transport.bind(host, port); }
+void HttpServer::listen() { impl_->transport.run(); }
+void HttpServer::stop() { impl_->transport.stop(); }
 
-void HttpServer::listen() {
-  impl_->listen_started = true;
-  struct MarkReturned {
-    std::atomic<bool>& flag;
-    ~MarkReturned() { flag = true; }
-  } mark{impl_->listen_returned};
-  if (!impl_->stop_requested) {
-    impl_->http.listen_after_bind();
-  } else if (impl_->listen_socket >= 0) {
-    ::close(impl_->listen_socket);  // httplib closes it only when its accept loop ends, which never started
-    impl_->listen_socket = -1;
-  }
-}
-
-void HttpServer::stop() {
-  impl_->stop_requested = true;
-  if (!impl_->listen_started) return;  // listen() has not begun: it sees stop_requested and returns
-  while (!impl_->http.is_running() && !impl_->listen_returned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  impl_->http.stop();
-}
-
-bool HttpServer::wait_streams_sent(double seconds) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (impl_->open_streams.load() > 0) {
-    if (std::chrono::steady_clock::now() >= deadline) return false;
+bool HttpServer::wait_responses_sent(double seconds) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  while (impl_->transport.responses_in_progress() > 0) {
+    if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return true;

@@ -11,6 +11,12 @@ void header(std::string& out, const char* name, const char* type, const char* he
 
 }  // namespace
 
+void ServerMetrics::on_request_rejected(std::string_view reason) {
+  size_t i = 0;
+  while (i + 1 < kRejectionReasons.size() && reason != kRejectionReasons[i]) ++i;  // the last one is "other"
+  rejected_[i].fetch_add(1);
+}
+
 void ServerMetrics::on_request_finished(const std::string& finish_reason) {
   std::lock_guard lock(mutex_);
   for (auto& [reason, count] : finished_) {
@@ -53,8 +59,10 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   for (const auto& [reason, count] : finished_) {
     out += fmt::format("fulcrum_requests_total{{finish_reason=\"{}\"}} {}\n", reason, count);
   }
-  header(out, "fulcrum_requests_rejected_total", "counter", "Requests refused with a 4xx or 5xx before running.");
-  out += fmt::format("fulcrum_requests_rejected_total {}\n", rejected_.load());
+  header(out, "fulcrum_requests_rejected_total", "counter", "Requests refused with a 4xx or 5xx before running, by reason.");
+  for (size_t i = 0; i < kRejectionReasons.size(); ++i) {
+    out += fmt::format("fulcrum_requests_rejected_total{{reason=\"{}\"}} {}\n", kRejectionReasons[i], rejected_[i].load());
+  }
   header(out, "fulcrum_requests_running", "gauge", "Requests in the running batch.");
   out += fmt::format("fulcrum_requests_running {}\n", g.running);
   header(out, "fulcrum_requests_waiting", "gauge", "Requests queued for admission.");

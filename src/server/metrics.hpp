@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fulcrum::server {
@@ -32,7 +33,12 @@ class ServerMetrics {
                                                           0.1,   0.25,   0.5,   1.0,  2.5,   5.0};
 
   void on_request_finished(const std::string& finish_reason);  // "stop", "length", "cancelled", "error"
-  void on_request_rejected() { rejected_.fetch_add(1); }
+  // Why requests are refused before running: the `reason` label of fulcrum_requests_rejected_total (each series
+  // is always rendered, 0 until counted). Another reason counts as "other".
+  static constexpr std::array<const char*, 11> kRejectionReasons = {
+      "bad_request", "unauthorized", "not_found", "header_timeout", "body_too_large", "queue_full",
+      "headers_too_large", "not_implemented", "unavailable", "internal_error", "other"};
+  void on_request_rejected(std::string_view reason);
   void add_prompt_tokens(int64_t n) { prompt_tokens_.fetch_add(n); }
   void add_generation_tokens(int64_t n) { generation_tokens_.fetch_add(n); }
   void observe_step(double seconds, int64_t batch_tokens);
@@ -46,7 +52,7 @@ class ServerMetrics {
  private:
   mutable std::mutex mutex_;
   std::vector<std::pair<std::string, int64_t>> finished_;  // by finish reason
-  std::atomic<int64_t> rejected_{0};
+  std::array<std::atomic<int64_t>, kRejectionReasons.size()> rejected_{};
   std::atomic<int64_t> prompt_tokens_{0};
   std::atomic<int64_t> generation_tokens_{0};
   std::array<int64_t, kStepBuckets.size()> step_buckets_{};

@@ -56,26 +56,41 @@ bool RequestHandle::cancel_requested() const {
 }
 
 void RequestHandle::push_token(int32_t token) {
+  std::function<void()> on_progress;
   {
     std::lock_guard lock(mutex_);
     tokens_.push_back(token);
+    on_progress = on_progress_;
   }
   cv_.notify_all();
+  if (on_progress) on_progress();
 }
 
 void RequestHandle::finish(FinishReason reason, std::optional<size_t> stop_text_length) {
+  std::function<void()> on_progress;
   {
     std::lock_guard lock(mutex_);
     if (reason_ != FinishReason::kNone) return;
     reason_ = reason;
     stop_text_length_ = stop_text_length;
+    on_progress = on_progress_;
   }
   cv_.notify_all();
+  if (on_progress) on_progress();
 }
 
 void RequestHandle::set_wake(std::function<void()> wake) {
   std::lock_guard lock(mutex_);
   wake_ = std::move(wake);
+}
+
+}  // namespace fulcrum::server
+
+namespace fulcrum::server {
+
+void RequestHandle::set_on_progress(std::function<void()> on_progress) {
+  std::lock_guard lock(mutex_);
+  on_progress_ = std::move(on_progress);
 }
 
 }  // namespace fulcrum::server

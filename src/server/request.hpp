@@ -58,6 +58,9 @@ class RequestHandle {
   void push_token(int32_t token);
   void finish(FinishReason reason, std::optional<size_t> stop_text_length = std::nullopt);
   void set_wake(std::function<void()> wake);
+  // Reader side: called (on the scheduler's thread, outside the handle's lock) after every new token and the
+  // finish, so an event loop learns of progress without a thread blocked in wait().
+  void set_on_progress(std::function<void()> on_progress);
 
  private:
   const int64_t id_;
@@ -69,6 +72,7 @@ class RequestHandle {
   std::optional<size_t> stop_text_length_;
   bool cancel_ = false;
   std::function<void()> wake_;
+  std::function<void()> on_progress_;
 };
 
 }  // namespace fulcrum::server

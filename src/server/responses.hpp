@@ -40,6 +40,7 @@ class ResponseWriter {
   // then a keep-alive comment is due). After the last event (finish, usage, [DONE]) done() is true.
   std::string next_events(std::chrono::milliseconds timeout);
   bool done() const { return done_; }
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }  // output tokens seen so far
   RequestHandle& handle() { return *handle_; }
 
  private:

@@ -10,6 +10,8 @@
 #include <mutex>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -29,6 +31,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+constexpr double kResponseGraceSeconds = 2;
 
 void log(const std::string& line) {
   fmt::print(stderr, "fulcrum serve: {}\n", line);
@@ -92,6 +95,30 @@ EngineExecutorOptions engine_executor_options(const ServeOptions& options) {
   engine_options.kv_pages = options.scheduler.kv_pages;
   engine_options.page_size = options.scheduler.page_size;
   return engine_options;
+}
+
+// Each connection is a descriptor: the soft limit goes up to the hard one, and the log says when the hard one
+// caps --max-connections.
+void raise_fd_limit(int max_connections) {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &lim);
+  }
+  constexpr rlim_t kSpare = 256;  // model files, the engine's pipes, lingering refusals
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < static_cast<rlim_t>(max_connections) + kSpare) {
+    log(fmt::format("note: the open-file limit is {}: fewer than --max-connections {} connections can be held",
+                    lim.rlim_cur, max_connections));
+  }
+}
+
+bool is_loopback(const std::string& host) {
+  if (host == "localhost") return true;
+  in_addr v4{};
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  return ::inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
 }
 
 }  // namespace
@@ -206,7 +233,10 @@ void serve(const ServeOptions& options) {
   http_options.max_model_len = executor.max_sequence_length();
   http_options.vocab_size = executor.vocab_size();
   http_options.expert_distribution_dir = options.expert_distribution_dir;
-  http_options.threads = std::max(64, 2 * options.scheduler.max_running_requests + 16);
+  http_options.transport = options.http;
+  http_options.max_queued_requests = options.max_queued_requests;
+  http_options.cors_allow_origin = options.cors_allow_origin;
+  http_options.access_log = options.access_log;
   http_options.api_key = options.api_key;
   http_options.model_path = options.model_dir;
   http_options.server_info = {
@@ -225,6 +255,11 @@ void serve(const ServeOptions& options) {
   Scheduler scheduler(executor, options.scheduler, detokenizer, &metrics);
   HttpServer http(scheduler, metrics, recorder, http_options);
   const int port = http.bind(options.host, options.port);
+  raise_fd_limit(options.http.max_connections);
+  if (options.api_key.empty() && !is_loopback(options.host)) {
+    log(fmt::format("warning: listening on {} (not a loopback address) without --api-key: anyone who can reach the "
+                    "port can use the server", options.host));
+  }
   // A failure on either thread must not terminate the process: it is kept, the main thread is woken as by
   // SIGTERM, shuts down the other thread, and rethrows it (one-line error, non-zero exit).
   std::exception_ptr thread_error;
@@ -264,11 +299,13 @@ void serve(const ServeOptions& options) {
     log(fmt::format("cancelling {} running and {} waiting request(s) after {:.0f} s", g.running, g.waiting,
                     options.shutdown_timeout_s));
     scheduler.cancel_all();
-    wait_idle(scheduler, 60);
+    wait_idle(scheduler, kResponseGraceSeconds);  // cancelled requests end at the next step
   }
-  // Every request is finished or cancelled; let each stream write its last events and [DONE] (cpp-httplib
-  // cuts streams short once the listener stops).
-  if (!http.wait_streams_sent(30)) log("closing streams still being written after 30 s");
+  // Every request is finished or cancelled: let each response write its last bytes ([DONE] included), then
+  // close every connection (idle ones and those still sending headers too).
+  if (!http.wait_responses_sent(kResponseGraceSeconds)) {
+    log(fmt::format("closing responses still being written after {} s", kResponseGraceSeconds));
+  }
   http.stop();
   listener.join();
   scheduler.stop();

@@ -1,15 +1,17 @@
 #pragma once
 // `fulcrum serve`: loads a checkpoint into an EngineStepExecutor (the parallel engine's ranks as threads,
 // live EPLB when asked; a progress bar on stderr while weights load), runs the scheduler loop on its own thread
-// and the HTTP server on a pool, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
+// and the HTTP event loop on another, logs "listening on http://HOST:PORT" once ready, and on SIGINT/SIGTERM
 // shuts down gracefully: /health turns 503 and new requests are refused (503), in-flight requests finish
-// (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), then the
-// listener closes once every handler has sent its response.
+// (or, past shutdown_timeout_s, are cancelled and answered with finish_reason "cancelled"), responses get
+// 2 s to be written, then every connection closes: the process exits within
+// shutdown_timeout_s + 4 s (plus one model step) whatever the clients do.
 #include <optional>
 #include <string>
 
 #include "engine/multi_process_run.hpp"
 #include "engine/parallel_generate.hpp"
+#include "server/http_transport.hpp"
 #include "server/scheduler.hpp"
 
 namespace fulcrum::server {
@@ -31,6 +33,10 @@ struct ServeOptions {
   // the HTTP front end and the scheduler; the others run the engine's commands (serve_as_worker).
   std::optional<engine::LaunchedRank> rank;
   double elastic_ep_timeout_s = 30;  // --elastic-ep-timeout: a rank silent this long has failed
+  HttpTransportOptions http;     // body / header limits, header and idle timeouts, --max-connections, --request-timeout
+  int max_queued_requests = 1024;
+  std::string cors_allow_origin;
+  bool access_log = false;
 };
 
 // Ranks as processes: what serve() does on a rank other than world rank 0. Returns when rank 0 stops it.
