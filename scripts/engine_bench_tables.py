@@ -4,6 +4,7 @@
 Usage: scripts/engine_bench_tables.py bench/results/generate_h200.json [bench/results/serve_h200.json]
        scripts/engine_bench_tables.py --compare A.json B.json LABEL_A LABEL_B
        scripts/engine_bench_tables.py --prefix-cache PREFIX_CACHE.json ...
+       scripts/engine_bench_tables.py --sweep SWEEP.json ...   (bench/run_gpu_env_sweep.sh runs gathered in one JSON)
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
 """
 import json
@@ -84,8 +85,27 @@ def prefix_cache(doc):
           f"({doc['prompt_tokens_computed_with_cache'] / doc['unshared_prompt_tokens']:.2f}x).\n")
 
 
+def sweep(doc):
+    """A tuning sweep: {"what", "command" or "commands", "runs_by_value" or "runs": {label: bench generate JSON}}."""
+    by_label = doc.get("runs_by_value") or doc["runs"]
+    batches = sorted({r["batch"] for d in by_label.values() for r in d["runs"] if r["phase"] == "decode"})
+    commands = doc.get("commands") or [doc["command"]]
+    print(f"{doc['what']}\n\nRun: " + "; ".join(f"`{c}`" for c in commands) + "\n")
+    print(row(["setting"] + [f"batch {b} ms/step (of roofline)" for b in batches]))
+    print(row(["---"] + ["---:"] * len(batches)))
+    for label, d in by_label.items():
+        cells = {r["batch"]: r for r in d["runs"] if r["phase"] == "decode"}
+        print(row([label] + [f"{cells[b]['ms_per_step']:.3f} ({100 * cells[b]['roofline_ms'] / cells[b]['ms_per_step']:.1f}%)"
+                             if b in cells else "" for b in batches]))
+    print()
+
+
 args = sys.argv[1:]
-if args and args[0] == "--compare":
+if args and args[0] == "--sweep":
+    for path in args[1:]:
+        sweep(json.load(open(path)))
+    args = []
+elif args and args[0] == "--compare":
     compare(json.load(open(args[1])), json.load(open(args[2])), args[3], args[4])
     args = []
 elif args and args[0] == "--prefix-cache":
