@@ -129,7 +129,12 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
     FULCRUM_CHECK(it->second.num_tokens + static_cast<int64_t>(in.token_ids.size()) <= it->second.capacity,
                   "step: sequence {} would exceed its capacity {}", in.id, it->second.capacity);
     for (const engine::SequenceTokens& e : entries) FULCRUM_CHECK(e.id != in.id, "step: sequence {} twice", in.id);
-    entries.push_back({in.id, in.token_ids});
+    const int64_t n_pred = static_cast<int64_t>(in.token_ids.size()) - (in.sample ? 1 : 0);
+    FULCRUM_CHECK(static_cast<int64_t>(in.prompt_targets.size()) <= n_pred,
+                  "step: sequence {} has {} prompt targets for {} predicting rows", in.id, in.prompt_targets.size(), n_pred);
+    // The sampling row and the prompt rows asked for (the last ones of the chunk).
+    const auto rows = static_cast<int64_t>(in.prompt_targets.size()) + (in.sample ? 1 : 0);
+    entries.push_back({in.id, in.token_ids, std::max<int64_t>(rows, 1)});
   }
   std::vector<SequenceId> releases = std::move(pending_releases_);
   pending_releases_.clear();
@@ -142,7 +147,18 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
   for (const model::StepSequence& in : batch) live_.at(in.id).num_tokens += static_cast<int64_t>(in.token_ids.size());
   FULCRUM_CHECK(logits.size() == batch.size(), "step: {} logit rows for {} entries", logits.size(), batch.size());
   model::StepOutput out = model::make_step_output(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) model::sample_entry(logits[i], batch[i], out, i);  // [vocab_size] each
+  const size_t vocab = static_cast<size_t>(config_.vocab_size);
+  for (size_t i = 0; i < batch.size(); ++i) {  // [rows, vocab_size] each: prompt rows, then the sampling row
+    const std::span<const float> rows(logits[i]);
+    const size_t num_prompt = batch[i].prompt_targets.size();
+    try {
+      model::prompt_entry(rows.first(num_prompt * vocab), batch[i], out, i);
+    } catch (const std::exception& e) {
+      out.errors[i] = e.what();
+      continue;
+    }
+    if (batch[i].sample) model::sample_entry(rows.last(vocab), batch[i], out, i);
+  }
   return out;
 }
 
