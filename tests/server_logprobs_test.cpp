@@ -100,8 +100,12 @@ TEST(StepLogprobs, PromptAndSampledLogprobsEqualTheModelsLogSoftmax) {
     EXPECT_EQ(lp.top_ids, top_ids(row, 5)) << "position " << pos;
     for (size_t k = 0; k < 5; ++k) {
       EXPECT_NEAR(lp.top_logprobs[k], row[static_cast<size_t>(lp.top_ids[k])], kTolerance);
-      if (k > 0) EXPECT_GE(lp.top_logprobs[k - 1], lp.top_logprobs[k]);
-      if (lp.top_ids[k] == prompt[pos]) EXPECT_EQ(lp.top_logprobs[k], lp.logprob) << "one normalizer per row";
+      if (k > 0) {
+        EXPECT_GE(lp.top_logprobs[k - 1], lp.top_logprobs[k]);
+      }
+      if (lp.top_ids[k] == prompt[pos]) {
+        EXPECT_EQ(lp.top_logprobs[k], lp.logprob) << "one normalizer per row";
+      }
     }
   }
   // Greedy: the sampled token heads its own top, with the same value.
