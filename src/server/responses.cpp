@@ -188,7 +188,14 @@ json ResponseWriter::complete(const std::function<bool()>& client_gone, std::chr
     }
   } else {
     // echo: the prompt's text first (its tokens decoded), and with logprobs its positions first (the first null).
-    const std::string prompt_text = format_.echo && tokenizer_ ? tokenizer_->decode(prompt_) : std::string();
+    std::string prompt_text;
+    if (format_.echo && tokenizer_) {
+      try {
+        prompt_text = tokenizer_->decode(prompt_);
+      } catch (const std::exception&) {  // an id past the tokenizer's (the model's vocabulary may be larger)
+        for (const int32_t id : prompt_) prompt_text += token_text(id);
+      }
+    }
     choice["text"] = prompt_text + text;
     if (format_.logprobs) {
       std::vector<int32_t> ids;
