@@ -110,9 +110,9 @@ TEST_F(ServerNativeApi, UnimplementedGenerateFieldsAre400sNamingThem) {
     EXPECT_EQ(out["error"]["message"], needle) << out.dump();
     EXPECT_EQ(out["error"]["type"], "invalid_request_error");
   }
-  const auto [status, out] = post(port(), "/generate", json{{"input_ids", {1}}, {"return_logprob", true}}.dump());
+  const auto [status, out] = post(port(), "/generate", json{{"input_ids", {1}}, {"return_hidden_states", true}}.dump());
   EXPECT_EQ(status, 400);
-  EXPECT_EQ(out["error"]["message"], "'return_logprob' true is not implemented") << out.dump();
+  EXPECT_EQ(out["error"]["message"], "'return_hidden_states' true is not implemented") << out.dump();
 }
 
 // A list of prompts (strings and token-id lists) gives one choice each, `index` set, usage summed; n = 2 gives

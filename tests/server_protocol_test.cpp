@@ -38,8 +38,20 @@ TEST(ServerProtocol, CompletionFieldsAreParsedStrictly) {
   EXPECT_EQ(parse_completion_request(json{{"prompt", {4}}, {"ignore_eos", true}}, ctx).requests.at(0).stop_token_ids.size(), 0u);
   EXPECT_EQ(parse_completion_request(json{{"prompt", {4}}}, ctx).requests.at(0).max_tokens, ctx.default_max_tokens);
 
-  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"echo", true}}, parse_completion_request, ctx), 400);
-  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"logprobs", 2}}, parse_completion_request, ctx), 400);
+  // Logprobs: the top count in [0, 5]; echo asks for the prompt's from position 1; max_tokens 0 only with echo.
+  const ParsedRequest scored = parse_completion_request(
+      json{{"prompt", {4, 5, 6}}, {"echo", true}, {"logprobs", 2}, {"max_tokens", 0}}, ctx);
+  EXPECT_TRUE(scored.format.logprobs && scored.format.echo && scored.prefill_only);
+  EXPECT_TRUE(scored.requests.at(0).logprobs);
+  EXPECT_EQ(scored.requests.at(0).top_logprobs, 2);
+  EXPECT_EQ(scored.requests.at(0).prompt_logprobs_from, 1);
+  EXPECT_EQ(scored.requests.at(0).max_tokens, 1);  // the token a prefill ends in, dropped
+  const ParsedRequest echo_only = parse_completion_request(json{{"prompt", {4}}, {"echo", true}}, ctx);
+  EXPECT_TRUE(echo_only.format.echo && !echo_only.format.logprobs);
+  EXPECT_EQ(echo_only.requests.at(0).prompt_logprobs_from, -1);  // no logprobs: no prompt rows
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"logprobs", 6}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"logprobs", true}}, parse_completion_request, ctx), 400);
+  EXPECT_EQ(status_of(json{{"prompt", {4}}, {"max_tokens", 0}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"echo", false}, {"logprobs", nullptr}}, parse_completion_request, ctx), 200);
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"max_tokens", 2.5}}, parse_completion_request, ctx), 400);
   EXPECT_EQ(status_of(json{{"prompt", {4, -1}}}, parse_completion_request, ctx), 400);
@@ -120,7 +132,17 @@ TEST(ServerProtocol, GenerateTakesRuntimeEndpointsFields) {
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}),
             "sampling_params 'frequency_penalty' other than 0 is not implemented");
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"image_data", "x.png"}}), "'image_data' is not implemented");
-  EXPECT_EQ(message_of({{"input_ids", {3}}, {"return_logprob", true}}), "'return_logprob' true is not implemented");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"return_logprob", true}, {"top_logprobs_num", 21}}),
+            "'top_logprobs_num' must be in [0, 20], got 21");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"return_logprob", true}, {"logprob_start_len", 1}}),
+            "'logprob_start_len' 1 must be below the prompt's 1 tokens");
+  const ParsedRequest with_logprobs = parse_generate_request(
+      json{{"input_ids", {3, 4, 5}}, {"return_logprob", true}, {"logprob_start_len", 0}, {"top_logprobs_num", 3}}, ctx);
+  EXPECT_EQ(with_logprobs.requests.at(0).prompt_logprobs_from, 1);  // entry 0 of input_token_logprobs is null
+  EXPECT_EQ(with_logprobs.requests.at(0).top_logprobs, 3);
+  const ParsedRequest default_start = parse_generate_request(json{{"input_ids", {3, 4, 5}}, {"return_logprob", true}}, ctx);
+  EXPECT_EQ(default_start.requests.at(0).prompt_logprobs_from, 3);  // the last prompt token only: no prompt rows
+  EXPECT_EQ(default_start.format.logprob_start_len, -1);
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"bogus", 1}}), "unknown field 'bogus' in a generate request");
 
   const ParsedRequest batch = parse_generate_request(

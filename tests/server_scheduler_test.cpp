@@ -100,6 +100,35 @@ TEST(ServerScheduler, RunningLimitAndFifoOrder) {
   EXPECT_EQ(b->wait_finished().size(), 1u);
 }
 
+// An executor without prompt logprobs (the GPU engine) gets a 400 naming them for a request that needs prompt
+// rows; SGLang's default logprob_start_len (the last prompt token: no prompt rows) still runs there.
+TEST(ServerScheduler, PromptLogprobsAreRefusedWhereTheExecutorHasNone) {
+  FakeExecutor exec(50, 100);
+  exec.prompt_logprobs = false;
+  Scheduler s(exec, {.max_running_requests = 4, .kv_pages = 16, .page_size = 4, .max_prefill_tokens = 64});
+  RequestParams echo = request(iota_prompt(5), 2);
+  echo.logprobs = true;
+  echo.prompt_logprobs_from = 1;
+  try {
+    s.submit(echo);
+    FAIL() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_NE(std::string(e.what()).find("prompt logprobs"), std::string::npos) << e.what();
+  }
+  RequestParams last_only = echo;
+  last_only.prompt_logprobs_from = 5;  // = the prompt length
+  last_only.top_logprobs = 3;
+  auto handle = s.submit(last_only);
+  while (!s.idle()) s.step();
+  EXPECT_EQ(handle->finish_reason(), FinishReason::kLength);
+  EXPECT_TRUE(handle->prompt_logprobs().empty());
+  EXPECT_EQ(handle->logprobs().size(), 2u);  // one per generated token
+  RequestParams too_many = last_only;
+  too_many.top_logprobs = model::kMaxTopLogprobs + 1;
+  EXPECT_THROW(s.submit(too_many), ApiError);
+}
+
 TEST(ServerScheduler, OversizedPromptIsRefused) {
   FakeExecutor exec(50, 100);
   Scheduler s(exec, {.max_running_requests = 4, .kv_pages = 4, .page_size = 4, .max_prefill_tokens = 64});

@@ -161,5 +161,57 @@ TEST(StepModelSampleEntry, AnEntryOutsideTheOutputThrows) {
   EXPECT_THROW(sample_entry(test_logits(), sampling_entry({}), out, 2), Error);
 }
 
+// The top of a row: descending, ties by lower id (4 before 11 at 9.5), -inf last, every value the same float as
+// the token's own logprob; under greedy the sampled token heads it with its logprob.
+TEST(StepModelSampleEntry, TopLogprobsAreSortedAndAgreeWithTheSampledToken) {
+  const std::vector<float> logits = test_logits();
+  StepSequence seq = sampling_entry({}, 0.0, true);
+  seq.top_logprobs = 4;
+  StepOutput out = make_step_output(1);
+  sample_entry(logits, seq, out, 0);
+  const TokenLogprob& top = out.top_logprobs[0];
+  ASSERT_EQ(top.top_ids.size(), 4u);
+  EXPECT_EQ(top.top_ids[0], out.tokens[0]);
+  EXPECT_EQ(top.top_logprobs[0], out.logprobs[0]);
+  EXPECT_EQ(top.top_ids[0], 4);
+  EXPECT_EQ(top.top_ids[1], 11);
+  for (size_t k = 0; k < 4; ++k) {
+    EXPECT_EQ(top.top_logprobs[k], token_logprob(logits, top.top_ids[k]));
+    EXPECT_NEAR(top.top_logprobs[k], direct_logprob(logits, top.top_ids[k]), 1e-6);
+    if (k > 0) {
+      const float a = logits[static_cast<size_t>(top.top_ids[k - 1])], b = logits[static_cast<size_t>(top.top_ids[k])];
+      EXPECT_TRUE(a > b || (a == b && top.top_ids[k - 1] < top.top_ids[k]));
+    }
+  }
+  // N = vocabulary: every id once, the masked one last; N above the limit throws.
+  const TokenLogprob all = token_logprob_with_top(std::vector<float>{0.0f, -INFINITY, 1.0f}, 0, 3);
+  EXPECT_EQ(all.top_ids, (std::vector<int32_t>{2, 0, 1}));
+  EXPECT_EQ(all.top_logprobs[2], -INFINITY);
+  EXPECT_THROW(token_logprob_with_top(logits, 0, kMaxTopLogprobs + 1), Error);
+  // No top asked: none reported.
+  out = make_step_output(1);
+  sample_entry(logits, sampling_entry({}, 0.0, true), out, 0);
+  EXPECT_TRUE(out.top_logprobs[0].top_ids.empty());
+}
+
+// prompt_entry: one TokenLogprob per target, from its own row.
+TEST(StepModelSampleEntry, PromptEntryScoresEachTargetOnItsRow) {
+  const std::vector<float> a = test_logits();
+  std::vector<float> b(a.rbegin(), a.rend());
+  std::vector<float> rows = a;
+  rows.insert(rows.end(), b.begin(), b.end());
+  const std::vector<int32_t> targets = {11, 3};
+  StepSequence seq;
+  seq.prompt_targets = targets;
+  seq.top_logprobs = 2;
+  StepOutput out = make_step_output(1);
+  prompt_entry(rows, seq, out, 0);
+  ASSERT_EQ(out.prompt_logprobs[0].size(), 2u);
+  EXPECT_EQ(out.prompt_logprobs[0][0].logprob, token_logprob(a, 11));
+  EXPECT_EQ(out.prompt_logprobs[0][1].logprob, token_logprob(b, 3));
+  EXPECT_EQ(out.prompt_logprobs[0][1].top_ids.size(), 2u);
+  EXPECT_THROW(prompt_entry(std::span<const float>(rows).first(rows.size() - 1), seq, out, 0), Error);
+}
+
 }  // namespace
 }  // namespace fulcrum::model

@@ -7,7 +7,9 @@
 // id; sampling: all-equal rows, tie groups larger than the 2048 tokens the device sorts, logits on a 0.25 grid or
 // rounded to bf16), masked rows, invalid rows (NaN, +inf, all -inf, parameters the definition rejects: token -1,
 // logprob NaN, neighbours right), no logprobs, a CUDA graph replayed with new inputs, argument checks, timings.
-// Outputs are poisoned before every launch.
+// Outputs are poisoned before every launch. Top logprobs (sampler_top_logprobs.hpp) against
+// model::token_logprob_with_top: ids exact (the selection only compares logits), values within kLogprobTolerance,
+// the sampled token's value equal to its own top entry bitwise; ties, -inf, refused rows, N > V.
 //
 // Tolerances and why:
 //   tokens    exact. The device keeps the definition's order exactly (descending logit, lower id first) and
@@ -35,6 +37,8 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
 #include "gpu/kernels/sampler.hpp"
+#include "gpu/kernels/sampler_top_logprobs.hpp"
+#include "model/step_model.hpp"
 #include "model/rng.hpp"
 #include "model/sampling.hpp"
 
@@ -496,6 +500,118 @@ TEST_F(GpuSamplerTest, PrintsTimings) {
   }
   FULCRUM_CUDA_CHECK(cudaEventDestroy(start));
   FULCRUM_CUDA_CHECK(cudaEventDestroy(stop));
+}
+
+// Top logprobs of `b`'s rows for `tokens` (the sampler's, or planted) on the device.
+struct TopOutput {
+  std::vector<float> token_logprobs;
+  std::vector<int32_t> ids;
+  std::vector<float> values;
+};
+TopOutput top_on_device(const Batch& b, const std::vector<int32_t>& tokens, int num_top, bool misaligned) {
+  const int num_rows = b.num_rows();
+  int64_t stride = 0;
+  size_t offset = 0;
+  const std::vector<float> padded = device_layout(b, misaligned, &stride, &offset);
+  DeviceArray<float> logits(padded.size());
+  logits.upload(padded);
+  DeviceArray<int32_t> dev_tokens(num_rows);
+  dev_tokens.upload(tokens);
+  DeviceArray<float> token_logprobs(num_rows);
+  token_logprobs.upload(std::vector<float>(num_rows, kPoisonLogprob));
+  const size_t n = static_cast<size_t>(num_rows) * num_top;
+  DeviceArray<int32_t> ids(n);
+  ids.upload(std::vector<int32_t>(n, kPoisonToken));
+  DeviceArray<float> values(n);
+  values.upload(std::vector<float>(n, kPoisonLogprob));
+  FULCRUM_CUDA_CHECK(static_cast<cudaError_t>(gpu::launch_top_logprobs(logits.get() + offset, stride, num_rows, b.vocab,
+                                                                       num_top, dev_tokens.get(), token_logprobs.get(),
+                                                                       ids.get(), values.get(), nullptr)));
+  FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
+  return {token_logprobs.download(), ids.download(), values.download()};
+}
+
+void expect_top_definition(const Batch& b, const std::vector<int32_t>& tokens, int num_top, const TopOutput& out,
+                           const std::string& what) {
+  for (int r = 0; r < b.num_rows(); ++r) {
+    const size_t at = static_cast<size_t>(r) * num_top;
+    if (tokens[r] < 0) {
+      EXPECT_TRUE(std::isnan(out.token_logprobs[r])) << what << " row " << r;
+      for (int j = 0; j < num_top; ++j) EXPECT_EQ(out.ids[at + j], -1) << what << " row " << r << " top " << j;
+      continue;
+    }
+    const model::TokenLogprob want = model::token_logprob_with_top(b.row(r), tokens[r], std::min(num_top, b.vocab));
+    EXPECT_NEAR(out.token_logprobs[r], want.logprob, kLogprobTolerance) << what << " row " << r;
+    for (int j = 0; j < num_top; ++j) {
+      if (j >= static_cast<int>(want.top_ids.size())) {  // N > V: the rest is empty
+        EXPECT_EQ(out.ids[at + j], -1) << what << " row " << r << " top " << j;
+        continue;
+      }
+      EXPECT_EQ(out.ids[at + j], want.top_ids[j]) << what << " row " << r << " top " << j;
+      if (std::isinf(want.top_logprobs[j])) {  // a masked token: -inf exactly
+        EXPECT_EQ(out.values[at + j], want.top_logprobs[j]) << what << " row " << r << " top " << j;
+      } else {
+        EXPECT_NEAR(out.values[at + j], want.top_logprobs[j], kLogprobTolerance) << what << " row " << r << " top " << j;
+      }
+      if (out.ids[at + j] == tokens[r]) {
+        EXPECT_EQ(out.values[at + j], out.token_logprobs[r]) << what << " row " << r << ": one normalizer per row";
+      }
+      if (j > 0) EXPECT_GE(out.values[at + j - 1], out.values[at + j]) << what << " row " << r << ": descending";
+    }
+  }
+}
+
+TEST_F(GpuSamplerTest, TopLogprobsMatchTheDefinition) {
+  model::Rng rng(23, "gpu_top_logprobs");
+  for (const int vocab : {kQwenVocab, 320}) {
+    for (const bool misaligned : {false, true}) {
+      Batch b{vocab};
+      for (int r = 0; r < 9; ++r) b.add(random_logits(rng, vocab, r), grid_params(r * 37 % kNumCombos, vocab, rng));
+      const Output sampled = sample_on_device(b, misaligned);
+      for (const int num_top : {1, 5, 20}) {
+        const std::string what = fmt::format("V {} top {}{}", vocab, num_top, misaligned ? " misaligned" : "");
+        expect_top_definition(b, sampled.tokens, num_top, top_on_device(b, sampled.tokens, num_top, misaligned), what);
+      }
+    }
+  }
+}
+
+TEST_F(GpuSamplerTest, TopLogprobsBreakTiesByLowerIdAndSkipRefusedRows) {
+  Batch b{40};
+  std::vector<float> ties(40, -1.0f);
+  for (const int id : {3, 17, 29}) ties[id] = 2.0f;  // three-way tie at the top, then 37 equal ones
+  b.add(ties, SamplerRow{0.0f, 1.0f, 0, 0, 0.0});
+  std::vector<float> masked(40, -kInf);
+  masked[7] = 0.5f, masked[11] = 0.5f;  // two finite tokens: the rest of the top is -inf, by id
+  b.add(masked, SamplerRow{0.0f, 1.0f, 0, 0, 0.0});
+  b.add(std::vector<float>(40, 0.0f), SamplerRow{0.0f, 1.0f, 0, 0, 0.0});  // token -1: as the sampler refuses a row
+  const std::vector<int32_t> tokens = {17, 11, -1};
+  const TopOutput out = top_on_device(b, tokens, 5, false);
+  expect_top_definition(b, tokens, 5, out, "ties");
+  EXPECT_EQ((std::vector<int32_t>(out.ids.begin(), out.ids.begin() + 5)), (std::vector<int32_t>{3, 17, 29, 0, 1}));
+  EXPECT_EQ((std::vector<int32_t>(out.ids.begin() + 5, out.ids.begin() + 10)), (std::vector<int32_t>{7, 11, 0, 1, 2}));
+  // Past the vocabulary: ids -1.
+  Batch tiny{3};
+  tiny.add({1.0f, 2.0f, 3.0f}, SamplerRow{0.0f, 1.0f, 0, 0, 0.0});
+  const TopOutput few = top_on_device(tiny, {2}, 5, false);
+  expect_top_definition(tiny, {2}, 5, few, "N > V");
+  EXPECT_EQ(few.ids[0], 2);
+  EXPECT_EQ(few.ids[3], -1);
+}
+
+TEST_F(GpuSamplerTest, TopLogprobsRejectBadArguments) {
+  DeviceArray<float> logits(8);
+  DeviceArray<int32_t> tokens(1), ids(32);
+  DeviceArray<float> lp(1), values(32);
+  const auto launch = [&](int rows, int vocab, int top) {
+    return gpu::launch_top_logprobs(logits.get(), 8, rows, vocab, top, tokens.get(), lp.get(), ids.get(), values.get(),
+                                    nullptr);
+  };
+  EXPECT_EQ(launch(1, 8, 0), static_cast<int>(cudaErrorInvalidValue));
+  EXPECT_EQ(launch(1, 8, 21), static_cast<int>(cudaErrorInvalidValue));
+  EXPECT_EQ(launch(1, 0, 1), static_cast<int>(cudaErrorInvalidValue));
+  EXPECT_EQ(launch(1, 9, 1), static_cast<int>(cudaErrorInvalidValue));  // stride below vocab
+  EXPECT_EQ(launch(0, 8, 1), static_cast<int>(cudaSuccess));
 }
 
 }  // namespace

@@ -139,7 +139,7 @@ std::vector<model::HostTensor> RankEngine::forward(std::span<const SequenceToken
   // Rows of logits per entry: its new tokens, or its last one (none when it has no new token).
   const auto num_rows = [&](size_t e) -> int64_t {
     const auto count = static_cast<int64_t>(entries[e].token_ids.size());
-    return rows == LogitRows::kAll ? count : std::min<int64_t>(count, 1);
+    return rows == LogitRows::kAll ? count : std::min<int64_t>(count, std::max<int64_t>(entries[e].num_last_rows, 1));
   };
   // Every entry's logits to every rank: gathered over the last stage (one rank per DP group gives its
   // group's), then broadcast down the pipeline. Order: DP group 0's entries, group 1's, ...
@@ -151,11 +151,12 @@ std::vector<model::HostTensor> RankEngine::forward(std::span<const SequenceToken
   std::vector<float> all(static_cast<size_t>(total * vocab_size));  // [total rows, vocab_size]
   if (model_->is_last_stage()) {
     if (rows == LogitRows::kLast) {
-      std::vector<int32_t> last;  // row of each entry's last new token in `hidden`
+      std::vector<int32_t> last;  // rows of each entry's last new tokens in `hidden`
       int64_t offset = 0;
-      for (const model::SequenceInput& in : batch) {
-        offset += static_cast<int64_t>(in.token_ids.size());
-        if (!in.token_ids.empty()) last.push_back(static_cast<int32_t>(offset - 1));
+      const std::vector<size_t>& mine = by_group[static_cast<size_t>(coords_.attn_dp_rank)];
+      for (size_t b = 0; b < batch.size(); ++b) {
+        offset += static_cast<int64_t>(batch[b].token_ids.size());
+        for (int64_t k = num_rows(mine[b]); k > 0; --k) last.push_back(static_cast<int32_t>(offset - k));
       }
       hidden = backend_.gather_rows(hidden, last);
     }

@@ -30,10 +30,12 @@ using SequenceId = int64_t;
 struct SequenceTokens {
   SequenceId id = 0;
   std::span<const int32_t> token_ids;
+  int64_t num_last_rows = 1;  // with LogitRows::kLast: logits of its last min(this, new tokens) positions
+                              // (more than 1 for prompt logprobs); >= 1
 };
 
-// Which logits forward() returns per entry: every new position, or only the last one (what a decode
-// step samples from; the LM head then runs on one row per sequence).
+// Which logits forward() returns per entry: every new position, or only the last ones (what a decode
+// step samples from; the LM head then runs on one row per sequence but for entries that ask more).
 enum class LogitRows { kAll, kLast };
 
 class RankEngine {
@@ -71,7 +73,8 @@ class RankEngine {
   void drop_sequence(SequenceId id);
 
   // Entries of live sequences, each at most once -> logits per entry in batch order: [num_new_tokens,
-  // vocab_size] (kAll) or [1, vocab_size] (kLast; entries with no new token then get [0, vocab_size]).
+  // vocab_size] (kAll) or [min(num_last_rows, new tokens), vocab_size] (kLast; entries with no new token
+  // then get [0, vocab_size]).
   std::vector<model::HostTensor> forward(std::span<const SequenceTokens> batch, LogitRows rows = LogitRows::kAll);
 
   // The fixed-batch form model::generate drives: drops every sequence and adds sequences 0..n-1 (so

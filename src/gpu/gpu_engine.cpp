@@ -14,6 +14,7 @@
 #include "gpu/attention_runner.hpp"
 #include "gpu/dense_gemm.hpp"
 #include "gpu/graph_cache.hpp"
+#include "gpu/kernels/sampler_top_logprobs.hpp"
 #include "gpu/kernels/step_ops.hpp"
 #include "model/backend.hpp"
 
@@ -51,13 +52,15 @@ struct GpuEngine::Workspace {
   float* logits = nullptr;     // [logit_rows, V]
   int32_t* tokens = nullptr;   // [S]
   float* logprobs = nullptr;   // [S]
+  int32_t* top_ids = nullptr;  // [S, kMaxTopLogprobs] (row stride: the step's top count)
+  float* top_logprobs = nullptr;  // [S, kMaxTopLogprobs]
   void* sampler_ws = nullptr;
   size_t sampler_ws_bytes = 0;
   float* inv_freq = nullptr;   // [D / 2]
   unsigned long long* histogram = nullptr;  // [moe_layers, E]
   void* step_dev = nullptr;    // StepLayout buffer on the device
   void* step_host = nullptr;   // and its pinned host twin
-  int32_t* out_host = nullptr; // pinned [S] tokens, then [S] logprob bits
+  int32_t* out_host = nullptr; // pinned [S] tokens, [S] logprob bits, [S, kMaxTopLogprobs] top ids, top logprob bits
   int logit_rows = 0;
 
   ~Workspace() {
@@ -123,6 +126,8 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
   w.logits = static_cast<float*>(keep(device_alloc<float>(int64_t{s} * config.vocab_size, bytes)));
   w.tokens = static_cast<int32_t*>(keep(device_alloc<int32_t>(s, bytes)));
   w.logprobs = static_cast<float*>(keep(device_alloc<float>(s, bytes)));
+  w.top_ids = static_cast<int32_t*>(keep(device_alloc<int32_t>(int64_t{s} * model::kMaxTopLogprobs, bytes)));
+  w.top_logprobs = static_cast<float*>(keep(device_alloc<float>(int64_t{s} * model::kMaxTopLogprobs, bytes)));
   w.sampler_ws_bytes = sampler_workspace_bytes(s, config.vocab_size);
   w.sampler_ws = keep(device_alloc<char>(static_cast<int64_t>(w.sampler_ws_bytes), bytes));
   const std::vector<float> inv_freq = model::rope_inv_freq(d, config.rope_theta);
@@ -131,7 +136,7 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
   w.histogram = static_cast<unsigned long long*>(
       keep(device_alloc<unsigned long long>(int64_t{std::max(num_moe, 1)} * std::max(config.num_experts, 1), bytes)));
   FULCRUM_CUDA_CHECK(cudaMemset(w.histogram, 0, sizeof(unsigned long long) * std::max(num_moe, 1) * std::max(config.num_experts, 1)));
-  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.out_host, sizeof(int32_t) * 2 * static_cast<size_t>(s)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.out_host, sizeof(int32_t) * 2 * (1 + model::kMaxTopLogprobs) * static_cast<size_t>(s)));
 
   // MoE layers: one object per layer, all sharing one workspace and the engine's stream.
   if (num_moe > 0) {
@@ -391,6 +396,12 @@ void GpuEngine::advance(std::span<const model::StepSequence> batch) {
 
 model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  for (const model::StepSequence& seq : batch) {
+    FULCRUM_CHECK(seq.prompt_targets.empty(), "GPU engine: sequence {} asks for prompt logprobs, which it does not compute",
+                  seq.id);
+    FULCRUM_CHECK(seq.top_logprobs >= 0 && seq.top_logprobs <= model::kMaxTopLogprobs,
+                  "sequence {}: top logprobs {} outside [0, {}]", seq.id, seq.top_logprobs, model::kMaxTopLogprobs);
+  }
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
   plan_attention(shape);
   // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice.
@@ -404,31 +415,57 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     sample(shape);
     ++counters_.eager_steps;
   }
+  // Top logprobs of the sampled rows (after the graph, which leaves the rows' logits in ws_->logits): one
+  // launch at the batch's largest count, only in steps where a row asks.
+  int num_top = 0;
+  for (const model::StepSequence& seq : batch) {
+    if (seq.sample && seq.want_logprob) num_top = std::max(num_top, std::min(seq.top_logprobs, config_.vocab_size));
+  }
   const size_t r = static_cast<size_t>(shape.num_samples);
+  if (num_top > 0) {
+    check_launch(static_cast<cudaError_t>(launch_top_logprobs(ws_->logits, config_.vocab_size, shape.num_samples,
+                                                              config_.vocab_size, num_top, ws_->tokens, ws_->logprobs,
+                                                              ws_->top_ids, ws_->top_logprobs, stream_)),
+                 "top logprobs");
+  }
+  int32_t* const host_top_ids = ws_->out_host + 2 * r;
+  int32_t* const host_top_bits = host_top_ids + r * static_cast<size_t>(num_top);
   if (r > 0) {
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->out_host, ws_->tokens, 4 * r, cudaMemcpyDeviceToHost, stream_));
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->out_host + r, ws_->logprobs, 4 * r, cudaMemcpyDeviceToHost, stream_));
   }
+  if (num_top > 0) {
+    const size_t n = 4 * r * static_cast<size_t>(num_top);
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_top_ids, ws_->top_ids, n, cudaMemcpyDeviceToHost, stream_));
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_top_bits, ws_->top_logprobs, n, cudaMemcpyDeviceToHost, stream_));
+  }
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   advance(batch);
 
-  model::StepOutput out;
-  out.tokens.assign(batch.size(), -1);
-  out.logprobs.assign(batch.size(), NAN);
-  out.errors.assign(batch.size(), std::string());
+  model::StepOutput out = model::make_step_output(batch.size());
   size_t k = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     if (!batch[i].sample) continue;
     const int32_t token = ws_->out_host[k];
     float logprob = 0.0f;
     std::memcpy(&logprob, ws_->out_host + r + k, 4);
-    ++k;
+    const size_t row = k++;
     if (token < 0) {
       out.errors[i] = "sampling: the logits hold a NaN or +inf, or are all -inf";
       continue;
     }
     out.tokens[i] = token;
-    if (batch[i].want_logprob) out.logprobs[i] = logprob;
+    if (!batch[i].want_logprob) continue;
+    out.logprobs[i] = logprob;
+    model::TokenLogprob& top = out.top_logprobs[i];
+    top.logprob = logprob;
+    for (int j = 0; j < std::min(batch[i].top_logprobs, num_top); ++j) {
+      const size_t at = row * static_cast<size_t>(num_top) + static_cast<size_t>(j);
+      float value = 0.0f;
+      std::memcpy(&value, host_top_bits + at, 4);
+      top.top_ids.push_back(host_top_ids[at]);
+      top.top_logprobs.push_back(value);
+    }
   }
   return out;
 }

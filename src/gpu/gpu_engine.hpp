@@ -8,7 +8,8 @@
 //         RoPE + paged KV append -> paged attention over the whole batch -> O GEMM -> add + RMSNorm -> MoE layer
 //         (router, recorder, replica choice, permutation, expert GEMMs, combine) or dense SwiGLU MLP] -> final
 //         add + RMSNorm of the rows that sample -> LM head -> sampler
-//   host: one copy of the sampled tokens (and logprobs) back, the only wait of the step.
+//   host: one copy of the sampled tokens (and logprobs; top logprobs, sampler_top_logprobs.hpp, when a row
+//         asks) back, the only wait of the step.
 // Decode steps (every sequence one new token) replay a CUDA graph captured per (batch size, KV-length bucket);
 // prefill and mixed steps run eagerly. Weights are bf16, the residual stream fp32, KV pages bf16.
 // No CUDA header here.
@@ -81,6 +82,8 @@ class GpuEngine final : public model::StepModel {
   void allocate_on_pages(model::SequenceId id, const model::SequencePages& pages) override;
   void release(model::SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
+  // The LM head runs on sampled rows only: no prompt logprobs (the scheduler refuses them with a 400).
+  bool supports_prompt_logprobs() const override { return false; }
 
   // Logits [new tokens, vocab] of every new token of every entry, fp32 on the host: an eager forward that
   // samples nothing (tests, --dump-logits). Advances the caches like step().

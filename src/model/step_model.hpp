@@ -32,12 +32,37 @@ struct StepSequence {
                                        // by the caller from the sequence's own Rng; ignored otherwise
   bool want_logprob = false;           // also report the sampled token's logprob (log-softmax at
                                        // temperature 1 over the full vocabulary)
+  int top_logprobs = 0;                // in [0, kMaxTopLogprobs]: also report the top_logprobs most likely
+                                       // tokens of each row that reports a logprob (sampled or prompt)
+  // Prompt logprobs (OpenAI echo, SGLang input_token_logprobs): the prompt tokens that this chunk's last
+  // non-sampling rows predict. With n = token_ids.size() and n_pred = n - (sample ? 1 : 0) (the sampling row
+  // predicts nothing known), targets[j] is the token after row n_pred - size + j: a later token of this chunk,
+  // or, for the last row of a chunk that does not sample, the next chunk's first. size <= n_pred. Empty (every
+  // request that does not ask): the step computes the LM head for the sampling row only.
+  std::span<const int32_t> prompt_targets;
+};
+
+// The largest top_logprobs an engine reports (OpenAI's chat limit; its completions limit is 5).
+inline constexpr int kMaxTopLogprobs = 20;
+
+// One row's logprob of a given token and, when asked, its most likely tokens. All values are log-softmax at
+// temperature 1 over the full vocabulary, each logit - max - log(sum exp(logit - max)) with the sum in double,
+// so a token's value is the same float wherever it appears (the token's own and a top entry).
+struct TokenLogprob {
+  float logprob = 0.0f;
+  std::vector<int32_t> top_ids;     // [top_logprobs] descending logprob, lower id first on ties
+  std::vector<float> top_logprobs;  // [top_logprobs]
 };
 
 // Per batch entry, in batch order; each vector has the batch's length (make_step_output).
 struct StepOutput {
   std::vector<int32_t> tokens;      // sampled token in [0, vocab_size); -1 where !sample or sampling failed
   std::vector<float> logprobs;      // NaN where not asked or not sampled
+  // The sampled token's top_logprobs most likely tokens (empty where not asked or not sampled; the same
+  // TokenLogprob::top_* fields, logprob unused).
+  std::vector<TokenLogprob> top_logprobs;
+  // [prompt_targets.size()] per entry: logprob of each prompt target given its prefix, with its row's top.
+  std::vector<std::vector<TokenLogprob>> prompt_logprobs;
   std::vector<std::string> errors;  // empty, or a one-line reason this entry could not sample (e.g.
                                     // "sampling: logit of token 3 is nan"); the other entries are valid
 };
@@ -80,17 +105,33 @@ class StepModel {
   // sampling parameters and its uniform, never on the rest of the batch. A sampling failure of one entry
   // (non-finite logits) is reported in StepOutput::errors; anything else that fails throws.
   virtual StepOutput step(std::span<const StepSequence> batch) = 0;
+
+  // Whether step() honours StepSequence::prompt_targets (the LM head over prompt rows); a caller refuses
+  // prompt logprobs where not (the GPU engine, for now).
+  virtual bool supports_prompt_logprobs() const { return true; }
 };
 
-// An output for `num_entries` entries with nothing sampled: tokens -1, logprobs NaN, errors empty.
+// An output for `num_entries` entries with nothing sampled: tokens -1, logprobs NaN, tops, prompt logprobs and
+// errors empty.
 StepOutput make_step_output(size_t num_entries);
 
 // The host implementation of StepSequence's sampling over one row of logits [vocab_size] (what an engine
 // that produces logits calls): fills output entry `entry_idx` of `out` (made by make_step_output) from
 // `logits`. Does nothing when !seq.sample. Otherwise the token is sample_token_from_uniform(logits,
 // seq.sampling, seq.uniform), its logprob (when asked) logit[token] - max - log(sum exp(logit - max)) with
-// the sum in double; on a failure the token stays -1 and errors[entry_idx] holds the one-line reason.
+// the sum in double, and its top (seq.top_logprobs > 0, with want_logprob); on a failure the token stays -1 and
+// errors[entry_idx] holds the one-line reason.
 void sample_entry(std::span<const float> logits, const StepSequence& seq, StepOutput& out, size_t entry_idx);
+
+// The host implementation of StepSequence::prompt_targets: `rows` holds the logits of the entry's last
+// prompt_targets.size() non-sampling rows, [size, vocab_size]; fills out.prompt_logprobs[entry_idx]. A row
+// without a finite maximum throws.
+void prompt_entry(std::span<const float> rows, const StepSequence& seq, StepOutput& out, size_t entry_idx);
+
+// log_softmax(logits)[token] and the top `num_top` tokens (descending, lower id on ties; -inf logits are
+// never listed while finite ones remain), every value by the formula of TokenLogprob. num_top in
+// [0, kMaxTopLogprobs] (clipped to the vocabulary). Requires a finite maximum.
+TokenLogprob token_logprob_with_top(std::span<const float> logits, int32_t token, int num_top);
 
 // log_softmax(logits)[token] at temperature 1 over every logit; -inf logits add nothing to the sum.
 // Requires a finite maximum (what sample_token_from_uniform checks).

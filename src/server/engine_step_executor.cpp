@@ -199,8 +199,14 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
     FULCRUM_CHECK(it->second.num_tokens + static_cast<int64_t>(in.token_ids.size()) <= it->second.capacity,
                   "step: sequence {} would exceed its capacity {}", in.id, it->second.capacity);
     for (const SequenceId seen : pass.batch_ids) FULCRUM_CHECK(seen != in.id, "step: sequence {} twice", in.id);
+    const int64_t n_pred = static_cast<int64_t>(in.token_ids.size()) - (in.sample ? 1 : 0);
+    FULCRUM_CHECK(static_cast<int64_t>(in.prompt_targets.size()) <= n_pred,
+                  "step: sequence {} has {} prompt targets for {} predicting rows", in.id, in.prompt_targets.size(), n_pred);
+    // The sampling row and the prompt rows asked for (the last ones of the chunk).
+    const auto rows = static_cast<int64_t>(in.prompt_targets.size()) + (in.sample ? 1 : 0);
     pass.batch_ids.push_back(in.id);
     pass.batch_tokens.emplace_back(in.token_ids.begin(), in.token_ids.end());
+    pass.batch_last_rows.push_back(std::max<int64_t>(rows, 1));
   }
   pass.releases = std::move(pending_releases_);
   pending_releases_.clear();
@@ -215,7 +221,18 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
   for (const model::StepSequence& in : batch) live_.at(in.id).num_tokens += static_cast<int64_t>(in.token_ids.size());
   FULCRUM_CHECK(logits.size() == batch.size(), "step: {} logit rows for {} entries", logits.size(), batch.size());
   model::StepOutput out = model::make_step_output(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) model::sample_entry(logits[i], batch[i], out, i);  // [vocab_size] each
+  const size_t vocab = static_cast<size_t>(config_.vocab_size);
+  for (size_t i = 0; i < batch.size(); ++i) {  // [rows, vocab_size] each: prompt rows, then the sampling row
+    const std::span<const float> rows(logits[i]);
+    const size_t num_prompt = batch[i].prompt_targets.size();
+    try {
+      model::prompt_entry(rows.first(num_prompt * vocab), batch[i], out, i);
+    } catch (const std::exception& e) {
+      out.errors[i] = e.what();
+      continue;
+    }
+    if (batch[i].sample) model::sample_entry(rows.last(vocab), batch[i], out, i);
+  }
   return out;
 }
 
@@ -236,7 +253,9 @@ void EngineStepExecutor::apply_pass(engine::InProcessRank& me, int rank, comm::C
   for (const SequenceId r : pass.releases) me.engine->drop_sequence(r);
   std::vector<engine::SequenceTokens> batch;
   batch.reserve(pass.batch_ids.size());
-  for (size_t i = 0; i < pass.batch_ids.size(); ++i) batch.push_back({pass.batch_ids[i], pass.batch_tokens[i]});
+  for (size_t i = 0; i < pass.batch_ids.size(); ++i) {
+    batch.push_back({pass.batch_ids[i], pass.batch_tokens[i], pass.batch_last_rows[i]});
+  }
   const bool worker_process = threads_ == nullptr && rank != 0;
   if (worker_process && recorder_ != nullptr && pass.record_routing != recorder_->recording()) {
     pass.record_routing ? recorder_->start() : recorder_->stop();  // follow rank 0's endpoints

@@ -219,10 +219,12 @@ struct HttpServer::Impl {
     try {
       for (RequestParams& params : parsed.requests) {
         std::vector<std::string> stop = params.stop;
+        std::vector<int32_t> prompt = parsed.format.logprobs || parsed.format.echo ? params.prompt : std::vector<int32_t>();
         std::shared_ptr<RequestHandle> handle = scheduler.submit(std::move(params));
         handle->set_on_progress(wake);
         writers.push_back(std::make_shared<ResponseWriter>(endpoint, handle, ctx.tokenizer, std::move(stop),
-                                                           ctx.model_name, parsed.include_usage, parsed.prefill_only));
+                                                           ctx.model_name, parsed.include_usage, parsed.prefill_only,
+                                                           parsed.format, std::move(prompt)));
       }
     } catch (...) {
       for (const auto& w : writers) w->handle().cancel();

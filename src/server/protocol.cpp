@@ -24,14 +24,6 @@ const json* field(const json& obj, const char* name) {
   return it == obj.end() || it->is_null() ? nullptr : &*it;
 }
 
-// OpenAI fields Fulcrum does not implement yet: a 400 that says so, unless null or false.
-void refuse_unimplemented(const json& body, std::initializer_list<const char*> names) {
-  for (const char* name : names) {
-    const json* v = field(body, name);
-    FULCRUM_REQUIRE(v == nullptr || (v->is_boolean() && !v->get<bool>()), "'{}' is not implemented", name);
-  }
-}
-
 int64_t integer(const json& v, const char* name, int64_t lo, int64_t hi) {
   FULCRUM_REQUIRE(v.is_number_integer(), "'{}' must be an integer", name);
   const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi) ? hi + 1 : v.get<int64_t>();
@@ -77,6 +69,8 @@ std::vector<int32_t> encode(const ProtocolContext& ctx, const std::string& text)
 }
 
 constexpr int64_t kMaxChoices = 64;  // prompts x n of one request
+constexpr int64_t kMaxCompletionLogprobs = 5;  // OpenAI's limit on completions 'logprobs'
+static_assert(kMaxCompletionLogprobs <= model::kMaxTopLogprobs);
 
 // One request per (prompt, choice) from the template `p`: choice j of a prompt draws with seed + j (distinct
 // streams; choice 0 keeps the request's seed), or, without a seed, with one derived from its own request id.
@@ -142,7 +136,6 @@ json parse_json_body(const std::string& body) {
 }
 
 ParsedRequest parse_completion_request(const json& body, const ProtocolContext& ctx) {
-  refuse_unimplemented(body, {"logprobs", "echo"});
   check_known(body, {"model", "prompt", "logprobs", "echo", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "n", "stream", "stream_options"},
               "a completion request");
@@ -165,13 +158,29 @@ ParsedRequest parse_completion_request(const json& body, const ProtocolContext& 
     }
   }
   RequestParams p;
-  parse_openai_common(body, ctx, {"max_tokens"}, p, out);
+  if (const json* v = field(body, "echo")) out.format.echo = boolean(*v, "echo");
+  // max_tokens 0 with echo: the prompt only (the one token a prefill ends in is dropped).
+  const json* max_tokens = field(body, "max_tokens");
+  const bool zero = max_tokens != nullptr && max_tokens->is_number_integer() && max_tokens->get<int64_t>() == 0;
+  FULCRUM_REQUIRE(!zero || out.format.echo, "'max_tokens' 0 needs 'echo' true");
+  json rest = body;
+  if (zero) rest.erase("max_tokens");
+  parse_openai_common(rest, ctx, {"max_tokens"}, p, out);
+  if (zero) {
+    p.max_tokens = 1;
+    out.prefill_only = true;
+  }
+  if (const json* v = field(body, "logprobs")) {
+    p.logprobs = out.format.logprobs = true;
+    p.top_logprobs = static_cast<int>(integer(*v, "logprobs", 0, kMaxCompletionLogprobs));
+    if (out.format.echo) p.prompt_logprobs_from = 1;
+  }
+  FULCRUM_REQUIRE(!(out.stream && out.format.echo), "'echo' with 'stream' is not implemented");
   expand_choices(prompts, std::move(p), out);
   return out;
 }
 
 ParsedRequest parse_chat_request(const json& body, const ProtocolContext& ctx) {
-  refuse_unimplemented(body, {"logprobs", "top_logprobs"});
   check_known(body, {"model", "messages", "logprobs", "top_logprobs", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                      "stop", "stop_token_ids", "ignore_eos", "n", "stream", "stream_options"},
               "a chat completion request");
@@ -197,6 +206,11 @@ ParsedRequest parse_chat_request(const json& body, const ProtocolContext& ctx) {
   }
   RequestParams p;
   parse_openai_common(body, ctx, {"max_tokens", "max_completion_tokens"}, p, out);
+  if (const json* v = field(body, "logprobs")) p.logprobs = out.format.logprobs = boolean(*v, "logprobs");
+  if (const json* v = field(body, "top_logprobs")) {
+    FULCRUM_REQUIRE(p.logprobs, "'top_logprobs' needs 'logprobs' true");
+    p.top_logprobs = static_cast<int>(integer(*v, "top_logprobs", 0, model::kMaxTopLogprobs));
+  }
   expand_choices({prompt}, std::move(p), out);
   return out;
 }
@@ -211,8 +225,8 @@ ParsedRequest parse_generate_request(const json& body, const ProtocolContext& ct
                            "input_embeds"}) {
     FULCRUM_REQUIRE(field(body, name) == nullptr, "'{}' is not implemented", name);
   }
-  for (const char* name : {"return_logprob", "return_hidden_states"}) {
-    if (const json* v = field(body, name)) FULCRUM_REQUIRE(!boolean(*v, name), "'{}' true is not implemented", name);
+  if (const json* v = field(body, "return_hidden_states")) {
+    FULCRUM_REQUIRE(!boolean(*v, "return_hidden_states"), "'return_hidden_states' true is not implemented");
   }
   ParsedRequest out;
   const json* ids = field(body, "input_ids");
@@ -285,7 +299,29 @@ ParsedRequest parse_generate_request(const json& body, const ProtocolContext& ct
   if (!ignore_eos) p.stop_token_ids.insert(p.stop_token_ids.end(), ctx.eos_token_ids.begin(), ctx.eos_token_ids.end());
   out.batched = out.batched || out.n > 1;
   FULCRUM_REQUIRE(!(out.stream && out.prefill_only), "'stream' with max_new_tokens 0 is not implemented");
+  if (const json* v = field(body, "return_logprob")) p.logprobs = out.format.logprobs = boolean(*v, "return_logprob");
+  if (const json* v = field(body, "top_logprobs_num")) {
+    p.top_logprobs = static_cast<int>(integer(*v, "top_logprobs_num", 0, model::kMaxTopLogprobs));
+  }
+  if (const json* v = field(body, "return_text_in_logprobs")) {
+    out.format.return_text_in_logprobs = boolean(*v, "return_text_in_logprobs");
+    FULCRUM_REQUIRE(!out.format.return_text_in_logprobs || ctx.tokenizer != nullptr,
+                    "'return_text_in_logprobs' needs a tokenizer; this server has none");
+  }
+  int64_t start = -1;  // SGLang's default: the last prompt token only
+  if (const json* v = field(body, "logprob_start_len")) start = integer(*v, "logprob_start_len", -1, 1 << 30);
+  if (!p.logprobs) p.top_logprobs = 0;  // SGLang reports no logprob without return_logprob
+  out.format.top_logprobs = p.top_logprobs;
   expand_choices(prompts, std::move(p), out);
+  if (out.format.logprobs) {
+    // Entry 0 of input_token_logprobs is null (SGLang's shape), so positions start + 1.. need prompt rows.
+    for (RequestParams& r : out.requests) {
+      const auto length = static_cast<int64_t>(r.prompt.size());
+      FULCRUM_REQUIRE(start < length, "'logprob_start_len' {} must be below the prompt's {} tokens", start, length);
+      r.prompt_logprobs_from = (start < 0 ? length - 1 : start) + 1;
+    }
+    out.format.logprob_start_len = start;  // -1 resolved per prompt by the writer
+  }
   return out;
 }
 

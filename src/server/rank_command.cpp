@@ -75,6 +75,7 @@ std::vector<std::byte> encode(const RankCommand& c) {
     case RankCommand::Kind::kPass:
       w.list(c.batch_ids);
       for (const auto& tokens : c.batch_tokens) w.list(tokens);
+      w.list(c.batch_last_rows);
       w.pod(c.pass_idx);
       w.pod(static_cast<uint8_t>(c.record_routing));
       break;
@@ -103,6 +104,9 @@ RankCommand decode_rank_command(std::span<const std::byte> bytes) {
     case RankCommand::Kind::kPass:
       c.batch_ids = r.list<model::SequenceId>();
       for (size_t i = 0; i < c.batch_ids.size(); ++i) c.batch_tokens.push_back(r.list<int32_t>());
+      c.batch_last_rows = r.list<int64_t>();
+      FULCRUM_CHECK(c.batch_last_rows.size() == c.batch_ids.size(), "rank command: {} row counts for {} entries",
+                    c.batch_last_rows.size(), c.batch_ids.size());
       c.pass_idx = r.pod<uint64_t>();
       c.record_routing = r.pod<uint8_t>() != 0;
       break;

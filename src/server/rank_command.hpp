@@ -31,9 +31,11 @@ struct RankCommand {
   int32_t dp_group = 0;
   std::vector<int32_t> page_ids;
   int64_t num_cached_tokens = 0;
-  // kPass: entry i is sequence batch_ids[i] with new tokens batch_tokens[i]
+  // kPass: entry i is sequence batch_ids[i] with new tokens batch_tokens[i], logits of its last batch_last_rows[i]
+  // positions (the sampling row and the prompt rows asked for logprobs)
   std::vector<model::SequenceId> batch_ids;
   std::vector<std::vector<int32_t>> batch_tokens;
+  std::vector<int64_t> batch_last_rows;
   uint64_t pass_idx = 0;
   bool record_routing = false;  // the endpoints' recorder is on: worker ranks send their routing counts
 

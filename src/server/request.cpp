@@ -18,6 +18,7 @@ RequestUpdate RequestHandle::wait(size_t seen, std::chrono::milliseconds timeout
   cv_.wait_for(lock, timeout, [&] { return tokens_.size() > seen || reason_ != FinishReason::kNone; });
   RequestUpdate update;
   if (tokens_.size() > seen) update.new_tokens.assign(tokens_.begin() + static_cast<ptrdiff_t>(seen), tokens_.end());
+  if (logprobs_.size() > seen) update.new_logprobs.assign(logprobs_.begin() + static_cast<ptrdiff_t>(seen), logprobs_.end());
   update.finished = reason_ != FinishReason::kNone;
   update.reason = reason_;
   return update;
@@ -27,6 +28,21 @@ std::vector<int32_t> RequestHandle::wait_finished() {
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] { return reason_ != FinishReason::kNone; });
   return tokens_;
+}
+
+std::vector<model::TokenLogprob> RequestHandle::logprobs() const {
+  std::lock_guard lock(mutex_);
+  return logprobs_;
+}
+
+std::vector<model::TokenLogprob> RequestHandle::prompt_logprobs() const {
+  std::lock_guard lock(mutex_);
+  return prompt_logprobs_;
+}
+
+void RequestHandle::set_prompt_logprobs(std::vector<model::TokenLogprob> logprobs) {
+  std::lock_guard lock(mutex_);
+  prompt_logprobs_ = std::move(logprobs);
 }
 
 FinishReason RequestHandle::finish_reason() const {
@@ -55,11 +71,12 @@ bool RequestHandle::cancel_requested() const {
   return cancel_;
 }
 
-void RequestHandle::push_token(int32_t token) {
+void RequestHandle::push_token(int32_t token, std::optional<model::TokenLogprob> logprob) {
   std::function<void()> on_progress;
   {
     std::lock_guard lock(mutex_);
     tokens_.push_back(token);
+    if (logprob) logprobs_.push_back(std::move(*logprob));
     on_progress = on_progress_;
   }
   cv_.notify_all();

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "server/protocol.hpp"
 #include "server/request.hpp"
 #include "server/text_stream.hpp"
 
@@ -25,10 +26,13 @@ nlohmann::json merge_choices(Endpoint endpoint, std::vector<nlohmann::json> bodi
 
 class ResponseWriter {
  public:
-  // `prefill_only` (/generate max_new_tokens 0): the body reports no output token (the request ran its prompt
-  // and the one token that ends a prefill, which is dropped).
+  // `prefill_only` (/generate max_new_tokens 0, completions max_tokens 0): the body reports no output token (the
+  // request ran its prompt and the one token that ends a prefill, which is dropped). `format` says which
+  // logprobs the body carries (the handle has them when the request asked); `prompt` is the request's prompt
+  // (echo, input_token_logprobs).
   ResponseWriter(Endpoint endpoint, std::shared_ptr<RequestHandle> handle, const tokenizer::Tokenizer* tokenizer,
-                 std::vector<std::string> stop, std::string model_name, bool include_usage, bool prefill_only = false);
+                 std::vector<std::string> stop, std::string model_name, bool include_usage, bool prefill_only = false,
+                 LogprobFormat format = {}, std::vector<int32_t> prompt = {});
 
   // Waits for the request to finish; the whole JSON body. `client_gone` (optional) is asked every
   // `poll_interval` and on every new token; once it says yes the request is cancelled (its KV pages free
@@ -45,8 +49,17 @@ class ResponseWriter {
 
  private:
   nlohmann::json usage() const;
-  std::string chunk(const std::string& text, std::span<const int32_t> ids, const char* finish_reason);
+  std::string chunk(const std::string& text, std::span<const int32_t> ids, const char* finish_reason,
+                    const model::TokenLogprob* logprob = nullptr);
   std::string generate_event(const char* finish_reason) const;
+  nlohmann::json generate_meta(nlohmann::json finish_reason) const;
+  std::string token_text(int32_t id) const;
+  // OpenAI completions' logprobs object over (token, logprob or null) positions, text offsets from `offset`.
+  nlohmann::json completion_logprobs(std::span<const int32_t> ids, std::span<const model::TokenLogprob* const> lps,
+                                     size_t& offset) const;
+  nlohmann::json chat_logprob(int32_t id, const model::TokenLogprob& lp) const;
+  nlohmann::json sglang_entry(float logprob, bool known, int32_t id) const;  // [logprob or null, id, text or null]
+  nlohmann::json sglang_top(const model::TokenLogprob& lp) const;
 
   const Endpoint endpoint_;
   std::shared_ptr<RequestHandle> handle_;
@@ -54,9 +67,14 @@ class ResponseWriter {
   const std::string model_name_;
   const bool include_usage_;
   const bool prefill_only_;
+  const LogprobFormat format_;
+  const std::vector<int32_t> prompt_;
+  const tokenizer::Tokenizer* tokenizer_;
   const std::string id_;
   const int64_t created_;
   std::vector<int32_t> tokens_;  // seen so far
+  std::vector<model::TokenLogprob> logprobs_;  // [tokens_] when the request asked
+  size_t text_offset_ = 0;       // streaming completions: text_offset of the next token
   bool sent_role_ = false;
   bool done_ = false;
 };

@@ -9,6 +9,14 @@
 #include "server/api_error.hpp"
 
 namespace fulcrum::server {
+namespace {
+
+// Whether a request needs logits of prompt rows (a prompt position >= 1 it wants the logprob of).
+bool wants_prompt_rows(const RequestParams& params) {
+  return params.prompt_logprobs_from >= 0 && params.prompt_logprobs_from < static_cast<int64_t>(params.prompt.size());
+}
+
+}  // namespace
 
 Scheduler::Scheduler(StepExecutor& executor, SchedulerOptions options, Detokenizer detokenizer, ServerMetrics* metrics)
     : executor_(executor), options_(options), detokenizer_(std::move(detokenizer)), metrics_(metrics) {
@@ -41,6 +49,16 @@ std::shared_ptr<RequestHandle> Scheduler::submit(RequestParams params) {
   } catch (const Error& e) {
     throw ApiError(400, "invalid_request_error", e.what());
   }
+  FULCRUM_REQUIRE(params.top_logprobs >= 0 && params.top_logprobs <= model::kMaxTopLogprobs,
+                  "top logprobs must be in [0, {}], got {}", model::kMaxTopLogprobs, params.top_logprobs);
+  FULCRUM_REQUIRE(params.prompt_logprobs_from == -1 ||
+                      (params.prompt_logprobs_from >= 1 &&
+                       params.prompt_logprobs_from <= static_cast<int64_t>(params.prompt.size())),
+                  "prompt logprobs from position {} of a {}-token prompt", params.prompt_logprobs_from,
+                  params.prompt.size());
+  FULCRUM_REQUIRE(!wants_prompt_rows(params) || executor_.supports_prompt_logprobs(),
+                  "prompt logprobs (echo with logprobs, or logprob_start_len inside the prompt) are not implemented "
+                  "by this engine (the GPU engine runs the LM head on sampled rows only)");
   FULCRUM_REQUIRE(params.stop.empty() || detokenizer_, "stop strings need a tokenizer; this server has none");
   for (const std::string& s : params.stop) FULCRUM_REQUIRE(!s.empty(), "stop strings must not be empty");
   const int64_t length = static_cast<int64_t>(params.prompt.size()) + params.max_tokens;
@@ -105,11 +123,16 @@ void Scheduler::drop_cancelled() {
   num_running_ = static_cast<int64_t>(running_.size());
 }
 
+std::span<const int32_t> Scheduler::Sequence::match_prompt() const {
+  const std::span<const int32_t> prompt(params.prompt);
+  return wants_prompt_rows(params) ? prompt.first(1) : prompt;  // one token matches no page
+}
+
 int Scheduler::pick_group(const Sequence& seq) const {
   int best = -1;
   PrefixCache::Probe best_probe;
   for (int g = 0; g < static_cast<int>(caches_.size()); ++g) {
-    const PrefixCache::Probe p = caches_[static_cast<size_t>(g)]->probe(seq.params.prompt, seq.pages);
+    const PrefixCache::Probe p = caches_[static_cast<size_t>(g)]->probe(seq.match_prompt(), seq.pages);
     if (!p.fits) continue;
     if (best < 0 || p.num_ready_pages > best_probe.num_ready_pages ||
         (p.num_ready_pages == best_probe.num_ready_pages &&
@@ -130,7 +153,7 @@ void Scheduler::admit() {
     std::unique_ptr<Sequence> seq = std::move(waiting_.front());
     waiting_.pop_front();
     PrefixCache& cache = *caches_[static_cast<size_t>(group)];
-    seq->lease = cache.acquire(seq->params.prompt, seq->pages);
+    seq->lease = cache.acquire(seq->match_prompt(), seq->pages);
     const int64_t cached = seq->lease.num_cached_tokens;
     try {
       executor_.allocate_on_pages(seq->handle->id(),
@@ -177,14 +200,14 @@ FlushResult Scheduler::flush_cache() {
   return out;
 }
 
-std::optional<Scheduler::Ending> Scheduler::after_token(Sequence& seq, int32_t token) {
+std::optional<Scheduler::Ending> Scheduler::after_token(Sequence& seq, int32_t token, model::TokenLogprob logprob) {
   const RequestParams& p = seq.params;
   if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end()) {
     return Ending{&seq, FinishReason::kStop};
   }
   seq.generated.push_back(token);
   if (metrics_) metrics_->add_generation_tokens(1);
-  seq.handle->push_token(token);
+  seq.handle->push_token(token, p.logprobs ? std::optional(std::move(logprob)) : std::nullopt);
   if (!p.stop.empty()) {
     const std::string text = detokenizer_(seq.generated);
     size_t first = std::string::npos;
@@ -213,6 +236,16 @@ bool Scheduler::step() {
     in.sampling = seq.params.sampling;
     // The draws model::sample_token makes: one per sampled token, none when greedy.
     if (in.sample && in.sampling.temperature > 0.0f) in.uniform = seq.rng.uniform();
+    in.want_logprob = seq.params.logprobs;
+    in.top_logprobs = seq.params.top_logprobs;
+    if (prefill && seq.params.prompt_logprobs_from >= 0) {
+      // Row r of the chunk at prefilled predicts prompt position prefilled + r + 1: the targets are the
+      // positions in [max(from, prefilled + 1), min(prefilled + n, prompt - 1)].
+      const int64_t first = std::max(seq.params.prompt_logprobs_from, seq.prefilled + 1);
+      const int64_t last = std::min(seq.prefilled + static_cast<int64_t>(tokens.size()),
+                                    static_cast<int64_t>(seq.params.prompt.size()) - 1);
+      if (first <= last) in.prompt_targets = std::span<const int32_t>(seq.params.prompt).subspan(first, last - first + 1);
+    }
     members.push_back(&seq);
     record.entries.push_back({in.id, static_cast<int>(tokens.size()), prefill});
   };
@@ -272,22 +305,37 @@ bool Scheduler::step() {
       seq.prefilled += record.entries[i].num_tokens;
       if (metrics_) metrics_->add_prompt_tokens(record.entries[i].num_tokens);
     }
-    if (!batch[i].sample) continue;
     const auto fail = [&](const std::string& reason) {  // this request ends, the others go on
       fmt::print(stderr, "fulcrum serve: request {} failed: {}\n", seq.handle->id(), reason);
       finished.push_back({&seq, FinishReason::kError});
     };
-    const int32_t token = out.tokens[i];
     if (!out.errors[i].empty()) {  // e.g. non-finite logits
       fail(out.errors[i]);
       continue;
     }
+    if (!batch[i].prompt_targets.empty()) {
+      if (i >= out.prompt_logprobs.size() || out.prompt_logprobs[i].size() != batch[i].prompt_targets.size()) {
+        fail(fmt::format("the executor returned no logprobs for {} prompt tokens", batch[i].prompt_targets.size()));
+        continue;
+      }
+      for (model::TokenLogprob& lp : out.prompt_logprobs[i]) seq.prompt_logprobs.push_back(std::move(lp));
+    }
+    if (!batch[i].sample) continue;
+    if (seq.params.prompt_logprobs_from >= 0 && seq.generated.empty()) {
+      seq.handle->set_prompt_logprobs(std::move(seq.prompt_logprobs));  // before the first token is seen
+    }
+    const int32_t token = out.tokens[i];
     if (token < 0 || token >= vocab) {
       fail(fmt::format("the executor sampled token {}, outside [0, {})", token, vocab));
       continue;
     }
     try {
-      if (const std::optional<Ending> end = after_token(seq, token)) finished.push_back(*end);
+      model::TokenLogprob logprob;
+      if (seq.params.logprobs) {
+        logprob = i < out.top_logprobs.size() ? std::move(out.top_logprobs[i]) : model::TokenLogprob{};
+        logprob.logprob = out.logprobs[i];
+      }
+      if (const std::optional<Ending> end = after_token(seq, token, std::move(logprob))) finished.push_back(*end);
     } catch (const std::exception& e) {
       fail(e.what());
     }

@@ -12,6 +12,8 @@
 //      request starts its prefill after its cached prefix;
 //   3. builds the batch: every running request past its prompt contributes its last sampled token; the
 //      rest get prompt chunks, in admission order, within max_prefill_tokens per step (chunked prefill);
+//      A request that asks for prompt logprobs gets, in each chunk, the prompt targets its rows predict
+//      (StepSequence::prompt_targets) and shares no cached prefix;
 //   4. runs the executor, which samples a token for each entry that completes its prompt or decodes (the
 //      scheduler draws the entry's uniform from the request's Rng when its temperature is > 0: the draws
 //      model::sample_token would make), checks stop token ids, stop strings and max_tokens, and frees the
@@ -104,6 +106,10 @@ class Scheduler {
     int dp_group = -1;        // once admitted
     PrefixCache::Lease lease;  // its pages, once admitted
     int64_t kv_written = 0;   // positions in its KV cache (cached prefix, prefilled, decoded)
+    std::vector<model::TokenLogprob> prompt_logprobs;  // gathered over its prefill chunks (when asked)
+    // The prompt the prefix cache matches: none of it for a request that wants prompt logprobs (its every
+    // prompt row must run).
+    std::span<const int32_t> match_prompt() const;
   };
 
   int64_t pages_for(const RequestParams& params) const;
@@ -117,7 +123,8 @@ class Scheduler {
     FinishReason reason = FinishReason::kNone;
     std::optional<size_t> stop_text_length;
   };
-  std::optional<Ending> after_token(Sequence& seq, int32_t token);  // set when the sequence ends
+  // Set when the sequence ends; `logprob` goes to the handle when the request asked.
+  std::optional<Ending> after_token(Sequence& seq, int32_t token, model::TokenLogprob logprob);
   void retire(const std::vector<Ending>& done);  // releases KV and pages, then finishes the handles, leaves the batch
   void fail_all();  // every waiting and running request ends with "error"; no new ones
   void wake();
