@@ -260,6 +260,34 @@ TEST_F(ServerHttpFrontLimits, RssStaysFlatOverTwentyChunkedOversizeRequests) {
   EXPECT_LT(after - before, 50 * 1024);
 }
 
+// Bodies nested deeper than the JSON limit (once ~64 MB of RSS each that stayed: issue 15) are 400s that cost
+// nothing that stays: 20 of them, each 512 KiB of '[', under the 1 MiB body limit.
+TEST_F(ServerHttpFrontLimits, RssStaysFlatOverTwentyNestedJsonBodies) {
+  const std::string body(size_t{512} << 10, '[');
+  const std::string request = fmt::format(
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+      body.size(), body);
+  const auto send_one = [&] {
+    const int fd = connect_loopback(port());
+    std::string buffer;
+    EXPECT_TRUE(send_all(fd, request));
+    const std::optional<RawResponse> response = read_response(fd, buffer, 10);
+    ::close(fd);
+    return response;
+  };
+  ASSERT_TRUE(send_one());  // warm-up: buffers the allocator keeps
+  const int64_t before = server_->rss_kib();
+  for (int i = 0; i < 20; ++i) {
+    const std::optional<RawResponse> r = send_one();
+    ASSERT_TRUE(r) << i;
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(r->body.find("nests JSON deeper than 256 levels"), std::string::npos) << r->body;
+  }
+  const int64_t after = server_->rss_kib();
+  fmt::print("RSS over 20 nested-JSON bodies of 512 KiB: {} -> {} KiB ({:+} KiB)\n", before, after, after - before);
+  EXPECT_LT(after - before, 50 * 1024);
+}
+
 TEST_F(ServerHttpFrontLimits, HeaderFloodsAre431) {
   const double before = rejected(port(), "headers_too_large");
   for (const bool many : {true, false}) {
