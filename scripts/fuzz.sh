@@ -5,17 +5,16 @@
 #   FUZZ_SECONDS   seconds per harness (default 20)
 #   FUZZ_TARGETS   harnesses to run, space-separated (default: all)
 #   FUZZ_JOBS      harnesses run at once (default: the core count)
-# Extra arguments go to every harness (e.g. -only_ascii=1). Without clang it installs Debian's, else stops.
+# Extra arguments go to every harness (e.g. -only_ascii=1). Installs Debian's clang and libFuzzer runtime when
+# missing (scripts/install_deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${FUZZ_SECONDS:-20}
 targets=${FUZZ_TARGETS:-"http_request safetensors_header config loads placement tokenizer_encode tokenizer_json"}
 jobs=${FUZZ_JOBS:-$(nproc)}
 
-if ! command -v clang++ >/dev/null; then
-  echo "fuzz: clang++ not found; installing Debian's clang (libFuzzer ships with it)"
-  FULCRUM_EXTRA_PACKAGES="clang" scripts/install_deps.sh
-fi
+FULCRUM_EXTRA_PACKAGES="clang libclang-rt-dev" scripts/install_deps.sh
+command -v clang++ >/dev/null || { echo "fuzz: error: clang++ not found (Debian: apt-get install clang libclang-rt-dev)" >&2; exit 1; }
 if [ ! -f build-fuzz/CMakeCache.txt ]; then
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFULCRUM_BUILD_FUZZ=ON \
     -DFULCRUM_ENABLE_CUDA=OFF -DFULCRUM_BUILD_TESTS=OFF -DFULCRUM_BUILD_BENCH=OFF >/dev/null

@@ -59,7 +59,9 @@ nlohmann::json parse_json_text(std::string_view text, const std::string& origin)
   }
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // A parse_error, or an out_of_range for a number beyond the double range ("1e999"), which the parser throws
+    // too and which once escaped as a non-fulcrum exception (found by fuzz/fuzz_loads).
     std::string reason = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix; keep its line/column and cause.
     if (const size_t end = reason.find("] "); reason.starts_with("[json.") && end != std::string::npos) {
@@ -75,6 +77,16 @@ nlohmann::json parse_json_text(std::string_view text, const std::string& origin)
     }
     throw Error(fmt::format("{}: {}", origin, shown));
   }
+}
+
+std::string printable_excerpt(std::string_view text, size_t max_bytes) {
+  std::string shown;
+  for (size_t i = 0; i < text.size() && i < max_bytes; ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    shown += byte < 0x20 || byte >= 0x7f || byte == '\\' ? fmt::format("\\x{:02x}", byte) : std::string(1, text[i]);
+  }
+  if (text.size() > max_bytes) shown += "...";
+  return shown;
 }
 
 std::string json_excerpt(const nlohmann::json& value, size_t max_bytes) {
