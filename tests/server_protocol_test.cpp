@@ -122,6 +122,10 @@ TEST(ServerProtocol, GenerateTakesRuntimeEndpointsFields) {
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"image_data", "x.png"}}), "'image_data' is not implemented");
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"return_logprob", true}}), "'return_logprob' true is not implemented");
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"bogus", 1}}), "unknown field 'bogus' in a generate request");
+  // Client strings are quoted printable and cut: a key holding a line break would split the error (issue 15).
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"a\nb", 1}}), "unknown field 'a\\x0ab' in a generate request");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {std::string(300, 'k'), 1}}),
+            "unknown field '" + std::string(64, 'k') + "...' in a generate request");
 
   const ParsedRequest batch = parse_generate_request(
       json{{"input_ids", {{3}, {4, 5}}}, {"sampling_params", {{"max_new_tokens", 0}, {"sampling_seed", 9}}}}, ctx);
