@@ -37,12 +37,17 @@ namespace {
 
 constexpr size_t kMaxQuotedBytes = 32;
 
-// nlohmann's message ends "...; last read: '<token>'" and the token can be a whole megabyte string: keep its start.
+// nlohmann's message ends "...; last read: '<token>'" (a parse error) or "number overflow parsing '<token>'", and
+// the token can be a whole megabyte string: keep its start.
 std::string shorten_last_read(std::string reason) {
-  const std::string marker = "last read: '";
-  const size_t begin = reason.find(marker);
-  if (begin == std::string::npos) return reason;
-  const size_t token_begin = begin + marker.size();
+  size_t token_begin = std::string::npos;
+  for (const std::string marker : {"last read: '", "parsing '"}) {
+    if (const size_t begin = reason.find(marker); begin != std::string::npos) {
+      token_begin = begin + marker.size();
+      break;
+    }
+  }
+  if (token_begin == std::string::npos) return reason;
   const size_t token_end = reason.rfind('\'');
   if (token_end == std::string::npos || token_end < token_begin || token_end - token_begin <= kMaxQuotedBytes) {
     return reason;
