@@ -53,6 +53,12 @@ TEST(FuzzRegression, NumberBeyondTheDoubleRangeIsAOneLineErrorOfEveryJsonReader)
                   "x.json: number overflow");
 }
 
+// A CSV field that is not a number was quoted whole, raw bytes and all (fuzz_loads: a 1 KiB binary line).
+TEST(FuzzRegression, LoadsCsvQuotesABadFieldPrintableAndCut) {
+  const std::string message = error_of([] { eplb::parse_loads_csv("{\"x\xff" + std::string(2000, 'b'), "l.csv"); });
+  expect_one_line(message, "l.csv:1 column 1: '{\"x\\xff" + std::string(60, 'b') + "...' is not a number");
+}
+
 // A tensor name holding "\n" (the JSON escape) made the header's errors several lines (fuzz_safetensors_header).
 TEST(FuzzRegression, SafetensorsNamesWithControlCharactersOrOverlongAreRefusedAtOpen) {
   TempDir dir("fuzz_regression");
