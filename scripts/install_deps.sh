@@ -2,6 +2,9 @@
 # Installs the Debian packages Fulcrum builds with, if any is missing. Idempotent; quiet when all present.
 set -euo pipefail
 packages=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev libhttp-parser-dev pkg-config unzip xz-utils)
+# Callers add what only they need (scripts/fuzz.sh: clang and its libFuzzer runtime).
+read -r -a extra <<<"${FULCRUM_EXTRA_PACKAGES:-}"
+packages+=("${extra[@]}")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

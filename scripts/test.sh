@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds everything (CUDA targets too when nvcc is found) and runs all CPU tests, then the Python module's tests.
+# Builds everything (CUDA targets too when nvcc is found) and runs all CPU tests, then the Python module's tests,
+# then every fuzz harness for a bounded time (scripts/fuzz.sh; FULCRUM_FUZZ=0 skips it, FUZZ_SECONDS sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 FULCRUM_BIN="$PWD/build/bin/fulcrum" python/run_tests.sh
+[ "${FULCRUM_FUZZ:-1}" = 0 ] || scripts/fuzz.sh

@@ -144,6 +144,10 @@ TEST(ServerProtocol, GenerateTakesRuntimeEndpointsFields) {
   EXPECT_EQ(default_start.requests.at(0).prompt_logprobs_from, 3);  // the last prompt token only: no prompt rows
   EXPECT_EQ(default_start.format.logprob_start_len, -1);
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"bogus", 1}}), "unknown field 'bogus' in a generate request");
+  // Client strings are quoted printable and cut: a key holding a line break would split the error (issue 15).
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"a\nb", 1}}), "unknown field 'a\\x0ab' in a generate request");
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {std::string(300, 'k'), 1}}),
+            "unknown field '" + std::string(64, 'k') + "...' in a generate request");
 
   const ParsedRequest batch = parse_generate_request(
       json{{"input_ids", {{3}, {4, 5}}}, {"sampling_params", {{"max_new_tokens", 0}, {"sampling_seed", 9}}}}, ctx);

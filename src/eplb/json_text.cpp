@@ -37,12 +37,17 @@ namespace {
 
 constexpr size_t kMaxQuotedBytes = 32;
 
-// nlohmann's message ends "...; last read: '<token>'" and the token can be a whole megabyte string: keep its start.
+// nlohmann's message ends "...; last read: '<token>'" (a parse error) or "number overflow parsing '<token>'", and
+// the token can be a whole megabyte string: keep its start.
 std::string shorten_last_read(std::string reason) {
-  const std::string marker = "last read: '";
-  const size_t begin = reason.find(marker);
-  if (begin == std::string::npos) return reason;
-  const size_t token_begin = begin + marker.size();
+  size_t token_begin = std::string::npos;
+  for (const std::string marker : {"last read: '", "parsing '"}) {
+    if (const size_t begin = reason.find(marker); begin != std::string::npos) {
+      token_begin = begin + marker.size();
+      break;
+    }
+  }
+  if (token_begin == std::string::npos) return reason;
   const size_t token_end = reason.rfind('\'');
   if (token_end == std::string::npos || token_end < token_begin || token_end - token_begin <= kMaxQuotedBytes) {
     return reason;
@@ -59,7 +64,9 @@ nlohmann::json parse_json_text(std::string_view text, const std::string& origin)
   }
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // A parse_error, or an out_of_range for a number beyond the double range ("1e999"), which the parser throws
+    // too and which once escaped as a non-fulcrum exception (found by fuzz/fuzz_loads).
     std::string reason = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix; keep its line/column and cause.
     if (const size_t end = reason.find("] "); reason.starts_with("[json.") && end != std::string::npos) {
@@ -75,6 +82,16 @@ nlohmann::json parse_json_text(std::string_view text, const std::string& origin)
     }
     throw Error(fmt::format("{}: {}", origin, shown));
   }
+}
+
+std::string printable_excerpt(std::string_view text, size_t max_bytes) {
+  std::string shown;
+  for (size_t i = 0; i < text.size() && i < max_bytes; ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    shown += byte < 0x20 || byte >= 0x7f || byte == '\\' ? fmt::format("\\x{:02x}", byte) : std::string(1, text[i]);
+  }
+  if (text.size() > max_bytes) shown += "...";
+  return shown;
 }
 
 std::string json_excerpt(const nlohmann::json& value, size_t max_bytes) {

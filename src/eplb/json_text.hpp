@@ -24,6 +24,10 @@ std::optional<size_t> find_json_depth_overflow(std::string_view text, int max_de
 // quoted, as \xNN where not printable ASCII).
 nlohmann::json parse_json_text(std::string_view text, const std::string& origin);
 
+// Untrusted bytes (a client's, a file's) for an error message: at most `max_bytes`, anything but printable ASCII
+// (and the backslash) as \xNN, "..." when cut; never a line break, whatever the input.
+std::string printable_excerpt(std::string_view text, size_t max_bytes = 64);
+
 // A JSON value for an error message: its dump, cut to `max_bytes` with "..." (a value may be megabytes).
 std::string json_excerpt(const nlohmann::json& value, size_t max_bytes = 40);
 

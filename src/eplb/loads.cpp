@@ -38,7 +38,8 @@ double parse_load_value(std::string_view field, const Where& where) {
   FULCRUM_CHECK(!field.empty(), "{}: empty value", where());
   double value = 0.0;
   auto [ptr, ec] = std::from_chars(field.data(), field.data() + field.size(), value);
-  FULCRUM_CHECK(ec == std::errc() && ptr == field.data() + field.size(), "{}: '{}' is not a number", where(), field);
+  FULCRUM_CHECK(ec == std::errc() && ptr == field.data() + field.size(), "{}: '{}' is not a number", where(),
+                printable_excerpt(field));  // a field may be a whole binary line (fuzz_loads)
   return checked_load(value, where);
 }
 

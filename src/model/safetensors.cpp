@@ -52,6 +52,20 @@ float f16_to_f32(uint16_t bits) {
   return sign ? -magnitude : magnitude;
 }
 
+// Tensor names and metadata keys are quoted in errors here and in every loader: one with a line break or of
+// kilobytes would make those messages several lines or huge (found by fuzz/fuzz_safetensors_header). Real
+// checkpoints name tensors in printable ASCII ("model.layers.0.mlp.gate.weight").
+constexpr size_t kMaxHeaderNameBytes = 512;
+void check_header_name(const std::string& name, const char* what, const std::string& path) {
+  const bool control = std::any_of(name.begin(), name.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return byte < 0x20 || byte == 0x7f;
+  });
+  FULCRUM_CHECK(!control && name.size() <= kMaxHeaderNameBytes,
+                "{}: {} '{}' holds a control character or is over {} bytes", path, what,
+                eplb::printable_excerpt(name), kMaxHeaderNameBytes);
+}
+
 // Validates one header entry and returns it; `origin` is "file: tensor 'name'".
 TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data_size, const std::string& origin) {
   FULCRUM_CHECK(entry.is_object(), "{}: header entry must be an object", origin);
@@ -197,9 +211,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     const json header = eplb::parse_json_text(header_text, path + ": header");
     FULCRUM_CHECK(header.is_object(), "{}: header must be a JSON object", path);
     for (const auto& [name, entry] : header.items()) {
+      check_header_name(name, "tensor name", path);
       if (name == "__metadata__") {
         FULCRUM_CHECK(entry.is_object(), "{}: __metadata__ must be an object", path);
         for (const auto& [key, value] : entry.items()) {
+          check_header_name(key, "__metadata__ key", path);
           FULCRUM_CHECK(value.is_string(), "{}: __metadata__ value of '{}' must be a string", path, key);
           metadata_[key] = value.get<std::string>();
         }

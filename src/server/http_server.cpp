@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "eplb/json_text.hpp"
 #include "server/api_error.hpp"
 #include "server/responses.hpp"
 
@@ -30,17 +31,6 @@ HttpResponse refusal(int status, const std::string& message, const std::string& 
   HttpResponse r = json_response(status, error_body(message, type));
   r.rejected = true;
   return r;
-}
-
-// Client bytes for an error message: at most `max_bytes`, anything but printable ASCII as \xNN.
-std::string printable_excerpt(std::string_view text, size_t max_bytes = 64) {
-  std::string shown;
-  for (size_t i = 0; i < text.size() && i < max_bytes; ++i) {
-    const auto byte = static_cast<unsigned char>(text[i]);
-    shown += byte < 0x20 || byte >= 0x7f || byte == '\\' ? fmt::format("\\x{:02x}", byte) : std::string(1, text[i]);
-  }
-  if (text.size() > max_bytes) shown += "...";
-  return shown;
 }
 
 // NOTES: a dump name is one plain file name in --expert-distribution-dir: 1 to 240 bytes (the file is written
@@ -177,7 +167,9 @@ struct HttpServer::Impl {
     }
     const auto it = routes.find(req.path);
     if (it == routes.end() || !((req.method == "GET" && it->second.get) || (req.method == "POST" && it->second.post))) {
-      return refusal(404, fmt::format("no route for {} {}", printable_excerpt(req.method), printable_excerpt(req.path)),
+      return refusal(404,
+                     fmt::format("no route for {} {}", eplb::printable_excerpt(req.method),
+                                 eplb::printable_excerpt(req.path)),
                      "not_found");
     }
     // --api-key: every route but /health and /metrics wants "Authorization: Bearer KEY".
@@ -197,8 +189,8 @@ struct HttpServer::Impl {
   void answered(const HttpExchange& e) {
     if (e.rejected) metrics.on_request_rejected(rejection_reason(e.status));
     if (!options.access_log) return;
-    fmt::print(stderr, "fulcrum serve: access: {} {} {} {:.1f}ms tokens={}\n", printable_excerpt(e.request.method, 16),
-               e.request.method.empty() ? "-" : printable_excerpt(e.request.target, 200), e.status, e.seconds * 1e3,
+    fmt::print(stderr, "fulcrum serve: access: {} {} {} {:.1f}ms tokens={}\n", eplb::printable_excerpt(e.request.method, 16),
+               e.request.method.empty() ? "-" : eplb::printable_excerpt(e.request.target, 200), e.status, e.seconds * 1e3,
                e.tokens);
   }
 

@@ -13,9 +13,10 @@ namespace {
 using nlohmann::json;
 
 void check_known(const json& obj, std::initializer_list<const char*> known, const char* where) {
-  for (const auto& [key, value] : obj.items()) {
+  for (const auto& item : obj.items()) {
+    const std::string& key = item.key();  // not a structured binding: clang 14 (the fuzz build) cannot capture one
     const bool ok = std::any_of(known.begin(), known.end(), [&](const char* k) { return key == k; });
-    FULCRUM_REQUIRE(ok, "unknown field '{}' in {}", key, where);
+    FULCRUM_REQUIRE(ok, "unknown field '{}' in {}", eplb::printable_excerpt(key), where);
   }
 }
 
@@ -97,7 +98,8 @@ void parse_openai_common(const json& body, const ProtocolContext& ctx, std::init
     FULCRUM_REQUIRE(v->is_string(), "'model' must be a string");
     if (v->get<std::string>() != ctx.model_name) {
       throw ApiError(404, "model_not_found", fmt::format("model '{}' is not served here (serving '{}')",
-                                                         v->get<std::string>(), ctx.model_name));
+                                                         eplb::printable_excerpt(v->get<std::string>()),
+                                                         ctx.model_name));
     }
   }
   p.max_tokens = ctx.default_max_tokens;

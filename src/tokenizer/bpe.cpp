@@ -26,7 +26,8 @@ std::pair<std::string, std::string> parse_merge(const nlohmann::json& entry, con
   const std::string text = entry.get<std::string>();
   const size_t space = text.find(' ');
   FULCRUM_CHECK(space != std::string::npos && text.find(' ', space + 1) == std::string::npos,
-                "{}: merge '{}' is not two tokens separated by one space", file, text);
+                "{}: merge '{}' is not two tokens separated by one space", file,
+                eplb::printable_excerpt(text));
   return {text.substr(0, space), text.substr(space + 1)};
 }
 
@@ -39,7 +40,7 @@ struct BpeModel::Cache {
 
 BpeModel BpeModel::from_json(const nlohmann::json& model, const std::string& file) {
   const std::string type = model.value("type", std::string("BPE"));
-  FULCRUM_CHECK(type == "BPE", "{}: unsupported model type '{}' (supported: BPE)", file, type);
+  FULCRUM_CHECK(type == "BPE", "{}: unsupported model type '{}' (supported: BPE)", file, eplb::printable_excerpt(type));
   const auto null_or = [&](const char* key, auto accepted) {
     return !model.contains(key) || model[key].is_null() || model[key] == accepted;
   };
@@ -50,8 +51,12 @@ BpeModel BpeModel::from_json(const nlohmann::json& model, const std::string& fil
 
   BpeModel m;
   for (const auto& [token, id_json] : model.at("vocab").items()) {
+    // An integer first: get<int64_t>() of a float beyond int64 is undefined behaviour (found by fuzz/fuzz_tokenizer_json).
+    FULCRUM_CHECK(id_json.is_number_integer(), "{}: vocab id of '{}' is not an integer: {}", file,
+                  eplb::printable_excerpt(token), eplb::json_excerpt(id_json));
     const int64_t id = id_json.get<int64_t>();
-    FULCRUM_CHECK(id >= 0 && id < (int64_t{1} << 31), "{}: vocab id {} of '{}' out of range", file, id, token);
+    FULCRUM_CHECK(id >= 0 && id < kMaxTokenIds, "{}: vocab id {} of '{}' is outside [0, {})", file, id,
+                  eplb::printable_excerpt(token), kMaxTokenIds);
     m.vocab_[token] = static_cast<int32_t>(id);
     if (static_cast<size_t>(id) >= m.tokens_.size()) {
       m.tokens_.resize(id + 1);
@@ -70,7 +75,7 @@ BpeModel BpeModel::from_json(const nlohmann::json& model, const std::string& fil
   if (model.contains("unk_token") && !model["unk_token"].is_null()) {
     const std::string unk = model["unk_token"].get<std::string>();
     m.unk_ = m.id_of(unk);
-    FULCRUM_CHECK(m.unk_.has_value(), "{}: unk_token '{}' is not in the vocab", file, unk);
+    FULCRUM_CHECK(m.unk_.has_value(), "{}: unk_token '{}' is not in the vocab", file, eplb::printable_excerpt(unk));
   }
   m.fuse_unk_ = model.value("fuse_unk", false);
   m.ignore_merges_ = model.value("ignore_merges", false);

@@ -21,6 +21,10 @@ struct StringHash {
 template <typename V>
 using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>>;
 
+// Token ids a tokenizer.json may use: [0, kMaxTokenIds). 100x the largest real vocabulary (Qwen3: 151k); the
+// decoder's table is sized by the largest id, so a file naming id 2^31 would otherwise allocate gigabytes.
+inline constexpr int64_t kMaxTokenIds = int64_t{1} << 24;
+
 class BpeModel {
  public:
   // `file` only names the source in errors.

@@ -1,6 +1,7 @@
 #include "tokenizer/normalizer.hpp"
 
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 
 namespace fulcrum::tokenizer {
 namespace {
@@ -20,7 +21,8 @@ void add_steps(const nlohmann::json& spec, const std::string& file, std::vector<
   } else if (type == "NFKD") {
     forms.push_back(NormalForm::kNFKD);
   } else {
-    FULCRUM_CHECK(false, "{}: unsupported normalizer '{}' (supported: NFC, NFD, NFKC, NFKD, Sequence)", file, type);
+    FULCRUM_CHECK(false, "{}: unsupported normalizer '{}' (supported: NFC, NFD, NFKC, NFKD, Sequence)", file,
+                  eplb::printable_excerpt(type));
   }
 }
 

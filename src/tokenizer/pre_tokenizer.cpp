@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 #include "tokenizer/byte_level.hpp"
 
 namespace fulcrum::tokenizer {
@@ -20,7 +21,7 @@ SplitBehavior parse_behavior(const std::string& name, const std::string& file) {
   if (name == "MergedWithPrevious") return SplitBehavior::kMergedWithPrevious;
   if (name == "MergedWithNext") return SplitBehavior::kMergedWithNext;
   if (name == "Contiguous") return SplitBehavior::kContiguous;
-  FULCRUM_CHECK(false, "{}: unsupported Split behavior '{}'", file, name);
+  FULCRUM_CHECK(false, "{}: unsupported Split behavior '{}'", file, eplb::printable_excerpt(name));
   return SplitBehavior::kIsolated;
 }
 
@@ -113,7 +114,8 @@ void PreTokenizer::add_steps(const nlohmann::json& spec, const std::string& file
     step.add_prefix_space = spec.value("add_prefix_space", true);
     step.use_regex = spec.value("use_regex", true);
   } else {
-    FULCRUM_CHECK(false, "{}: unsupported pre_tokenizer '{}' (supported: Split, ByteLevel, Sequence)", file, type);
+    FULCRUM_CHECK(false, "{}: unsupported pre_tokenizer '{}' (supported: Split, ByteLevel, Sequence)", file,
+                  eplb::printable_excerpt(type));
   }
   steps.push_back(std::move(step));
 }

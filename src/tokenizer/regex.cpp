@@ -4,6 +4,7 @@
 #include <pcre2.h>
 
 #include "eplb/error.hpp"
+#include "eplb/json_text.hpp"
 #include "tokenizer/unicode.hpp"
 
 namespace fulcrum::tokenizer {
@@ -49,7 +50,7 @@ Regex::Regex(const std::string& pattern, bool literal) : impl_(std::make_unique<
   const uint32_t options = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);  // LITERAL refuses UCP
   impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(), options, &error, &offset,
                               nullptr);
-  FULCRUM_CHECK(impl_->code != nullptr, "bad regex '{}': {} at offset {}", pattern, pcre2_message(error), offset);
+  FULCRUM_CHECK(impl_->code != nullptr, "bad regex '{}': {} at offset {}", eplb::printable_excerpt(pattern, 200), pcre2_message(error), offset);
   pcre2_jit_compile(impl_->code, PCRE2_JIT_COMPLETE);  // best effort: the interpreter is used where JIT is absent
 }
 

@@ -38,9 +38,11 @@ Tokenizer Tokenizer::from_json(const nlohmann::json& spec, const std::string& so
     FULCRUM_CHECK(is_null(spec, "padding"), "{}: padding is not supported", source);
     // ByteLevel's post-processor only moves offsets, which encode() does not report.
     const std::string post = type_of(spec, "post_processor");
-    FULCRUM_CHECK(post == "null" || post == "ByteLevel", "{}: unsupported post_processor '{}'", source, post);
+    FULCRUM_CHECK(post == "null" || post == "ByteLevel", "{}: unsupported post_processor '{}'", source,
+                  eplb::printable_excerpt(post));
     const std::string decoder = type_of(spec, "decoder");
-    FULCRUM_CHECK(decoder == "ByteLevel", "{}: unsupported decoder '{}' (supported: ByteLevel)", source, decoder);
+    FULCRUM_CHECK(decoder == "ByteLevel", "{}: unsupported decoder '{}' (supported: ByteLevel)", source,
+                  eplb::printable_excerpt(decoder));
 
     t.model_ = BpeModel::from_json(spec["model"], source);
     t.normalizer_ = Normalizer::from_json(spec.value("normalizer", nlohmann::json()), source);
@@ -48,14 +50,16 @@ Tokenizer Tokenizer::from_json(const nlohmann::json& spec, const std::string& so
     t.id_bound_ = t.model_.id_bound();
     for (const auto& entry : spec.value("added_tokens", nlohmann::json::array())) {
       AddedToken a;
-      a.id = entry.at("id").get<int32_t>();
+      const nlohmann::json& id = entry.at("id");
+      FULCRUM_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxTokenIds,
+                    "{}: added token id {} is not an integer in [0, {})", source, eplb::json_excerpt(id), kMaxTokenIds);
+      a.id = id.get<int32_t>();
       a.content = entry.at("content").get<std::string>();
       a.single_word = entry.value("single_word", false);
       a.lstrip = entry.value("lstrip", false);
       a.rstrip = entry.value("rstrip", false);
       a.normalized = entry.value("normalized", false);
       a.special = entry.value("special", false);
-      FULCRUM_CHECK(a.id >= 0, "{}: added token '{}' has a negative id", source, a.content);
       FULCRUM_CHECK(is_valid_utf8(a.content), "{}: added token {} is not valid UTF-8", source, a.id);
       t.id_bound_ = std::max(t.id_bound_, a.id + 1);
       std::string pattern = a.normalized ? t.normalizer_.apply(a.content) : a.content;
