@@ -62,11 +62,11 @@ TEST(ServerPrefixCache, SharesWholeReadyPagesAndComputesTheLastToken) {
   cache.check();
 
   cache.release(lb, a, 10);
-  cache.release(la, a, 10);
+  cache.release(la, a, 10);  // its partial page [9 10] is lb's, indexed first: la's goes
   cache.check();
   EXPECT_EQ(cache.num_used_pages(), 0);
-  EXPECT_EQ(cache.num_cached_pages(), 2);
-  EXPECT_EQ(cache.flush(), 2);
+  EXPECT_EQ(cache.num_cached_pages(), 3);  // 2 whole pages and lb's partial leaf
+  EXPECT_EQ(cache.flush(), 3);
   EXPECT_EQ(cache.num_free_pages(), 16);
   cache.check();
 }
@@ -79,6 +79,7 @@ TEST(ServerPrefixCache, PartialPagesAreCopiedIntoAFreshPageAndPinnedUntilTheFirs
   const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // [1 2 3 4] [5 6 7 8] [9 10]
   PrefixCache::Lease la = cache.acquire(a, 3);
   cache.on_written(la, 10);
+  const std::vector<int32_t> pages_a = la.page_ids;  // (release empties the lease)
   const std::vector<int32_t> b = {1, 2, 3, 4, 5, 6, 0, 0, 0};  // page 0 whole, then [5 6] of a's page 1
   PrefixCache::Lease lb = cache.acquire(b, 3);
   EXPECT_EQ(lb.num_cached_tokens, 6);
@@ -100,7 +101,7 @@ TEST(ServerPrefixCache, PartialPagesAreCopiedIntoAFreshPageAndPinnedUntilTheFirs
   const std::vector<int32_t> d = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
   PrefixCache::Lease ld = cache.acquire(d, 3);
   EXPECT_EQ(ld.num_cached_tokens, 10);
-  EXPECT_EQ(ld.copy_source_page, la.page_ids[2]);
+  EXPECT_EQ(ld.copy_source_page, pages_a[2]);
   cache.release(ld, d, 0);  // cancelled before its first step: the pin goes, nothing indexed
   cache.check();
   EXPECT_EQ(cache.num_unreferenced_pages(), 1);
@@ -133,17 +134,22 @@ TEST(ServerPrefixCache, FinishedSequencesIndexTheirWrittenPagesGeneratedOnesIncl
   const std::vector<int32_t> history = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};  // 5 generated, 4 of them fed
   cache.release(l, history, 10);
   cache.check();
-  EXPECT_EQ(cache.num_cached_pages(), 2);  // positions [0, 8); page 2 holds 2 written positions only
-  // A next turn that resends the conversation reuses both pages.
-  EXPECT_EQ(cache.probe(tokens({history, {12, 13}}), 4).num_ready_pages, 2);
+  // Positions [0, 8) in 2 whole pages; page 2 holds 2 written positions: a partial leaf.
+  EXPECT_EQ(cache.num_cached_pages(), 3);
+  // A next turn that resends the conversation reuses both pages and copies the partial one's 2 rows.
+  const PrefixCache::Probe p = cache.probe(tokens({history, {12, 13}}), 4);
+  EXPECT_EQ(p.num_ready_pages, 2);
+  EXPECT_EQ(p.num_cached_tokens, 10);
 }
 
 TEST(ServerPrefixCache, EvictsLeastRecentlyUsedUnreferencedLeavesOnly) {
   PrefixCache cache(6, 2, true);
   const std::vector<int32_t> a = {1, 1, 2, 2, 3}, b = {4, 4, 5, 5, 6}, c = {7, 7, 8, 8, 9};
   PrefixCache::Lease la = cache.acquire(a, 3), lb = cache.acquire(b, 3);
-  cache.release(la, a, 5);  // a released first: least recently used
-  cache.release(lb, b, 5);
+  // Released with their last prompt token not fed (whole pages only, no partial leaf); a first: least
+  // recently used.
+  cache.release(la, a, 4);
+  cache.release(lb, b, 4);
   EXPECT_EQ(cache.num_cached_pages(), 4);
   EXPECT_EQ(cache.num_free_pages(), 2);
   // c needs 3 pages: 2 free, then a's leaf (page 2 of a) goes.
@@ -162,7 +168,7 @@ TEST(ServerPrefixCache, EvictsLeastRecentlyUsedUnreferencedLeavesOnly) {
   EXPECT_FALSE(cache.probe(tokens({{9, 9, 9}}), 1).fits);
   cache.check();
   cache.release(lc, c, 0);  // cancelled before any write: its pending pages go, nothing indexed
-  cache.release(lb2, b, 5);
+  cache.release(lb2, b, 4);
   cache.check();
   EXPECT_EQ(cache.num_cached_pages(), 2);
   EXPECT_EQ(cache.flush(), 2);

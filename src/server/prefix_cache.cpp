@@ -36,24 +36,28 @@ PrefixCache::Match PrefixCache::walk(std::span<const int32_t> prompt) const {
     node = it->second.get();
     m.ready.push_back(node);
   }
-  // Into the next page: the longest common prefix of the prompt's next tokens with a child's key is at one
-  // of the two children around where those tokens would sort.
+  // Into the next page: in the children's sorted order, the common prefix of the prompt's next tokens with a
+  // key only shrinks away from where those tokens would sort, so the nearest ready child on each side is
+  // the best of its side (pending ones, being written, are stepped over).
   const size_t begin = m.ready.size() * ps;
   const size_t n = std::min(ps, prompt.size() - 1 - begin);
   if (n == 0 || node->children.empty()) return m;
   const Key next(prompt.begin() + static_cast<ptrdiff_t>(begin), prompt.begin() + static_cast<ptrdiff_t>(begin + n));
+  const auto common = [&](const Key& k) {
+    const auto end = k.begin() + static_cast<ptrdiff_t>(std::min(n, k.size()));
+    return static_cast<int64_t>(std::mismatch(k.begin(), end, next.begin()).first - k.begin());
+  };
+  const auto consider = [&](Node* child) {  // false: nothing further on this side can do better
+    const int64_t c = common(child->key);
+    if (c <= m.partial_rows) return false;
+    if (!child->ready) return true;
+    m.partial = child;
+    m.partial_rows = c;
+    return false;
+  };
   const auto after = node->children.lower_bound(next);
-  for (auto it : {after, after == node->children.begin() ? node->children.end() : std::prev(after)}) {
-    if (it == node->children.end() || !it->second->ready) continue;
-    const Key& k = it->second->key;
-    const auto common = static_cast<int64_t>(
-        std::mismatch(next.begin(), next.end(), k.begin(), k.begin() + static_cast<ptrdiff_t>(std::min(n, k.size()))).first -
-        next.begin());
-    if (common > m.partial_rows) {
-      m.partial = it->second.get();
-      m.partial_rows = common;
-    }
-  }
+  for (auto it = after; it != node->children.end() && consider(it->second.get()); ++it) {}
+  for (auto it = after; it != node->children.begin() && consider(std::prev(it)->second.get()); --it) {}
   return m;
 }
 

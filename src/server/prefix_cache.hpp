@@ -20,8 +20,8 @@
 //     whose logits it samples from.
 //   - Partial pages (copy on write): after its whole pages, a match may go on into one more page, the ready
 //     child of its last node whose key shares the longest run r >= 1 of first tokens with the prompt's next
-//     ones (found among the two neighbours of the prompt's next tokens in the children's sorted order, where
-//     the longest common prefix always is). The lease gets a fresh page of its own for that position, into
+//     ones (found from where the prompt's next tokens sort among the children: the common prefix only
+//     shrinks away from there). The lease gets a fresh page of its own for that position, into
 //     which the engine copies the child's first r rows (model::SequencePages::copy_source_page), so
 //     num_cached_tokens = whole pages * page_size + r. The child is pinned (one ref, not in the path) from
 //     acquire until the lease's first step has run (on_written past num_cached_tokens) or its release.
