@@ -1,5 +1,5 @@
-// Prefix caching: the page index alone (sharing, pending pages, LRU eviction, reference counts under random
-// operations), then through the scheduler over the paged fake executor (greedy outputs with and without the
+// Prefix caching: the page index alone (sharing, pending pages, partial pages copied on write, LRU eviction,
+// reference counts under random operations), then through the scheduler over the paged fake executor (greedy outputs with and without the
 // cache, a prefix still being prefilled, eviction under a small pool, cancellation, attention-DP groups).
 #include <algorithm>
 #include <map>
@@ -55,18 +55,75 @@ TEST(ServerPrefixCache, SharesWholeReadyPagesAndComputesTheLastToken) {
   EXPECT_EQ(cache.num_used_pages(), 6);
   // A prompt of exactly 2 pages reuses 1: its last token must be computed.
   EXPECT_EQ(cache.probe(std::vector<int32_t>(a.begin(), a.begin() + 8), 2).num_ready_pages, 1);
-  // A prompt that differs inside page 1 reuses page 0 only.
-  EXPECT_EQ(cache.probe(tokens({{1, 2, 3, 4, 5, 6, 0, 8, 9, 10}}), 4).num_ready_pages, 1);
+  // A prompt that differs inside page 1 reuses page 0 whole and page 1's first 2 rows (copied).
+  p = cache.probe(tokens({{1, 2, 3, 4, 5, 6, 0, 8, 9, 10}}), 4);
+  EXPECT_EQ(p.num_ready_pages, 1);
+  EXPECT_EQ(p.num_cached_tokens, 6);
   cache.check();
 
   cache.release(lb, a, 10);
-  cache.release(la, a, 10);
+  cache.release(la, a, 10);  // its partial page [9 10] is lb's, indexed first: la's goes
   cache.check();
   EXPECT_EQ(cache.num_used_pages(), 0);
-  EXPECT_EQ(cache.num_cached_pages(), 2);
-  EXPECT_EQ(cache.flush(), 2);
+  EXPECT_EQ(cache.num_cached_pages(), 3);  // 2 whole pages and lb's partial leaf
+  EXPECT_EQ(cache.flush(), 3);
   EXPECT_EQ(cache.num_free_pages(), 16);
   cache.check();
+}
+
+// A match that ends inside a page: the lease gets a fresh page to copy the cached page's first rows into,
+// the cached page pinned (not evictable) until the lease's first step, then unreferenced again; a finished
+// sequence's partial last page is a copy source too.
+TEST(ServerPrefixCache, PartialPagesAreCopiedIntoAFreshPageAndPinnedUntilTheFirstStep) {
+  PrefixCache cache(8, 4, true);
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // [1 2 3 4] [5 6 7 8] [9 10]
+  PrefixCache::Lease la = cache.acquire(a, 3);
+  cache.on_written(la, 10);
+  const std::vector<int32_t> pages_a = la.page_ids;  // (release empties the lease)
+  const std::vector<int32_t> b = {1, 2, 3, 4, 5, 6, 0, 0, 0};  // page 0 whole, then [5 6] of a's page 1
+  PrefixCache::Lease lb = cache.acquire(b, 3);
+  EXPECT_EQ(lb.num_cached_tokens, 6);
+  EXPECT_EQ(lb.copy_source_page, la.page_ids[1]);
+  EXPECT_EQ(lb.page_ids[0], la.page_ids[0]);
+  EXPECT_NE(lb.page_ids[1], la.page_ids[1]);  // its own page: the copy's destination
+  ASSERT_EQ(lb.path.size(), 2u);              // page 0, then its own [5 6 0 0], pending
+  EXPECT_FALSE(lb.path[1]->ready);
+  // The match stops one token short of the prompt, inside a page too.
+  const PrefixCache::Probe short_probe = cache.probe(std::vector<int32_t>(a.begin(), a.begin() + 8), 2);
+  EXPECT_EQ(short_probe.num_ready_pages, 1);
+  EXPECT_EQ(short_probe.num_cached_tokens, 7);
+  cache.release(la, a, 10);  // its page 1 stays pinned by b; its written [9 10] joins as a partial leaf
+  cache.check();
+  EXPECT_EQ(cache.num_cached_pages(), 4);
+  EXPECT_EQ(cache.num_unreferenced_pages(), 1);  // the partial leaf only
+
+  // The partial leaf serves a prompt that goes on past it.
+  const std::vector<int32_t> d = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  PrefixCache::Lease ld = cache.acquire(d, 3);
+  EXPECT_EQ(ld.num_cached_tokens, 10);
+  EXPECT_EQ(ld.copy_source_page, pages_a[2]);
+  cache.release(ld, d, 0);  // cancelled before its first step: the pin goes, nothing indexed
+  cache.check();
+  EXPECT_EQ(cache.num_unreferenced_pages(), 1);
+
+  // Pressure: 3 pages free and the partial leaf evictable; a's page 1 is pinned, so 5 new pages do not fit.
+  const std::vector<int32_t> c = {20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
+  EXPECT_FALSE(cache.probe(c, 5).fits);
+  PrefixCache::Lease lc = cache.acquire(c, 4);
+  EXPECT_EQ(cache.num_evicted_pages(), 1);
+  EXPECT_EQ(cache.num_unreferenced_pages(), 0);
+  cache.on_written(lb, 6);  // nothing computed yet: still pinned
+  EXPECT_EQ(cache.num_unreferenced_pages(), 0);
+  cache.on_written(lb, 7);  // its first step ran: the copy is done
+  EXPECT_EQ(cache.num_unreferenced_pages(), 1);
+  cache.check();
+  cache.release(lc, c, 0);
+  cache.release(lb, b, 9);
+  cache.check();
+  EXPECT_EQ(cache.num_used_pages(), 0);
+  cache.flush();
+  EXPECT_EQ(cache.num_free_pages(), 8);
+  EXPECT_EQ(cache.num_cached_pages(), 0);
 }
 
 TEST(ServerPrefixCache, FinishedSequencesIndexTheirWrittenPagesGeneratedOnesIncluded) {
@@ -77,17 +134,22 @@ TEST(ServerPrefixCache, FinishedSequencesIndexTheirWrittenPagesGeneratedOnesIncl
   const std::vector<int32_t> history = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};  // 5 generated, 4 of them fed
   cache.release(l, history, 10);
   cache.check();
-  EXPECT_EQ(cache.num_cached_pages(), 2);  // positions [0, 8); page 2 holds 2 written positions only
-  // A next turn that resends the conversation reuses both pages.
-  EXPECT_EQ(cache.probe(tokens({history, {12, 13}}), 4).num_ready_pages, 2);
+  // Positions [0, 8) in 2 whole pages; page 2 holds 2 written positions: a partial leaf.
+  EXPECT_EQ(cache.num_cached_pages(), 3);
+  // A next turn that resends the conversation reuses both pages and copies the partial one's 2 rows.
+  const PrefixCache::Probe p = cache.probe(tokens({history, {12, 13}}), 4);
+  EXPECT_EQ(p.num_ready_pages, 2);
+  EXPECT_EQ(p.num_cached_tokens, 10);
 }
 
 TEST(ServerPrefixCache, EvictsLeastRecentlyUsedUnreferencedLeavesOnly) {
   PrefixCache cache(6, 2, true);
   const std::vector<int32_t> a = {1, 1, 2, 2, 3}, b = {4, 4, 5, 5, 6}, c = {7, 7, 8, 8, 9};
   PrefixCache::Lease la = cache.acquire(a, 3), lb = cache.acquire(b, 3);
-  cache.release(la, a, 5);  // a released first: least recently used
-  cache.release(lb, b, 5);
+  // Released with their last prompt token not fed (whole pages only, no partial leaf); a first: least
+  // recently used.
+  cache.release(la, a, 4);
+  cache.release(lb, b, 4);
   EXPECT_EQ(cache.num_cached_pages(), 4);
   EXPECT_EQ(cache.num_free_pages(), 2);
   // c needs 3 pages: 2 free, then a's leaf (page 2 of a) goes.
@@ -106,7 +168,7 @@ TEST(ServerPrefixCache, EvictsLeastRecentlyUsedUnreferencedLeavesOnly) {
   EXPECT_FALSE(cache.probe(tokens({{9, 9, 9}}), 1).fits);
   cache.check();
   cache.release(lc, c, 0);  // cancelled before any write: its pending pages go, nothing indexed
-  cache.release(lb2, b, 5);
+  cache.release(lb2, b, 4);
   cache.check();
   EXPECT_EQ(cache.num_cached_pages(), 2);
   EXPECT_EQ(cache.flush(), 2);
@@ -114,8 +176,10 @@ TEST(ServerPrefixCache, EvictsLeastRecentlyUsedUnreferencedLeavesOnly) {
 }
 
 // Random acquire / progress / release (at any point: cancellation mid-prefill and mid-decode) / flush on
-// prompts drawn from a few shared prefixes, the invariants checked after every operation; at the end every
-// page is back.
+// prompts drawn from a few shared prefixes (of any length, so matches end inside pages, and one a cut of
+// another), the invariants checked after every operation; at the end every page is back. A shadow pool of
+// token ids plays the engine: acquire copies the partial page's rows, writes go to a lease's own pages only
+// (never to a slot written before), and every lease reads back its own tokens through its page table.
 TEST(ServerPrefixCache, ReferenceCountsUnderRandomOperations) {
   for (const bool enabled : {true, false}) {
     model::Rng rng(enabled ? 17 : 18);
@@ -123,13 +187,18 @@ TEST(ServerPrefixCache, ReferenceCountsUnderRandomOperations) {
     PrefixCache cache(40, kPageSize, enabled);
     std::vector<std::vector<int32_t>> prefixes;
     for (int i = 0; i < 3; ++i) prefixes.push_back(random_tokens(rng, 4 + static_cast<int>(rng.next() % 13), 5));
+    prefixes.push_back(tokens({std::vector<int32_t>(prefixes[0].begin(), prefixes[0].begin() + 3), {9, 9}}));
+    std::vector<std::vector<int32_t>> pool(40, std::vector<int32_t>(kPageSize, -1));  // shadow K/V: token ids
+    const auto slot = [&](const PrefixCache::Lease& lease, int64_t pos) -> int32_t& {
+      return pool[static_cast<size_t>(lease.page_ids[static_cast<size_t>(pos / kPageSize)])][static_cast<size_t>(pos % kPageSize)];
+    };
     struct Live {
       std::vector<int32_t> history;  // prompt and everything it may generate
       int64_t prompt = 0, written = 0;
       PrefixCache::Lease lease;
     };
     std::vector<Live> live;
-    int64_t hits = 0;
+    int64_t hits = 0, partial_hits = 0;
     for (int op = 0; op < 4000; ++op) {
       const uint64_t what = rng.next() % 10;
       if (what < 4) {
@@ -145,17 +214,34 @@ TEST(ServerPrefixCache, ReferenceCountsUnderRandomOperations) {
         const PrefixCache::Probe p = cache.probe(prompt, pages);
         if (!p.fits || p.blocked) continue;
         l.lease = cache.acquire(prompt, pages);
-        ASSERT_EQ(l.lease.num_cached_tokens, p.num_ready_pages * kPageSize);
+        ASSERT_EQ(l.lease.num_cached_tokens, p.num_cached_tokens);
+        ASSERT_EQ(l.lease.copy_source_page >= 0, p.num_cached_tokens % kPageSize != 0);
+        partial_hits += p.num_cached_tokens % kPageSize;
         hits += l.lease.num_cached_tokens;
         l.written = l.lease.num_cached_tokens;
+        const int64_t whole = l.written / kPageSize;
+        for (size_t i = static_cast<size_t>(whole); i < l.lease.page_ids.size(); ++i) pool[static_cast<size_t>(l.lease.page_ids[i])].assign(kPageSize, -1);
+        if (l.lease.copy_source_page >= 0) {
+          std::copy_n(pool[static_cast<size_t>(l.lease.copy_source_page)].begin(), l.written % kPageSize,
+                      pool[static_cast<size_t>(l.lease.page_ids[static_cast<size_t>(whole)])].begin());
+        }
+        for (int64_t pos = 0; pos < l.written; ++pos) ASSERT_EQ(slot(l.lease, pos), l.history[static_cast<size_t>(pos)]) << "op " << op;
         live.push_back(std::move(l));
       } else if (what < 8 && !live.empty()) {
         Live& l = live[rng.next() % live.size()];
         const int64_t room = static_cast<int64_t>(l.history.size()) - 1 - l.written;  // the last token is never fed
+        const int64_t from = l.written;
         if (room > 0) l.written += 1 + static_cast<int64_t>(rng.next() % static_cast<uint64_t>(room));
+        for (int64_t pos = from; pos < l.written; ++pos) {
+          ASSERT_EQ(slot(l.lease, pos), -1) << "op " << op << ": a slot written twice";
+          slot(l.lease, pos) = l.history[static_cast<size_t>(pos)];
+        }
         cache.on_written(l.lease, l.written);
       } else if (what < 9 && !live.empty()) {
         const size_t i = rng.next() % live.size();
+        for (int64_t pos = 0; pos < live[i].written; ++pos) {
+          ASSERT_EQ(slot(live[i].lease, pos), live[i].history[static_cast<size_t>(pos)]) << "op " << op;
+        }
         cache.release(live[i].lease, live[i].history, live[i].written);
         live.erase(live.begin() + static_cast<ptrdiff_t>(i));
       } else if (rng.next() % 8 == 0) {
@@ -164,6 +250,7 @@ TEST(ServerPrefixCache, ReferenceCountsUnderRandomOperations) {
       ASSERT_NO_THROW(cache.check()) << "op " << op;
     }
     EXPECT_EQ(hits > 0, enabled);
+    EXPECT_EQ(partial_hits > 0, enabled);
     for (Live& l : live) cache.release(l.lease, l.history, l.written);
     cache.check();
     EXPECT_EQ(cache.num_used_pages(), 0);
@@ -196,6 +283,10 @@ Workload shared_prefix_workload(uint64_t seed, int num_requests) {
   model::Rng rng(seed);
   std::vector<std::vector<int32_t>> prefixes;
   for (int i = 0; i < 3; ++i) prefixes.push_back(random_tokens(rng, 5 + static_cast<int>(rng.next() % 30)));
+  // One more that leaves prefix 0 inside a page, so matches end there and copy that page's first rows.
+  const size_t cut = std::min<size_t>(prefixes[0].size() - 1, 4 * (prefixes[0].size() / 8) + 2);
+  prefixes.push_back(tokens({std::vector<int32_t>(prefixes[0].begin(), prefixes[0].begin() + static_cast<ptrdiff_t>(cut)),
+                             random_tokens(rng, 6)}));
   Workload w;
   int step = 0;
   for (int i = 0; i < num_requests; ++i) {
@@ -212,6 +303,7 @@ Workload shared_prefix_workload(uint64_t seed, int num_requests) {
 struct Outcome {
   std::vector<std::vector<int32_t>> outputs;
   int64_t written = 0;  // KV positions computed
+  int64_t copied = 0;   // KV positions copied from a partly shared page
   QueueGauges gauges;
 };
 
@@ -231,6 +323,7 @@ Outcome run_workload(const Workload& w, SchedulerOptions options, int num_groups
     out.outputs.push_back(h->wait_finished());
   }
   out.written = exec.num_written_positions;
+  out.copied = exec.num_copied_positions;
   out.gauges = s.gauges();
   EXPECT_EQ(out.gauges.kv_pages_used, 0);
   EXPECT_TRUE(exec.live.empty());
@@ -255,7 +348,36 @@ TEST(ServerPrefixCache, SchedulerOutputsEqualWithAndWithoutTheCache) {
     EXPECT_GT(with.gauges.prefix_cache_hit_tokens, 0) << "seed " << seed;
     EXPECT_EQ(without.gauges.prefix_cache_hit_tokens, 0);
     EXPECT_EQ(with.written + with.gauges.prefix_cache_hit_tokens, without.written) << "seed " << seed;
+    EXPECT_GT(with.copied, 0) << "seed " << seed;  // some matches ended inside a page
+    EXPECT_EQ(without.copied, 0);
   }
+}
+
+// The gsm8k pattern at a small scale: a 42-token prefix (10 pages of 4 and 2 tokens) and 4-token questions,
+// eight at once. The first computes the prefix; each other one shares its 10 whole pages, copies the 2 rows
+// of the prefix's partial page out of the first request's page 10 and computes its question only.
+TEST(ServerPrefixCache, APrefixEndingInsideAPageIsComputedOnce) {
+  model::Rng rng(8);
+  const std::vector<int32_t> prefix = random_tokens(rng, 42);
+  FakeExecutor exec;
+  Scheduler s(exec, {.max_running_requests = 8, .kv_pages = 100, .page_size = 4, .max_prefill_tokens = 64});
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  std::vector<RequestParams> requests;
+  int64_t prompt_tokens = 0;
+  for (int i = 0; i < 8; ++i) {
+    std::vector<int32_t> question = random_tokens(rng, 4);
+    question[0] = i;  // every question differs from the others in its first token
+    requests.push_back(request(tokens({prefix, question}), 3));
+    prompt_tokens += static_cast<int64_t>(requests.back().prompt.size());
+    handles.push_back(s.submit(requests.back()));
+  }
+  run_until_idle(s);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    EXPECT_EQ(handles[i]->wait_finished(), FakeExecutor::expected(requests[i].prompt, 3, 50)) << i;
+  }
+  EXPECT_EQ(s.gauges().prefix_cache_hit_tokens, 7 * 42);
+  EXPECT_EQ(exec.num_copied_positions, 7 * 2);
+  EXPECT_EQ(exec.num_written_positions, prompt_tokens - 7 * 42 + 8 * 2);  // + 2 decode steps each
 }
 
 // Eight requests with one 40-token prefix arrive at once, prefilled 8 tokens per step: the first computes

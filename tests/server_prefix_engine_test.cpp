@@ -1,7 +1,7 @@
 // Prefix caching on the CPU engine: greedy outputs through the scheduler are bitwise the same with and
 // without the cache (attention sums in position order over the page table, so a sequence reading another's
-// pages computes exactly what it would have computed itself), on one rank, on two attention-DP groups, and while
-// EPLB rebalances.
+// pages computes exactly what it would have computed itself, and so does one reading rows copied from a
+// partly shared page), on one rank, on two attention-DP groups, and while EPLB rebalances.
 #include <regex>
 #include <string>
 
@@ -23,7 +23,10 @@ std::vector<RequestParams> shared_prefix_requests(int vocab, uint64_t seed) {
     for (int i = 0; i < n; ++i) out.push_back(static_cast<int32_t>(rng.next() % static_cast<uint64_t>(vocab)));
     return out;
   };
-  const std::vector<std::vector<int32_t>> prefixes = {draw(21), draw(13)};
+  // 21 and 13 tokens end inside pages of 4; the third leaves the first inside its page 3 (copied rows).
+  std::vector<std::vector<int32_t>> prefixes = {draw(21), draw(13)};
+  prefixes.push_back(std::vector<int32_t>(prefixes[0].begin(), prefixes[0].begin() + 14));
+  for (const int32_t t : draw(4)) prefixes.back().push_back(t);
   std::vector<RequestParams> requests;
   for (int i = 0; i < 12; ++i) {
     RequestParams p;
@@ -36,9 +39,31 @@ std::vector<RequestParams> shared_prefix_requests(int vocab, uint64_t seed) {
   return requests;
 }
 
+// The executor, counting the allocations that copy a partly shared page's rows.
+class CopyCounter final : public StepExecutor {
+ public:
+  explicit CopyCounter(StepExecutor& inner) : inner_(inner) {}
+  int vocab_size() const override { return inner_.vocab_size(); }
+  int64_t max_sequence_length() const override { return inner_.max_sequence_length(); }
+  void allocate(SequenceId id, int64_t capacity) override { inner_.allocate(id, capacity); }
+  void allocate_on_pages(SequenceId id, const model::SequencePages& pages) override {
+    if (pages.copy_source_page >= 0) ++copies;
+    inner_.allocate_on_pages(id, pages);
+  }
+  int num_kv_groups() const override { return inner_.num_kv_groups(); }
+  void release(SequenceId id) override { inner_.release(id); }
+  model::StepOutput step(std::span<const model::StepSequence> batch) override { return inner_.step(batch); }
+  bool supports_prompt_logprobs() const override { return inner_.supports_prompt_logprobs(); }
+  int copies = 0;
+
+ private:
+  StepExecutor& inner_;
+};
+
 // Submits the requests in two waves (the second finds the first's pages cached) and runs them to the end.
-std::vector<std::vector<int32_t>> run(EngineStepExecutor& executor, const std::vector<RequestParams>& requests,
-                                      bool prefix_cache, QueueGauges& gauges) {
+std::vector<std::vector<int32_t>> run(EngineStepExecutor& engine, const std::vector<RequestParams>& requests,
+                                      bool prefix_cache, QueueGauges& gauges, int* copies = nullptr) {
+  CopyCounter executor(engine);
   Scheduler s(executor, {.max_running_requests = 4, .kv_pages = 48, .page_size = 4, .max_prefill_tokens = 7,
                          .prefix_cache = prefix_cache});
   std::vector<std::shared_ptr<RequestHandle>> handles;
@@ -56,6 +81,7 @@ std::vector<std::vector<int32_t>> run(EngineStepExecutor& executor, const std::v
   }
   gauges = s.gauges();
   EXPECT_EQ(gauges.kv_pages_used, 0);
+  if (copies != nullptr) *copies = executor.copies;
   return out;
 }
 
@@ -69,10 +95,12 @@ std::string expect_cache_changes_nothing(EngineExecutorOptions options) {
   EngineStepExecutor executor(std::move(options));
   const std::vector<RequestParams> requests = shared_prefix_requests(executor.vocab_size(), 3);
   QueueGauges with_gauges, without_gauges;
-  const auto with = run(executor, requests, true, with_gauges);
+  int copies = 0;
+  const auto with = run(executor, requests, true, with_gauges, &copies);
   const auto without = run(executor, requests, false, without_gauges);
   EXPECT_EQ(with, without);
   EXPECT_GT(with_gauges.prefix_cache_hit_tokens, 0);
+  EXPECT_GT(copies, 0);  // some sequences read rows copied from a partly shared page
   EXPECT_EQ(without_gauges.prefix_cache_hit_tokens, 0);
   return metrics.render({});
 }

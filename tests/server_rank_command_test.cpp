@@ -27,7 +27,8 @@ TEST(RankCommand, EveryKindRoundTrips) {
   add.capacity = 300;
   add.dp_group = 1;
   add.page_ids = {4, 5, 6};
-  add.num_cached_tokens = 32;
+  add.num_cached_tokens = 34;
+  add.copy_source_page = 9;  // rows [0, 2) of page 9 copied into page 6 (page size 16)
   RankCommand stop;
   stop.kind = RankCommand::Kind::kStop;
   for (const RankCommand& c : {pass_command(), add, stop}) EXPECT_EQ(decode_rank_command(encode(c)), c);

@@ -54,8 +54,10 @@ class FakeExecutor final : public server::StepExecutor {
     FULCRUM_CHECK(!live.contains(id), "double allocate {}", id);
     const auto num_pages = static_cast<size_t>((p.capacity + page_size_ - 1) / page_size_);
     FULCRUM_CHECK(p.page_ids.size() == num_pages, "sequence {}: {} pages for capacity {}", id, p.page_ids.size(), p.capacity);
-    FULCRUM_CHECK(p.num_cached_tokens % page_size_ == 0, "sequence {}: {} cached tokens", id, p.num_cached_tokens);
     const auto num_cached_pages = static_cast<size_t>(p.num_cached_tokens / page_size_);
+    const auto copied = static_cast<size_t>(p.num_cached_tokens % page_size_);
+    FULCRUM_CHECK((copied > 0) == (p.copy_source_page >= 0), "sequence {}: {} cached tokens, copy source {}", id,
+                  p.num_cached_tokens, p.copy_source_page);
     for (size_t i = 0; i < num_pages; ++i) {
       FULCRUM_CHECK(p.dp_group >= 0 && p.dp_group < num_groups, "sequence {}: group {}", id, p.dp_group);
       const PageKey page{p.dp_group, p.page_ids[i]};
@@ -71,6 +73,16 @@ class FakeExecutor final : public server::StepExecutor {
                       "sequence {}: fresh page {} is held by sequence {}", id, page.second, other);
       }
       slots.assign(static_cast<size_t>(page_size_), -1);
+      if (i == num_cached_pages && copied > 0) {  // copy on write of the source page's first rows
+        FULCRUM_CHECK(std::find(p.page_ids.begin(), p.page_ids.end(), p.copy_source_page) == p.page_ids.end(),
+                      "sequence {}: copy source page {} is in its table", id, p.copy_source_page);
+        const std::vector<int32_t>& src = pages_.at({p.dp_group, p.copy_source_page});
+        FULCRUM_CHECK(std::find(src.begin(), src.begin() + static_cast<ptrdiff_t>(copied), -1) ==
+                          src.begin() + static_cast<ptrdiff_t>(copied),
+                      "sequence {}: copy source page {} is not written", id, p.copy_source_page);
+        std::copy_n(src.begin(), copied, slots.begin());
+        num_copied_positions += static_cast<int64_t>(copied);
+      }
     }
     for (const int32_t page : p.page_ids) tables_[id].push_back({p.dp_group, page});
     group_of[id] = p.dp_group;
@@ -146,6 +158,7 @@ class FakeExecutor final : public server::StepExecutor {
   int steps = 0;
   int64_t num_written_positions = 0;  // KV positions written (computed) over caller-chosen pages
   int64_t num_cached_tokens_seen = 0;  // positions allocate_on_pages said were cached
+  int64_t num_copied_positions = 0;    // of which copied from a partly shared page
   int num_groups = 1;                  // attention-DP groups it reports
   std::map<server::SequenceId, int> group_of;  // group of each sequence allocated on pages (kept after release)
   std::vector<std::vector<SeenEntry>> steps_seen;  // per step, in batch order

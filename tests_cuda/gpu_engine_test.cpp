@@ -387,6 +387,54 @@ TEST_F(GpuEngineTest, SharedPrefixPagesGiveTheWholePromptsLogits) {
   EXPECT_THROW(engine.allocate(9, 10), Error);
 }
 
+// Copy on write of a partly shared page (SequencePages::copy_source_page): a sequence that shares another's 4
+// whole prompt pages and the first 6 rows of its 5th, copied into a page of its own on every layer, prefilling
+// from position 70, gives the logits of its whole prompt computed on fresh pages; the source page is left as
+// it was (its owner goes on as a sequence on fresh pages does). A copy that does not fit the cached count is
+// refused.
+TEST_F(GpuEngineTest, PartlySharedPageCopiedOnWriteGivesTheWholePromptsLogits) {
+  const model::Qwen3MoeConfig config = small_config();
+  gpu::GpuEngineOptions o = small_options();
+  o.page_size = 16;
+  o.kv_pages = 64;
+  gpu::GpuEngine engine(config, o);
+  engine.fill_random(33);
+  const std::vector<int32_t> prefix = random_tokens(70, config.vocab_size, 44);  // 4 pages and 6 rows
+  std::vector<int32_t> a = prefix, b = prefix;
+  for (const int32_t t : random_tokens(9, config.vocab_size, 45)) a.push_back(t);
+  for (const int32_t t : random_tokens(21, config.vocab_size, 46)) b.push_back(t);
+  const int v = engine.vocab_size();
+  const auto last = [&](const std::vector<model::HostTensor>& logits) {
+    return std::vector<float>(logits[0].data.end() - v, logits[0].data.end());
+  };
+  const int64_t cap_a = static_cast<int64_t>(a.size()) + 2, cap_b = static_cast<int64_t>(b.size()) + 2;
+  const std::vector<int32_t> pages_a = {0, 1, 2, 3, 4, 5}, pages_b = {0, 1, 2, 3, 6, 7},
+                             pages_c = {8, 9, 10, 11, 12, 13};
+  engine.allocate_on_pages(1, {cap_a, 0, pages_a, 0});
+  engine.forward_logits(std::vector<model::StepSequence>{entry(1, a, false)});
+  EXPECT_THROW(engine.allocate_on_pages(2, {cap_b, 0, pages_b, 70}), Error);        // no copy source
+  EXPECT_THROW(engine.allocate_on_pages(2, {cap_b, 0, pages_b, 64, 4}), Error);     // nothing to copy
+  EXPECT_THROW(engine.allocate_on_pages(2, {cap_b, 0, pages_b, 70, 6}), Error);     // the source in its table
+  engine.allocate_on_pages(2, {cap_b, 0, pages_b, 70, 4});  // rows [0, 6) of page 4 into page 6
+  const std::vector<float> shared =
+      last(engine.forward_logits(std::vector<model::StepSequence>{entry(2, std::span(b).subspan(70), false)}));
+  engine.allocate_on_pages(3, {cap_b, 0, pages_c, 0});
+  const std::vector<float> whole = last(engine.forward_logits(std::vector<model::StepSequence>{entry(3, b, false)}));
+  const double rel = rel_error(shared, whole);
+  EXPECT_LE(rel, kBatchRelTolerance);
+  std::cout << "[ prefix cache ] suffix over a copied partial page vs whole prompt: rel " << rel << "\n";
+  // Sequence 1 continues on its pages, page 4 included, as a sequence on fresh pages does.
+  const int32_t next = 7;
+  const std::vector<float> after_a =
+      last(engine.forward_logits(std::vector<model::StepSequence>{entry(1, std::span(&next, 1), false)}));
+  std::vector<int32_t> a_next = a;
+  a_next.push_back(next);
+  const std::vector<int32_t> pages_d = {14, 15, 16, 17, 18, 19};
+  engine.allocate_on_pages(4, {cap_a, 0, pages_d, 0});
+  EXPECT_LE(rel_error(after_a, last(engine.forward_logits(std::vector<model::StepSequence>{entry(4, a_next, false)}))),
+            kBatchRelTolerance);
+}
+
 TEST_F(GpuEngineTest, BadRequestsAreOneLineErrors) {
   const model::Qwen3MoeConfig config = small_config(1);
   gpu::GpuEngineOptions o = small_options();

@@ -64,7 +64,7 @@ int RankEngine::add_sequence(SequenceId id, int64_t capacity) {
 }
 
 void RankEngine::add_sequence_on_pages(SequenceId id, int64_t capacity, int dp_group, std::span<const int32_t> page_ids,
-                                       int64_t num_cached_tokens) {
+                                       int64_t num_cached_tokens, int32_t copy_source_page) {
   FULCRUM_CHECK(!live_.contains(id), "sequence {} is already live", id);
   FULCRUM_CHECK(capacity > 0, "sequence {}: capacity must be positive, got {}", id, capacity);
   FULCRUM_CHECK(dp_group >= 0 && dp_group < layout_.attn_dp_size(), "sequence {}: attention-DP group {} outside [0, {})",
@@ -72,7 +72,7 @@ void RankEngine::add_sequence_on_pages(SequenceId id, int64_t capacity, int dp_g
   if (group_sizes_.empty()) group_sizes_.assign(static_cast<size_t>(layout_.attn_dp_size()), 0);
   LiveSequence seq;
   seq.dp_group = dp_group;
-  if (dp_group == coords_.attn_dp_rank) seq.cache = model_->map_kv_cache(page_ids, capacity, num_cached_tokens);
+  if (dp_group == coords_.attn_dp_rank) seq.cache = model_->map_kv_cache(page_ids, capacity, num_cached_tokens, copy_source_page);
   live_.emplace(id, std::move(seq));
   ++group_sizes_[static_cast<size_t>(dp_group)];
 }

@@ -66,9 +66,10 @@ class RankEngine {
   // the ranks of that group allocate its KV cache (Qwen3MoeModel::create_kv_cache).
   int add_sequence(SequenceId id, int64_t capacity);
   // Adds sequence `id` to attention-DP group `dp_group` over pages the caller chose (Qwen3MoeModel::
-  // map_kv_cache; positions [0, num_cached_tokens) already filled): the server's prefix cache picks both.
+  // map_kv_cache; positions [0, num_cached_tokens) already filled, the last partial page's rows copied from
+  // copy_source_page when >= 0): the server's prefix cache picks them.
   void add_sequence_on_pages(SequenceId id, int64_t capacity, int dp_group, std::span<const int32_t> page_ids,
-                             int64_t num_cached_tokens);
+                             int64_t num_cached_tokens, int32_t copy_source_page = -1);
   // Drops sequence `id` and frees its cache; a no-op when it is not live.
   void drop_sequence(SequenceId id);
 

@@ -54,7 +54,7 @@ void DeviceKvPool::allocate(SequenceId id, int64_t capacity) {
 }
 
 void DeviceKvPool::allocate_on_pages(SequenceId id, int64_t capacity, std::span<const int32_t> page_ids,
-                                     int64_t num_cached_tokens) {
+                                     int64_t num_cached_tokens, int32_t copy_source_page, CUstream_st* stream) {
   FULCRUM_CHECK(!live(id), "sequence {} is already live", id);
   FULCRUM_CHECK(capacity >= 1, "sequence {}: capacity {} must be positive", id, capacity);
   FULCRUM_CHECK(num_cached_tokens >= 0 && num_cached_tokens < capacity, "sequence {}: {} cached positions of {}", id,
@@ -68,6 +68,23 @@ void DeviceKvPool::allocate_on_pages(SequenceId id, int64_t capacity, std::span<
   std::sort(sorted.begin(), sorted.end());
   FULCRUM_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "sequence {}: a page id twice", id);
   FULCRUM_CHECK(sorted.front() >= 0 && sorted.back() < num_pages_, "sequence {}: page ids outside [0, {})", id, num_pages_);
+  const int64_t copied_rows = num_cached_tokens % page_size_;
+  FULCRUM_CHECK((copied_rows > 0) == (copy_source_page >= 0),
+                "sequence {}: {} cached positions of pages of {} with copy source page {}", id, num_cached_tokens,
+                page_size_, copy_source_page);
+  if (copied_rows > 0) {  // copy on write: the source page stays as it is, the copy is this sequence's own
+    FULCRUM_CHECK(copy_source_page < num_pages_ && !std::binary_search(sorted.begin(), sorted.end(), copy_source_page),
+                  "sequence {}: copy source page {} outside [0, {}) or in its table", id, copy_source_page, num_pages_);
+    const int64_t row = int64_t{num_kv_heads_} * head_dim_;  // bf16 elements
+    const int64_t dst = page_ids[static_cast<size_t>(num_cached_tokens / page_size_)] * int64_t{page_size_} * row;
+    const int64_t src = copy_source_page * int64_t{page_size_} * row;
+    const size_t bytes = static_cast<size_t>(copied_rows * row) * sizeof(uint16_t);
+    for (int l = 0; l < num_layers_; ++l) {
+      for (uint16_t* pool : {k(l), v(l)}) {
+        FULCRUM_CUDA_CHECK(cudaMemcpyAsync(pool + dst, pool + src, bytes, cudaMemcpyDeviceToDevice, stream));
+      }
+    }
+  }
   mapped_ = true;
   KvSequence seq;
   seq.capacity = capacity;

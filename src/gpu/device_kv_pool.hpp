@@ -14,6 +14,8 @@
 #include <span>
 #include <vector>
 
+struct CUstream_st;
+
 namespace fulcrum::gpu {
 
 using SequenceId = int64_t;
@@ -45,8 +47,12 @@ class DeviceKvPool {
   // Reserves the pages of a new sequence; "KV pool exhausted: need N pages, M free" when they are not there.
   void allocate(SequenceId id, int64_t capacity);
   // A sequence over the caller's `page_ids` (ceil(capacity / page_size) distinct ids), positions
-  // [0, num_cached_tokens) already written (shared pages, read only).
-  void allocate_on_pages(SequenceId id, int64_t capacity, std::span<const int32_t> page_ids, int64_t num_cached_tokens);
+  // [0, num_cached_tokens) already written (shared pages, read only). copy_source_page >= 0
+  // (model::SequencePages::copy_source_page): rows [0, num_cached_tokens % page_size) of that page are copied
+  // into page_ids[num_cached_tokens / page_size] on every layer's K and V pool, enqueued on `stream` (so
+  // ordered before the steps that follow on it).
+  void allocate_on_pages(SequenceId id, int64_t capacity, std::span<const int32_t> page_ids, int64_t num_cached_tokens,
+                         int32_t copy_source_page = -1, CUstream_st* stream = nullptr);
   void release(SequenceId id);  // no-op for an id that is not live
   bool live(SequenceId id) const { return seqs_.count(id) != 0; }
   KvSequence& sequence(SequenceId id);  // throws for an id that is not live

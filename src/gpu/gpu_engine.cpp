@@ -234,7 +234,7 @@ void GpuEngine::allocate_on_pages(model::SequenceId id, const model::SequencePag
   FULCRUM_CHECK(pages.dp_group == 0, "sequence {}: attention-DP group {}, the GPU engine has one", id, pages.dp_group);
   FULCRUM_CHECK(pages.capacity <= max_sequence_length(), "sequence {}: capacity {} exceeds the longest sequence {}", id,
                 pages.capacity, max_sequence_length());
-  kv_->allocate_on_pages(id, pages.capacity, pages.page_ids, pages.num_cached_tokens);
+  kv_->allocate_on_pages(id, pages.capacity, pages.page_ids, pages.num_cached_tokens, pages.copy_source_page, stream_);
 }
 
 void GpuEngine::release(model::SequenceId id) { kv_->release(id); }

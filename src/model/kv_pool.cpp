@@ -115,7 +115,8 @@ KvCache KvPool::create_cache(int64_t capacity) {
   return cache;
 }
 
-KvCache KvPool::map_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens) {
+KvCache KvPool::map_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens,
+                          int32_t copy_source_page) {
   FULCRUM_CHECK(capacity > 0, "kv cache capacity must be positive, got {}", capacity);
   FULCRUM_CHECK(num_cached_tokens >= 0 && num_cached_tokens < capacity, "kv cache: {} cached positions of {}",
                 num_cached_tokens, capacity);
@@ -133,7 +134,24 @@ KvCache KvPool::map_cache(std::span<const int32_t> page_ids, int64_t capacity, i
   std::vector<int32_t> sorted(page_ids.begin(), page_ids.end());
   std::sort(sorted.begin(), sorted.end());
   FULCRUM_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "kv cache: a page id twice in one table");
+  const int64_t copied_rows = num_cached_tokens % page_size_;
+  FULCRUM_CHECK((copied_rows > 0) == (copy_source_page >= 0),
+                "kv cache: {} cached positions of pages of {} with copy source page {}", num_cached_tokens, page_size_,
+                copy_source_page);
+  const int32_t copy_dest_page = copied_rows > 0 ? page_ids[static_cast<size_t>(num_cached_tokens / page_size_)] : -1;
+  if (copied_rows > 0) {
+    FULCRUM_CHECK(copy_source_page < num_pages_ && !std::binary_search(sorted.begin(), sorted.end(), copy_source_page),
+                  "kv cache: copy source page {} outside the pool's {} pages or in the table", copy_source_page, num_pages_);
+  }
   if (max_id >= num_pages_) resize_locked((max_id + kGrowPages) / kGrowPages * kGrowPages);  // growing mode only
+  if (copied_rows > 0) {  // copy on write: the source page stays as it is, the copy is this sequence's own
+    for (size_t layer = 0; layer < k_.size(); ++layer) {
+      for (std::vector<Tensor>* pool : {&k_, &v_}) {
+        const Tensor& t = (*pool)[layer];
+        backend_.copy(t.rows(copy_dest_page * page_size_, copied_rows), t.rows(copy_source_page * page_size_, copied_rows));
+      }
+    }
+  }
   mapped_ = true;
   KvCache cache;
   cache.pool_ = weak_from_this();

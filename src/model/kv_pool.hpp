@@ -70,7 +70,10 @@ class KvPool : public std::enable_shared_from_this<KvPool> {
   // A cache of `capacity` positions over the caller's `page_ids` (ceil(capacity / page_size) distinct ids
   // in [0, num_pages)); positions [0, num_cached_tokens) already hold this sequence's K/V (pages shared
   // with an earlier sequence), so num_tokens starts there. A growing pool grows to cover the ids.
-  KvCache map_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens);
+  // copy_source_page >= 0 (model::SequencePages::copy_source_page): rows [0, num_cached_tokens % page_size)
+  // of that page are first copied into page_ids[num_cached_tokens / page_size] on every layer.
+  KvCache map_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens,
+                    int32_t copy_source_page = -1);
 
   int64_t page_size() const { return page_size_; }
   bool fixed() const { return fixed_; }

@@ -118,8 +118,9 @@ class Qwen3MoeModel {
   // it, a request beyond the free pages throws "KV pool exhausted: need N pages, M free".
   KvCache create_kv_cache(int64_t capacity);
   // A cache over pages the caller chose (KvPool::map_cache: the server's prefix cache shares pages).
-  KvCache map_kv_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens) {
-    return kv_pool_->map_cache(page_ids, capacity, num_cached_tokens);
+  KvCache map_kv_cache(std::span<const int32_t> page_ids, int64_t capacity, int64_t num_cached_tokens,
+                       int32_t copy_source_page = -1) {
+    return kv_pool_->map_cache(page_ids, capacity, num_cached_tokens, copy_source_page);
   }
   // Fixes the pool at `num_pages` pages of `page_size` positions, allocated now; no cache may be alive.
   void reserve_kv_pool(int64_t num_pages, int64_t page_size);

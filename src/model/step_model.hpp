@@ -75,10 +75,15 @@ struct SequencePages {
   int64_t capacity = 0;               // positions the sequence holds at most (prompt + generated)
   int dp_group = 0;                   // in [0, num_kv_groups())
   std::span<const int32_t> page_ids;  // ceil(capacity / page_size) distinct pages, in position order
-  // Positions [0, num_cached_tokens) already hold K/V of the sequence's first tokens, written by an earlier
-  // sequence into page_ids' first pages (a whole number of pages); they are read, never written again, and
-  // the first step appends after them. Less than capacity.
+  // Positions [0, num_cached_tokens) already hold K/V of the sequence's first tokens, and the first step
+  // appends after them. Less than capacity. Its first num_cached_tokens / page_size pages were written by an
+  // earlier sequence; they are read, never written again.
   int64_t num_cached_tokens = 0;
+  // Copy on write of a partly shared page: when num_cached_tokens % page_size = r > 0, the allocation first
+  // copies rows [0, r) of pool page copy_source_page (cached, not in page_ids) into the sequence's own page
+  // page_ids[num_cached_tokens / page_size], on every layer and rank of the group, ordered before any later
+  // step. -1 exactly when r = 0. The caller keeps the source page unchanged until the next step has run.
+  int32_t copy_source_page = -1;
 };
 
 class StepModel {

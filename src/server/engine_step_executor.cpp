@@ -124,7 +124,8 @@ void EngineStepExecutor::allocate_on_pages(SequenceId id, const model::SequenceP
   FULCRUM_CHECK(pages.num_cached_tokens >= 0 && pages.num_cached_tokens < pages.capacity,
                 "sequence {}: {} cached positions of {}", id, pages.num_cached_tokens, pages.capacity);
   add_on_ranks({.kind = RankCommand::Kind::kAddOnPages, .id = id, .capacity = pages.capacity, .dp_group = pages.dp_group,
-                .page_ids = {pages.page_ids.begin(), pages.page_ids.end()}, .num_cached_tokens = pages.num_cached_tokens});
+                .page_ids = {pages.page_ids.begin(), pages.page_ids.end()}, .num_cached_tokens = pages.num_cached_tokens,
+                .copy_source_page = pages.copy_source_page});
   live_.at(id).num_tokens = pages.num_cached_tokens;
 }
 
@@ -134,7 +135,8 @@ void EngineStepExecutor::apply_add(engine::InProcessRank& me, const RankCommand&
   if (add.kind == RankCommand::Kind::kAdd) {
     engine.add_sequence(add.id, add.capacity);
   } else {
-    engine.add_sequence_on_pages(add.id, add.capacity, add.dp_group, add.page_ids, add.num_cached_tokens);
+    engine.add_sequence_on_pages(add.id, add.capacity, add.dp_group, add.page_ids, add.num_cached_tokens,
+                                 add.copy_source_page);
   }
 }
 

@@ -71,6 +71,7 @@ std::vector<std::byte> encode(const RankCommand& c) {
       w.pod(c.dp_group);
       w.list(c.page_ids);
       w.pod(c.num_cached_tokens);
+      w.pod(c.copy_source_page);
       break;
     case RankCommand::Kind::kPass:
       w.list(c.batch_ids);
@@ -100,6 +101,7 @@ RankCommand decode_rank_command(std::span<const std::byte> bytes) {
       c.dp_group = r.pod<int32_t>();
       c.page_ids = r.list<int32_t>();
       c.num_cached_tokens = r.pod<int64_t>();
+      c.copy_source_page = r.pod<int32_t>();
       break;
     case RankCommand::Kind::kPass:
       c.batch_ids = r.list<model::SequenceId>();

@@ -31,6 +31,7 @@ struct RankCommand {
   int32_t dp_group = 0;
   std::vector<int32_t> page_ids;
   int64_t num_cached_tokens = 0;
+  int32_t copy_source_page = -1;  // kAddOnPages: model::SequencePages::copy_source_page
   // kPass: entry i is sequence batch_ids[i] with new tokens batch_tokens[i], logits of its last batch_last_rows[i]
   // positions (the sampling row and the prompt rows asked for logprobs)
   std::vector<model::SequenceId> batch_ids;

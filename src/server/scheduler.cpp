@@ -134,8 +134,8 @@ int Scheduler::pick_group(const Sequence& seq) const {
   for (int g = 0; g < static_cast<int>(caches_.size()); ++g) {
     const PrefixCache::Probe p = caches_[static_cast<size_t>(g)]->probe(seq.match_prompt(), seq.pages);
     if (!p.fits) continue;
-    if (best < 0 || p.num_ready_pages > best_probe.num_ready_pages ||
-        (p.num_ready_pages == best_probe.num_ready_pages &&
+    if (best < 0 || p.num_cached_tokens > best_probe.num_cached_tokens ||
+        (p.num_cached_tokens == best_probe.num_cached_tokens &&
          group_running_[static_cast<size_t>(g)] < group_running_[static_cast<size_t>(best)])) {
       best = g;
       best_probe = p;
@@ -160,7 +160,8 @@ void Scheduler::admit() {
                                   {.capacity = static_cast<int64_t>(seq->params.prompt.size()) + seq->params.max_tokens,
                                    .dp_group = group,
                                    .page_ids = seq->lease.page_ids,
-                                   .num_cached_tokens = cached});
+                                   .num_cached_tokens = cached,
+                                   .copy_source_page = seq->lease.copy_source_page});
     } catch (const ExecutorFailure&) {  // no rank can run anything: Scheduler::run ends every request and stops
       cache.release(seq->lease, {}, 0);
       finish(*seq, FinishReason::kError);
