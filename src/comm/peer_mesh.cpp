@@ -386,6 +386,7 @@ void PeerMesh::begin_epoch(uint64_t epoch, const std::vector<int>& members) {
   std::lock_guard lock(mutex_);
   FULCRUM_CHECK(epoch > epoch_, "epoch {} after epoch {}", epoch, epoch_);
   epoch_ = epoch;
+  failure_.clear();  // the next epoch's errors name its own failure
   aborted_ = std::any_of(members.begin(), members.end(),
                          [&](int r) { return r != rank_ && peers_.at(static_cast<size_t>(r))->state != PeerState::kConnected; });
 }

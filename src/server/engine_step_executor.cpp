@@ -444,10 +444,9 @@ void EngineStepExecutor::reform_world() {
   for (size_t g = 0; g < next.group_hosts.size(); ++g) {
     if (next.group_hosts[g] != static_cast<int>(g)) moved.push_back(fmt::format("{} -> rank {}", g, next.group_hosts[g]));
   }
-  elastic_log(fmt::format("re-planned: {} over {} EP rank(s), {} slots per MoE layer (every expert kept; all weights "
-                          "read again from the checkpoint); KV groups moved: {}",
-                          layout_->describe(), layout_->ep(), layout_->num_physical_experts(),
-                          moved.empty() ? "none" : fmt::format("{}", fmt::join(moved, ", "))));
+  elastic_log(fmt::format("re-planned onto {} (the default planner on the survivors' recorded loads; every expert "
+                          "kept; all weights read again from the checkpoint); KV groups moved: {}",
+                          layout_->describe(), moved.empty() ? "none" : fmt::format("{}", fmt::join(moved, ", "))));
   if (options_.metrics != nullptr) options_.metrics->set_live_ranks(static_cast<int>(members_.size()));
 }
 
