@@ -118,7 +118,7 @@ void expect_recovered(const ServerProcess& server, int recoveries, int live_rank
   EXPECT_EQ(m["fulcrum_live_ranks"], live_ranks);
   EXPECT_EQ(m["fulcrum_elastic_recoveries_total"], recoveries);
   EXPECT_GE(m["fulcrum_elastic_reprefilled_requests_total"], 1);  // the fault struck live requests
-  EXPECT_EQ(m["fulcrum_elastic_recovery_seconds"], seconds.back());
+  EXPECT_NEAR(m["fulcrum_elastic_recovery_seconds"], seconds.back(), 0.0005);  // the log rounds to ms
 }
 
 TEST(ElasticServe, AKilledRankUnderConcurrentClientsLosesNoRequestAndChangesNoOutput) {
@@ -151,7 +151,8 @@ TEST(ElasticServe, AStoppedRankIsDroppedAfterTheTimeout) {
     ASSERT_GT(rank1, 0) << server.log();
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank1, SIGSTOP), 0); }), reference);
     expect_recovered(server, 1, 3, "1");
-    EXPECT_GE(recovery_seconds(server.log()).at(0), 2.0);  // found by the 2 s --elastic-ep-timeout, not before
+    // Found by the heartbeat timeout (the recovery time starts there: fault detected -> first completed step).
+    EXPECT_NE(server.log().find("sent nothing, not even a heartbeat, for 2.0 s"), std::string::npos) << server.log();
     EXPECT_EQ(server.terminate(), 0) << server.log();  // the stopped process is killed by the launcher
   }
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
