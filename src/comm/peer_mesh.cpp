@@ -16,8 +16,10 @@ namespace {
 constexpr uint32_t kMagic = 0x464c4d31;  // "FLM1"
 constexpr uint64_t kGoodbyeChannel = 0;  // a frame on channel 0 says "this rank is done"
 constexpr uint64_t kHeartbeatChannel = 1;  // "still here" (no group uses it: group ids are even and nonzero)
-constexpr uint64_t kAbortChannel = 3;  // elastic: "abort epoch E" (8 bytes: E); odd, as heartbeats, unused by groups
-constexpr uint64_t kControlChannel = 5;  // elastic: recovery messages
+// Elastic: "abort epoch E" (8 bytes: E), and the recovery's messages. Groups use even ids and their odd
+// twins (the world's point-to-point channel is 3), pseudo-random past the world's: these two are far from both.
+constexpr uint64_t kAbortChannel = 0xffff'ffff'ffff'ff01;
+constexpr uint64_t kControlChannel = 0xffff'ffff'ffff'ff03;
 constexpr int kHeartbeatsPerTimeout = 5;
 
 struct Hello {
