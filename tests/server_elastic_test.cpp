@@ -177,6 +177,30 @@ TEST(ElasticServe, TwoRanksKilledOneAfterTheOther) {
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
 }
 
+// Live EPLB (rebalances and slot migrations between the processes) before and after the fault: the new
+// world's ranks run it again from the re-planned placement.
+TEST(ElasticServe, AKilledRankWithLiveEplbChangesNoOutput) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_eplb");
+  {
+    std::vector<std::string> flags = elastic_flags(dir);
+    flags.insert(flags.end(), {"--ep-num-redundant-experts", "4", "--enable-eplb", "--eplb-rebalance-num-iterations", "4",
+                               "--expert-distribution-recorder-buffer-size", "8"});
+    ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
+    const pid_t rank3 = wait_rank_pid(server, 3);
+    ASSERT_GT(rank3, 0) << server.log();
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_GE(logged_rebalances(server.log()).size(), 1u) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank3, SIGKILL), 0); }), reference);
+    expect_recovered(server, 1, 3, "3");
+    EXPECT_NE(server.log().find("129 slots per MoE layer"), std::string::npos) << server.log();  // 132 / 4 x 3 < 128
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
 TEST(ElasticServe, UnsupportedLayoutsAreRefusedInOneLine) {
   TempDir dir("serve_elastic_refused");
   const std::string model = "serve --port 0 --model " + skewed_served_model();
