@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def main():
         "elastic_log": [l for l in log.splitlines() if "elastic:" in l or " lost: " in l],
         "server_exit": server.returncode,
     }
+    shutil.rmtree(work, ignore_errors=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
