@@ -14,6 +14,7 @@
 #include "cli/number_checks.hpp"
 #include "eplb/error.hpp"
 #include "server/load_generator.hpp"
+#include "server/elastic_world.hpp"
 #include "server/serve.hpp"
 
 namespace fulcrum::cli {
@@ -98,17 +99,28 @@ void register_serve_command(CLI::App& app) {
                   "Ranks as processes: seconds after which a rank that sent nothing, not even a heartbeat, has "
                   "failed (a hung or stopped process, a cut link); every wait on a peer is bounded by it")
       ->capture_default_str()->check(kPositive);
+  cmd->add_flag("--enable-elastic-ep", o->enable_elastic_ep,
+                "Ranks as processes: survive a lost rank other than world rank 0 (killed, stopped or cut off): the "
+                "others form a new world without it, re-plan the experts over the survivors and re-prefill its "
+                "requests. Needs --enable-dp-attention with --dp = --tp = --ep, --pp 1 and --disable-radix-cache");
   cmd->callback([o, engine_flags, dist] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
     o->parallel = engine_flags->resolved_parallel();
     const engine::ParallelLayout layout(o->parallel, config);
     o->run = engine_flags->make_run(layout, config);
     o->rank = engine::launched_rank();
+    if (o->enable_elastic_ep) {
+      FULCRUM_CHECK(engine::runs_as_processes(*dist, o->run.device, layout.world_size()),
+                    "--enable-elastic-ep needs ranks as processes (--multi-process with --device cpu)");
+      const std::string why = server::why_elastic_ep_cannot_run(o->parallel, o->scheduler.prefix_cache, o->run.device);
+      FULCRUM_CHECK(why.empty(), "{}", why);
+    }
     // Ranks as processes on cpu (cuda ranks of the parallel engine are not served yet: serve says so).
     if (!o->rank && o->run.device == "cpu" && engine::runs_as_processes(*dist, o->run.device, layout.world_size())) {
       engine::validate_dist_flags(*dist, layout.world_size());
       engine::launch_rank_processes(*dist, layout.world_size(), o->run.device,
-                                    {.stream_stderr = true, .forward_signals = true});
+                                    {.stream_stderr = true, .forward_signals = true,
+                                     .survive_lost_ranks = o->enable_elastic_ep});
       return;
     }
     server::serve(*o);

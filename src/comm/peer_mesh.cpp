@@ -16,6 +16,10 @@ namespace {
 constexpr uint32_t kMagic = 0x464c4d31;  // "FLM1"
 constexpr uint64_t kGoodbyeChannel = 0;  // a frame on channel 0 says "this rank is done"
 constexpr uint64_t kHeartbeatChannel = 1;  // "still here" (no group uses it: group ids are even and nonzero)
+// Elastic: "abort epoch E" (8 bytes: E), and the recovery's messages. Groups use even ids and their odd
+// twins (the world's point-to-point channel is 3), pseudo-random past the world's: these two are far from both.
+constexpr uint64_t kAbortChannel = 0xffff'ffff'ffff'ff01;
+constexpr uint64_t kControlChannel = 0xffff'ffff'ffff'ff03;
 constexpr int kHeartbeatsPerTimeout = 5;
 
 struct Hello {
@@ -231,6 +235,7 @@ void PeerMesh::check_liveness(int src, Clock::time_point now) {
                            "its connection): {}",
                            src, peer.address, liveness_timeout_.count() / 1000.0, kPeerFailedPhrase);
   }
+  on_peer_failed();
   peer.socket.shutdown_both();  // it is out of this world for good, whatever it does later
 }
 
@@ -257,6 +262,16 @@ void PeerMesh::read_loop(int src) {
         peer.last_heard = Clock::now();
         continue;
       }
+      if (header.channel == kAbortChannel) {
+        uint64_t epoch = 0;
+        FULCRUM_CHECK(header.num_bytes == sizeof(epoch) && read_all(peer.socket, pod_writable(epoch), what),
+                      "{}: malformed abort frame", what);
+        std::lock_guard lock(mutex_);
+        peer.last_heard = Clock::now();
+        if (elastic_ && epoch == epoch_) aborted_ = true;
+        cv_.notify_all();
+        continue;
+      }
       FULCRUM_CHECK(header.num_bytes <= (uint64_t{1} << 40), "{}: frame of {} bytes", what, header.num_bytes);
       std::vector<std::byte> message(header.num_bytes);
       if (!read_all(peer.socket, message, what) && !message.empty()) break;
@@ -275,6 +290,7 @@ void PeerMesh::read_loop(int src) {
   if (end == PeerState::kFailed && failure_.empty()) {
     failure_ = fmt::format("rank {} ({}) {}: it failed or was killed", src, peer.address, kPeerFailedPhrase);
   }
+  if (end == PeerState::kFailed) on_peer_failed();
   cv_.notify_all();
 }
 
@@ -299,12 +315,15 @@ void PeerMesh::send(uint64_t channel, int dst, std::span<const std::byte> data) 
   }
 }
 
-std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) {
+std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) { return recv_on(channel, src, true); }
+
+std::vector<std::byte> PeerMesh::recv_on(uint64_t channel, int src, bool abortable) {
   FULCRUM_CHECK(src >= 0 && src < size() && src != rank_, "recv: peer {} outside the world of {} (or self)", src, size());
   std::unique_lock lock(mutex_);
   auto& box = mailboxes_[{channel, src}];
   const Peer& peer = *peers_[src];
-  const auto ready = [&] { return !box.empty() || peer.state != PeerState::kConnected; };
+  const auto is_aborted = [&] { return abortable && aborted_; };
+  const auto ready = [&] { return !box.empty() || peer.state != PeerState::kConnected || is_aborted(); };
   if (liveness_timeout_.count() == 0) {
     cv_.wait(lock, ready);
   } else {
@@ -312,6 +331,10 @@ std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) {
       cv_.wait_for(lock, liveness_timeout_ / kHeartbeatsPerTimeout);
       if (box.empty()) check_liveness(src, Clock::now());
     }
+  }
+  if (is_aborted()) {
+    throw Error(fmt::format("the world of epoch {} was aborted: {}", epoch_,
+                            failure_.empty() ? "another rank saw a failure" : failure_));
   }
   if (box.empty()) {
     FULCRUM_CHECK(peer.state != PeerState::kFailed, "{}", failure_.empty() ? "a peer failed" : failure_);
@@ -322,6 +345,57 @@ std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) {
   box.pop_front();
   return message;
 }
+
+void PeerMesh::on_peer_failed() {
+  if (elastic_) aborted_ = true;
+  cv_.notify_all();
+}
+
+void PeerMesh::set_elastic(bool on) {
+  std::lock_guard lock(mutex_);
+  elastic_ = on;
+}
+
+uint64_t PeerMesh::epoch() const {
+  std::lock_guard lock(mutex_);
+  return epoch_;
+}
+
+bool PeerMesh::aborted() const {
+  std::lock_guard lock(mutex_);
+  return aborted_;
+}
+
+void PeerMesh::abort_epoch() {
+  uint64_t epoch = 0;
+  {
+    std::lock_guard lock(mutex_);
+    aborted_ = true;
+    epoch = epoch_;
+    cv_.notify_all();
+  }
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank_ || peer_failed(r)) continue;
+    try {
+      send(kAbortChannel, r, pod_bytes(epoch));
+    } catch (const Error&) {
+      // it is gone: the recovery finds out
+    }
+  }
+}
+
+void PeerMesh::begin_epoch(uint64_t epoch, const std::vector<int>& members) {
+  std::lock_guard lock(mutex_);
+  FULCRUM_CHECK(epoch > epoch_, "epoch {} after epoch {}", epoch, epoch_);
+  epoch_ = epoch;
+  failure_.clear();  // the next epoch's errors name its own failure
+  aborted_ = std::any_of(members.begin(), members.end(),
+                         [&](int r) { return r != rank_ && peers_.at(static_cast<size_t>(r))->state != PeerState::kConnected; });
+}
+
+void PeerMesh::send_control(int dst, std::span<const std::byte> data) { send(kControlChannel, dst, data); }
+
+std::vector<std::byte> PeerMesh::recv_control(int src) { return recv_on(kControlChannel, src, false); }
 
 std::string PeerMesh::failure() const {
   std::lock_guard lock(mutex_);

@@ -7,6 +7,13 @@
 // With a liveness timeout every rank also sends a heartbeat to every peer a few times per timeout, so a
 // receive from a peer that sent nothing at all (not even a heartbeat) for that long fails instead of
 // waiting forever: a stopped or hung process, a cut link. Idle waits on live peers are never cut short.
+//
+// Elastic worlds (set_elastic): the mesh lives through numbered epochs, each a world over some of its ranks.
+// In an epoch, any peer's failure, or an abort from any rank (abort_epoch), ends every data wait of this
+// rank, not only the waits on the failed peer: survivors blocked on each other inside a collective all leave
+// it instead of hanging. Control messages (send_control / recv_control) are never aborted: the recovery that
+// forms the next epoch's world runs on them. Abort frames carry their epoch, so a late one from an epoch that
+// is over is ignored.
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -59,6 +66,20 @@ class PeerMesh {
   // The connection to `peer` (tests read its options).
   const Socket& peer_socket(int peer) const;
 
+  // Elastic worlds (see the top of this file). Off by default: then a failure ends only waits on that peer.
+  void set_elastic(bool on);
+  uint64_t epoch() const;
+  // Whether this epoch's waits are aborted (a failure seen, or an abort received).
+  bool aborted() const;
+  // Aborts this epoch's data waits here and tells every live peer to abort theirs.
+  void abort_epoch();
+  // Starts `epoch` (> the current one) over `members` (mesh ranks): its waits abort again only on a new
+  // event, unless a member has failed already.
+  void begin_epoch(uint64_t epoch, const std::vector<int>& members);
+  // Control messages for the recovery: never aborted; a receive from a failed peer throws.
+  void send_control(int dst, std::span<const std::byte> data);
+  std::vector<std::byte> recv_control(int src);
+
   PeerMesh(const PeerMesh&) = delete;
   PeerMesh& operator=(const PeerMesh&) = delete;
 
@@ -89,6 +110,12 @@ class PeerMesh {
   std::string failure_;
   std::chrono::milliseconds liveness_timeout_{0};
   bool closing_ = false;       // stops the heartbeat thread
+  bool elastic_ = false;
+  uint64_t epoch_ = 0;
+  bool aborted_ = false;        // this epoch's data waits end (elastic only)
+  // Under mutex_: a peer failed; in an elastic world that aborts the epoch.
+  void on_peer_failed();
+  std::vector<std::byte> recv_on(uint64_t channel, int src, bool abortable);
   std::thread heartbeat_;
 };
 

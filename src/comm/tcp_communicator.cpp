@@ -24,6 +24,17 @@ TcpCommunicator::TcpCommunicator(std::shared_ptr<PeerMesh> mesh)
 TcpCommunicator::TcpCommunicator(std::shared_ptr<PeerMesh> mesh, std::vector<int> members, int rank, uint64_t group_id)
     : mesh_(std::move(mesh)), members_(std::move(members)), rank_(rank), group_id_(group_id) {}
 
+std::unique_ptr<TcpCommunicator> TcpCommunicator::over_members(std::shared_ptr<PeerMesh> mesh, std::vector<int> members,
+                                                               uint64_t epoch) {
+  FULCRUM_CHECK(std::is_sorted(members.begin(), members.end()), "over_members: members not in ascending order");
+  const auto me = std::find(members.begin(), members.end(), mesh->rank());
+  FULCRUM_CHECK(me != members.end(), "over_members: rank {} is not a member", mesh->rank());
+  const int rank = static_cast<int>(me - members.begin());
+  uint64_t id = mix(mix(kWorldGroupId) ^ mix(epoch)) & ~uint64_t{1};
+  if (id == 0) id = kWorldGroupId + 4;
+  return std::unique_ptr<TcpCommunicator>(new TcpCommunicator(std::move(mesh), std::move(members), rank, id));
+}
+
 void TcpCommunicator::send_to(int peer, std::span<const std::byte> data) {
   mesh_->send(collective_channel(), members_[peer], data);
 }

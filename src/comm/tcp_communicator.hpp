@@ -18,6 +18,10 @@ class TcpCommunicator final : public Communicator {
  public:
   // The world: every rank of the mesh, in mesh rank order.
   explicit TcpCommunicator(std::shared_ptr<PeerMesh> mesh);
+  // An elastic world's epoch (PeerMesh::begin_epoch): the mesh ranks `members` (ascending, this rank among
+  // them), with group ids of its own so that no message of an earlier epoch's world is ever read by it.
+  static std::unique_ptr<TcpCommunicator> over_members(std::shared_ptr<PeerMesh> mesh, std::vector<int> members,
+                                                       uint64_t epoch);
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(members_.size()); }
@@ -40,6 +44,7 @@ class TcpCommunicator final : public Communicator {
   // The group's world ranks, in group rank order.
   const std::vector<int>& members() const { return members_; }
   const PeerMesh& mesh() const { return *mesh_; }
+  const std::shared_ptr<PeerMesh>& shared_mesh() const { return mesh_; }
 
  private:
   TcpCommunicator(std::shared_ptr<PeerMesh> mesh, std::vector<int> members, int rank, uint64_t group_id);

@@ -50,11 +50,15 @@ RankEngine::~RankEngine() = default;
 
 void RankEngine::load_weights(model::Checkpoint& checkpoint) { model_->load_weights(checkpoint); }
 
-int RankEngine::add_sequence(SequenceId id, int64_t capacity) {
+int RankEngine::add_sequence(SequenceId id, int64_t capacity, int dp_group) {
   FULCRUM_CHECK(!live_.contains(id), "sequence {} is already live", id);
   FULCRUM_CHECK(capacity > 0, "sequence {}: capacity must be positive, got {}", id, capacity);
+  FULCRUM_CHECK(dp_group >= -1 && dp_group < layout_.attn_dp_size(), "sequence {}: attention-DP group {} outside [0, {})",
+                id, dp_group, layout_.attn_dp_size());
   if (group_sizes_.empty()) group_sizes_.assign(static_cast<size_t>(layout_.attn_dp_size()), 0);
-  const int group = static_cast<int>(std::min_element(group_sizes_.begin(), group_sizes_.end()) - group_sizes_.begin());
+  const int group = dp_group >= 0 ? dp_group
+                                  : static_cast<int>(std::min_element(group_sizes_.begin(), group_sizes_.end()) -
+                                                     group_sizes_.begin());
   LiveSequence seq;
   seq.dp_group = group;
   if (group == coords_.attn_dp_rank) seq.cache = model_->create_kv_cache(capacity);

@@ -62,9 +62,10 @@ class RankEngine {
   // Reads this rank's slices of the weights.
   void load_weights(model::Checkpoint& checkpoint);
 
-  // Adds sequence `id` (not live) with room for `capacity` positions; returns its attention-DP group. Only
-  // the ranks of that group allocate its KV cache (Qwen3MoeModel::create_kv_cache).
-  int add_sequence(SequenceId id, int64_t capacity);
+  // Adds sequence `id` (not live) with room for `capacity` positions; returns its attention-DP group
+  // (`dp_group`, or with -1 the one with the fewest live sequences). Only the ranks of that group allocate
+  // its KV cache from their pool (Qwen3MoeModel::create_kv_cache).
+  int add_sequence(SequenceId id, int64_t capacity, int dp_group = -1);
   // Adds sequence `id` to attention-DP group `dp_group` over pages the caller chose (Qwen3MoeModel::
   // map_kv_cache; positions [0, num_cached_tokens) already filled, the last partial page's rows copied from
   // copy_source_page when >= 0): the server's prefix cache picks them.

@@ -122,6 +122,8 @@ eplb_runtime::PassOutcome RankEplb::after_forward_pass() {
   return outcome;
 }
 
+eplb::LoadMatrix RankEplb::own_window_loads() const { return recorder_->window_loads(); }
+
 eplb::LoadMatrix RankEplb::merged_window_loads() { return eplb_runtime::all_reduce_window_loads(*recorder_, world_); }
 
 void RankEplb::dump(const std::string& path) {

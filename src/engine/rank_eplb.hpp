@@ -54,6 +54,8 @@ class RankEplb {
 
   // Collective: the recorder's window summed over every rank (exact, the same on every rank).
   eplb::LoadMatrix merged_window_loads();
+  // This rank's own window (the tokens it originated), no collective: what survives a lost world.
+  eplb::LoadMatrix own_window_loads() const;
   // Collective: merges the recorders over the world, then world rank 0 writes the dump `fulcrum plan` reads.
   void dump(const std::string& path);
 

@@ -1,18 +1,51 @@
 #include "server/engine_step_executor.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 
 #include <fmt/format.h>
 
 #include "eplb/error.hpp"
+#include "comm/tcp_communicator.hpp"
 #include "eplb/metrics.hpp"
 
 namespace fulcrum::server {
 
+template <class Attempt>
+void EngineStepExecutor::on_world(Attempt&& attempt) {
+  // A failure that recurs whatever the world (a bug, not a lost rank) must not spin forever.
+  const int max_reforms = options_.elastic_mesh != nullptr ? options_.elastic_mesh->size() + 1 : 0;
+  for (int reforms = 0;; ++reforms) {
+    try {
+      if (needs_reform_) {
+        reform_world();
+        needs_reform_ = false;
+        restore_sequences();
+      }
+      attempt();
+      return;
+    } catch (const std::exception& e) {
+      if (options_.elastic_mesh == nullptr) {
+        if (dynamic_cast<const ExecutorFailure*>(&e) != nullptr) throw;
+        throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
+      }
+      if (reforms >= max_reforms) {
+        throw ExecutorFailure(fmt::format("elastic EP: {} recoveries in a row failed: {}", reforms, e.what()));
+      }
+      if (!fault_at_) {
+        fault_at_ = std::chrono::steady_clock::now();
+        elastic_log(fmt::format("fault detected by world rank 0: {}", e.what()));
+      }
+      needs_reform_ = true;
+    }
+  }
+}
+
 EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
     : options_(std::move(options)), config_(model::load_qwen3_moe_config(options_.model_dir)) {
   layout_ = std::make_unique<engine::ParallelLayout>(options_.parallel, config_);
+  num_kv_groups_ = layout_->attn_dp_size();
   engine::InProcessRun& run = options_.run;
   FULCRUM_CHECK(run.device == "cpu" || layout_->world_size() == 1,
                 "--device {}: the parallel engine's ranks run on cpu only for now (this layout has {} ranks)",
@@ -40,6 +73,14 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
     // This process's rank only; the bar counts its own layers.
     FULCRUM_CHECK(process_world->size() == world_size, "the layout has {} ranks, the world {}", world_size,
                   process_world->size());
+    world_ = process_world;
+    if (options_.elastic_mesh != nullptr) {
+      const std::string why = why_elastic_ep_cannot_run(options_.parallel, false, run.device);
+      FULCRUM_CHECK(why.empty(), "{}", why);
+      for (int r = 0; r < world_size; ++r) members_.push_back(r);
+      group_hosts_ = members_;  // one KV group per rank
+    }
+    if (options_.metrics != nullptr) options_.metrics->set_live_ranks(world_size);
     run.on_layer_loaded = [&](int, int done, int total) {
       if (options_.on_layers_loaded) options_.on_layers_loaded(done, total);
     };
@@ -82,10 +123,10 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
 
 EngineStepExecutor::~EngineStepExecutor() {
   if (threads_ == nullptr) {
-    if (options_.process_world != nullptr && options_.process_world->rank() == 0) {
+    if (options_.process_world != nullptr && world_->rank() == 0) {
       try {
         RankCommand stop{.kind = RankCommand::Kind::kStop};
-        broadcast_command(*options_.process_world, stop);
+        broadcast_command(*world_, stop);
       } catch (const std::exception&) {
         // a rank already gone; the others see rank 0 leave
       }
@@ -123,6 +164,8 @@ void EngineStepExecutor::allocate_on_pages(SequenceId id, const model::SequenceP
                 id, pages.dp_group, num_kv_groups());
   FULCRUM_CHECK(pages.num_cached_tokens >= 0 && pages.num_cached_tokens < pages.capacity,
                 "sequence {}: {} cached positions of {}", id, pages.num_cached_tokens, pages.capacity);
+  FULCRUM_CHECK(options_.elastic_mesh == nullptr || pages.num_cached_tokens == 0,
+                "sequence {}: elastic EP re-prefills from tokens it saw; {} cached positions", id, pages.num_cached_tokens);
   add_on_ranks({.kind = RankCommand::Kind::kAddOnPages, .id = id, .capacity = pages.capacity, .dp_group = pages.dp_group,
                 .page_ids = {pages.page_ids.begin(), pages.page_ids.end()}, .num_cached_tokens = pages.num_cached_tokens,
                 .copy_source_page = pages.copy_source_page});
@@ -133,7 +176,7 @@ void EngineStepExecutor::apply_add(engine::InProcessRank& me, const RankCommand&
   engine::RankEngine& engine = *me.engine;
   for (const SequenceId r : add.releases) engine.drop_sequence(r);
   if (add.kind == RankCommand::Kind::kAdd) {
-    engine.add_sequence(add.id, add.capacity);
+    engine.add_sequence(add.id, add.capacity, add.dp_group);
   } else {
     engine.add_sequence_on_pages(add.id, add.capacity, add.dp_group, add.page_ids, add.num_cached_tokens,
                                  add.copy_source_page);
@@ -150,7 +193,7 @@ void EngineStepExecutor::add_collectively(const RankCommand& add) {
   }
   std::vector<std::string> errors;
   try {
-    errors = gather_errors(*options_.process_world, error);
+    errors = gather_errors(*world_, error);
   } catch (const std::exception& e) {
     throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
   }
@@ -169,13 +212,26 @@ void EngineStepExecutor::add_on_ranks(RankCommand add) {
   add.releases = std::move(pending_releases_);
   pending_releases_.clear();
   if (threads_ == nullptr) {
-    try {
-      broadcast_command(*options_.process_world, add);
-    } catch (const std::exception& e) {
-      throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
-    }
-    add_collectively(add);
-    live_.emplace(id, Capacity{add.capacity, 0});
+    const int kv_group = add.dp_group;
+    std::optional<Error> refused;  // the sequence's own error (e.g. no room), not the world's
+    on_world([&] {
+      RankCommand sent = add;
+      if (options_.elastic_mesh != nullptr) {  // pages from the host's pool (no prefix cache: nothing cached)
+        sent.kind = RankCommand::Kind::kAdd;
+        sent.dp_group = physical_group(kv_group >= 0 ? kv_group : static_cast<int>(id % num_kv_groups_));
+        sent.page_ids.clear();
+      }
+      broadcast_command(*world_, sent);
+      try {
+        add_collectively(sent);
+      } catch (const ExecutorFailure&) {
+        throw;
+      } catch (const Error& e) {
+        refused = e;
+      }
+    });
+    if (refused) throw *refused;
+    live_.emplace(id, Capacity{add.capacity, 0, kv_group >= 0 ? kv_group : static_cast<int>(id % num_kv_groups_), {}});
     return;
   }
   const std::vector<std::exception_ptr> errors =
@@ -185,7 +241,7 @@ void EngineStepExecutor::add_on_ranks(RankCommand add) {
     threads_->run_local([&](int rank, comm::Communicator&) { ranks_[static_cast<size_t>(rank)].engine->drop_sequence(id); });
     std::rethrow_exception(error);
   }
-  live_.emplace(id, Capacity{add.capacity, 0});
+  live_.emplace(id, Capacity{add.capacity, 0, add.dp_group, {}});
 }
 
 void EngineStepExecutor::release(SequenceId id) {
@@ -215,12 +271,27 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
   pass.pass_idx = num_passes_++;
   pass.record_routing = recorder_ != nullptr && recorder_->recording();
   std::vector<std::vector<float>> logits;
-  try {
-    run_pass(pass, logits);
-  } catch (const std::exception& e) {
-    throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
+  if (threads_ == nullptr) {
+    on_world([&] { run_pass(pass, logits); });
+  } else {
+    try {
+      run_pass(pass, logits);
+    } catch (const std::exception& e) {
+      throw ExecutorFailure(fmt::format("the engine's ranks stopped: {}", e.what()));
+    }
   }
-  for (const model::StepSequence& in : batch) live_.at(in.id).num_tokens += static_cast<int64_t>(in.token_ids.size());
+  for (const model::StepSequence& in : batch) {
+    Capacity& c = live_.at(in.id);
+    c.num_tokens += static_cast<int64_t>(in.token_ids.size());
+    if (options_.elastic_mesh != nullptr) c.tokens.insert(c.tokens.end(), in.token_ids.begin(), in.token_ids.end());
+  }
+  if (fault_at_) {  // the first completed step since the fault
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - *fault_at_).count();
+    fault_at_.reset();
+    elastic_log(fmt::format("recovered in {:.3f} s (fault detected -> first completed step), {} live rank(s)", seconds,
+                            members_.size()));
+    if (options_.metrics != nullptr) options_.metrics->add_elastic_recovery(seconds);
+  }
   FULCRUM_CHECK(logits.size() == batch.size(), "step: {} logit rows for {} entries", logits.size(), batch.size());
   model::StepOutput out = model::make_step_output(batch.size());
   const size_t vocab = static_cast<size_t>(config_.vocab_size);
@@ -241,8 +312,8 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
 void EngineStepExecutor::run_pass(const RankCommand& pass, std::vector<std::vector<float>>& logits) {
   if (threads_ == nullptr) {
     RankCommand sent = pass;
-    broadcast_command(*options_.process_world, sent);
-    apply_pass(ranks_.at(0), 0, *options_.process_world, pass, &logits);
+    broadcast_command(*world_, sent);
+    apply_pass(ranks_.at(0), 0, *world_, pass, &logits);
     return;
   }
   threads_->run([&](int rank, comm::Communicator& world) {
@@ -299,30 +370,142 @@ void EngineStepExecutor::apply_pass(engine::InProcessRank& me, int rank, comm::C
 }
 
 void EngineStepExecutor::serve_as_worker() {
-  comm::Communicator& world = *options_.process_world;
-  FULCRUM_CHECK(threads_ == nullptr && world.rank() != 0, "serve_as_worker: only a worker rank process runs it");
-  engine::InProcessRank& me = ranks_.at(0);
+  FULCRUM_CHECK(threads_ == nullptr && world_->rank() != 0, "serve_as_worker: only a worker rank process runs it");
   for (;;) {
-    RankCommand command;
-    broadcast_command(world, command);
-    switch (command.kind) {
-      case RankCommand::Kind::kStop:
-        return;
-      case RankCommand::Kind::kAdd:
-      case RankCommand::Kind::kAddOnPages:
+    try {
+      RankCommand command;
+      broadcast_command(*world_, command);
+      switch (command.kind) {
+        case RankCommand::Kind::kStop:
+          return;
+        case RankCommand::Kind::kAdd:
+        case RankCommand::Kind::kAddOnPages:
+          try {
+            add_collectively(command);
+          } catch (const ExecutorFailure&) {
+            throw;
+          } catch (const Error&) {
+            // rank 0 reports it; the sequence was dropped everywhere
+          }
+          break;
+        case RankCommand::Kind::kPass:
+          apply_pass(ranks_.at(0), world_->rank(), *world_, command, nullptr);
+          break;
+      }
+    } catch (const std::exception& e) {
+      if (options_.elastic_mesh == nullptr) throw;
+      // Answer rank 0's roll call and rebuild, until a rebuild completes (a failure during one: again).
+      for (;;) {
+        const NewWorld next = answer_the_roll(*options_.elastic_mesh);  // throws when rank 0 is gone
         try {
-          add_collectively(command);
-        } catch (const ExecutorFailure&) {
-          throw;
-        } catch (const Error&) {
-          // rank 0 reports it; the sequence was dropped everywhere
+          rebuild(next);
+          break;
+        } catch (const std::exception& again) {
+          elastic_log(fmt::format("mesh rank {}: the rebuild of epoch {} failed: {}", options_.elastic_mesh->rank(),
+                                  next.epoch, again.what()));
         }
-        break;
-      case RankCommand::Kind::kPass:
-        apply_pass(me, world.rank(), world, command, nullptr);
-        break;
+      }
     }
   }
+}
+
+int EngineStepExecutor::physical_group(int kv_group) const {
+  if (options_.elastic_mesh == nullptr) return kv_group;
+  const int host = group_hosts_.at(static_cast<size_t>(kv_group));
+  return static_cast<int>(std::find(members_.begin(), members_.end(), host) - members_.begin());
+}
+
+void EngineStepExecutor::elastic_log(const std::string& line) const {
+  const std::string text = "elastic: " + line;
+  if (options_.log) {
+    options_.log(text);
+  } else {
+    std::fprintf(stderr, "fulcrum serve: %s\n", text.c_str());
+    std::fflush(stderr);
+  }
+}
+
+void EngineStepExecutor::reform_world() {
+  comm::PeerMesh& mesh = *options_.elastic_mesh;
+  const std::vector<int> answered = call_the_roll(mesh, members_);
+  std::vector<int> lost;
+  for (const int m : members_) {
+    if (std::find(answered.begin(), answered.end(), m) == answered.end()) lost.push_back(m);
+  }
+  NewWorld next{.epoch = mesh.epoch() + 1, .members = answered, .group_hosts = rehome_groups(group_hosts_, answered)};
+  const int slots_per_rank = layout_->num_physical_experts() / layout_->ep();
+  next.num_physical_experts = layout_->num_physical_experts() > 0
+                                  ? surviving_physical_experts(config_.num_experts, slots_per_rank,
+                                                               static_cast<int>(answered.size()))
+                                  : 0;
+  elastic_log(fmt::format("new world (epoch {}): ranks {} of the {} launched{}", next.epoch, fmt::join(answered, ", "),
+                          mesh.size(), lost.empty() ? "" : fmt::format(", without rank(s) {}", fmt::join(lost, ", "))));
+  announce_new_world(mesh, next);
+  rebuild(next);
+  std::vector<std::string> moved;
+  for (size_t g = 0; g < next.group_hosts.size(); ++g) {
+    if (next.group_hosts[g] != static_cast<int>(g)) moved.push_back(fmt::format("{} -> rank {}", g, next.group_hosts[g]));
+  }
+  elastic_log(fmt::format("re-planned onto {} (the default planner on the survivors' recorded loads; every expert "
+                          "kept; all weights read again from the checkpoint); KV groups moved: {}",
+                          layout_->describe(), moved.empty() ? "none" : fmt::format("{}", fmt::join(moved, ", "))));
+  if (options_.metrics != nullptr) options_.metrics->set_live_ranks(static_cast<int>(members_.size()));
+}
+
+void EngineStepExecutor::rebuild(const NewWorld& next) {
+  const std::shared_ptr<comm::PeerMesh>& mesh = options_.elastic_mesh;
+  mesh->begin_epoch(next.epoch, next.members);
+  std::unique_ptr<comm::Communicator> world = comm::TcpCommunicator::over_members(mesh, next.members, next.epoch);
+  const int n = world->size();
+  const int num_moe_layers = static_cast<int>(config_.moe_layer_indices().size());
+  // The loads the survivors recorded (their own windows, summed over the new world: the same everywhere).
+  eplb::LoadMatrix loads(num_moe_layers, config_.num_experts);
+  engine::InProcessRank& old = ranks_.at(0);
+  if (old.eplb != nullptr) loads = old.eplb->own_window_loads();
+  std::vector<float> sums(loads.values.begin(), loads.values.end());
+  world->all_reduce_sum(sums);
+  std::copy(sums.begin(), sums.end(), loads.values.begin());
+  // The old rank refers to the old world, layout and placement: it goes first.
+  old.eplb.reset();
+  old.engine.reset();
+  old.backend.reset();
+  elastic_world_ = std::move(world);
+  world_ = elastic_world_.get();
+  members_ = next.members;
+  group_hosts_ = next.group_hosts;
+  layout_ = std::make_unique<engine::ParallelLayout>(
+      surviving_flags(options_.parallel, config_.num_experts, next.num_physical_experts, n), config_);
+  initial_placement_ = num_moe_layers > 0 ? replan_placement(loads, next.num_physical_experts, n) : eplb::Placement{};
+  engine::InProcessRun run = options_.run;
+  run.weight_cache_dir.clear();  // its files are the old layout's ranks
+  run.on_layer_loaded = nullptr;
+  old = engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, *world_);
+  const int64_t hosted = std::count(group_hosts_.begin(), group_hosts_.end(), mesh->rank());
+  if (options_.kv_pages > 0) old.engine->model().reserve_kv_pool(options_.kv_pages * std::max<int64_t>(hosted, 1), options_.page_size);
+}
+
+void EngineStepExecutor::restore_sequences() {
+  // Every live sequence again, in its KV group's new host, then one pass over what each has had so far.
+  RankCommand prefill{.kind = RankCommand::Kind::kPass};
+  int64_t tokens = 0;
+  for (const auto& [id, c] : live_) {
+    RankCommand add{.kind = RankCommand::Kind::kAdd, .id = id, .capacity = c.capacity, .dp_group = physical_group(c.kv_group)};
+    broadcast_command(*world_, add);
+    add_collectively(add);
+    if (c.tokens.empty()) continue;
+    prefill.batch_ids.push_back(id);
+    prefill.batch_tokens.push_back(c.tokens);
+    prefill.batch_last_rows.push_back(1);
+    tokens += static_cast<int64_t>(c.tokens.size());
+  }
+  if (!prefill.batch_ids.empty()) {
+    prefill.pass_idx = num_passes_++;
+    std::vector<std::vector<float>> ignored;
+    run_pass(prefill, ignored);
+  }
+  elastic_log(fmt::format("re-prefilled {} request(s) ({} tokens: prompt and generated so far)", prefill.batch_ids.size(),
+                          tokens));
+  if (options_.metrics != nullptr) options_.metrics->add_reprefilled_requests(static_cast<int64_t>(prefill.batch_ids.size()));
 }
 
 }  // namespace fulcrum::server

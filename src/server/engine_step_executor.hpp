@@ -20,7 +20,17 @@
 // process's rank. On world rank 0 (the front end) every call above becomes a RankCommand (rank_command.hpp)
 // broadcast to the other ranks before this rank runs it; on the others serve_as_worker() runs the same
 // commands as they come. Their routing counts reach rank 0's recorder after each pass while it records.
+//
+// Elastic EP (options.elastic_mesh set: --enable-elastic-ep; elastic_world.hpp for the layout and the
+// protocol): a call whose world fails is not an ExecutorFailure. Rank 0 calls the roll, the survivors form
+// the next epoch's world and each rebuilds its rank of the smaller layout (a placement re-planned on their
+// recorded loads; every weight read again from the checkpoint), the scheduler's KV groups whose rank was
+// lost are re-homed on survivors (its group count never changes), every live sequence is added again and
+// re-prefilled with the tokens it has had so far (kept here), and the call runs again. Greedy outputs do not
+// change: a sequence's logits depend only on its own tokens, whatever the layout.
+#include <chrono>
 #include <functional>
+#include <optional>
 #include <map>
 #include <memory>
 #include <string>
@@ -28,6 +38,8 @@
 
 #include "engine/parallel_generate.hpp"
 #include "engine/rank_threads.hpp"
+#include "comm/peer_mesh.hpp"
+#include "server/elastic_world.hpp"
 #include "server/expert_distribution.hpp"
 #include "server/metrics.hpp"
 #include "server/rank_command.hpp"
@@ -50,6 +62,8 @@ struct EngineExecutorOptions {
   int page_size = 16;
   // Set: ranks as processes, this process being rank process_world->rank() (it must outlive the executor).
   comm::Communicator* process_world = nullptr;
+  // Set (with process_world over it): elastic EP, every rank surviving the loss of ranks other than 0.
+  std::shared_ptr<comm::PeerMesh> elastic_mesh;
 };
 
 class EngineStepExecutor final : public StepExecutor {
@@ -64,7 +78,7 @@ class EngineStepExecutor final : public StepExecutor {
   int64_t max_sequence_length() const override;
   void allocate(SequenceId id, int64_t capacity) override;
   void allocate_on_pages(SequenceId id, const model::SequencePages& pages) override;
-  int num_kv_groups() const override { return layout_->attn_dp_size(); }
+  int num_kv_groups() const override { return num_kv_groups_; }
   void release(SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
 
@@ -81,7 +95,21 @@ class EngineStepExecutor final : public StepExecutor {
   struct Capacity {
     int64_t capacity = 0;
     int64_t num_tokens = 0;
+    int kv_group = 0;             // the scheduler's (elastic: its host may change)
+    std::vector<int32_t> tokens;  // elastic: every token fed so far (what a re-prefill runs)
   };
+  // Rank 0, ranks as processes: runs `attempt` on the world; with elastic EP, after a failure, forms the new
+  // world, re-prefills, and tries again until it succeeds (without: ExecutorFailure).
+  template <class Attempt>
+  void on_world(Attempt&& attempt);
+  // Elastic, every rank: the new world's communicator and this rank of the smaller layout.
+  void rebuild(const NewWorld& world);
+  // Elastic, rank 0: the roll call and the rebuild; then every live sequence added again and re-prefilled.
+  void reform_world();
+  void restore_sequences();
+  // The attention-DP group of the current world that holds the scheduler's KV group `kv_group`.
+  int physical_group(int kv_group) const;
+  void elastic_log(const std::string& line) const;
   // Runs `add` (kAdd or kAddOnPages) on every rank after the pending releases; undoes it on a failure.
   void add_on_ranks(RankCommand add);
   void run_pass(const RankCommand& pass, std::vector<std::vector<float>>& logits);
@@ -103,6 +131,15 @@ class EngineStepExecutor final : public StepExecutor {
   std::map<SequenceId, Capacity> live_;       // caller side: validation before anything reaches the ranks
   std::vector<SequenceId> pending_releases_;
   uint64_t num_passes_ = 0;
+  int num_kv_groups_ = 1;  // the scheduler's, fixed at start
+  // Elastic EP: the current world (null before the first recovery: options_.process_world), its mesh ranks,
+  // the mesh rank hosting each of the scheduler's KV groups, and the recovery in progress.
+  comm::Communicator* world_ = nullptr;
+  std::unique_ptr<comm::Communicator> elastic_world_;
+  std::vector<int> members_;
+  std::vector<int> group_hosts_;
+  bool needs_reform_ = false;
+  std::optional<std::chrono::steady_clock::time_point> fault_at_;  // detected, not yet recovered
 };
 
 }  // namespace fulcrum::server

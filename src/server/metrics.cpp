@@ -45,6 +45,23 @@ void ServerMetrics::set_eplb_balancedness(const std::vector<double>& per_layer, 
   has_balancedness_ = true;
 }
 
+void ServerMetrics::set_live_ranks(int n) {
+  std::lock_guard lock(mutex_);
+  live_ranks_ = n;
+}
+
+void ServerMetrics::add_elastic_recovery(double seconds) {
+  std::lock_guard lock(mutex_);
+  ++recoveries_;
+  last_recovery_s_ = seconds;
+  recovery_s_sum_ += seconds;
+}
+
+void ServerMetrics::add_reprefilled_requests(int64_t n) {
+  std::lock_guard lock(mutex_);
+  reprefilled_ += n;
+}
+
 void ServerMetrics::add_eplb_rebalance(int64_t bytes_migrated) {
   std::lock_guard lock(mutex_);
   ++rebalances_;
@@ -109,6 +126,18 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   out += fmt::format("fulcrum_eplb_rebalances_total {}\n", rebalances_);
   header(out, "fulcrum_eplb_bytes_migrated_total", "counter", "Expert weight bytes the rebalances moved between EP ranks.");
   out += fmt::format("fulcrum_eplb_bytes_migrated_total {}\n", bytes_migrated_);
+  header(out, "fulcrum_live_ranks", "gauge", "Rank processes in the engine's world now (elastic EP drops lost ones).");
+  out += fmt::format("fulcrum_live_ranks {}\n", live_ranks_);
+  header(out, "fulcrum_elastic_recoveries_total", "counter", "Worlds re-formed without a lost rank (elastic EP).");
+  out += fmt::format("fulcrum_elastic_recoveries_total {}\n", recoveries_);
+  header(out, "fulcrum_elastic_recovery_seconds", "gauge",
+         "The last recovery's time, from the fault detected to the first completed step (0 before any).");
+  out += fmt::format("fulcrum_elastic_recovery_seconds {}\n", last_recovery_s_);
+  header(out, "fulcrum_elastic_recovery_seconds_sum", "counter", "Time of every recovery so far, summed.");
+  out += fmt::format("fulcrum_elastic_recovery_seconds_sum {}\n", recovery_s_sum_);
+  header(out, "fulcrum_elastic_reprefilled_requests_total", "counter",
+         "Requests re-prefilled (prompt and tokens so far) after a recovery.");
+  out += fmt::format("fulcrum_elastic_reprefilled_requests_total {}\n", reprefilled_);
   return out;
 }
 

@@ -46,6 +46,11 @@ class ServerMetrics {
   // EPLB hooks.
   void set_eplb_balancedness(const std::vector<double>& per_layer, double mean);
   void add_eplb_rebalance(int64_t bytes_migrated);
+  // Elastic EP hooks (ranks as processes): live rank processes, and each recovery (fault detected -> first
+  // completed step) with the requests it re-prefilled.
+  void set_live_ranks(int n);
+  void add_elastic_recovery(double seconds);
+  void add_reprefilled_requests(int64_t n);
 
   std::string render(const QueueGauges& gauges) const;
 
@@ -64,6 +69,11 @@ class ServerMetrics {
   bool has_balancedness_ = false;
   int64_t rebalances_ = 0;
   int64_t bytes_migrated_ = 0;
+  int live_ranks_ = 1;
+  int64_t recoveries_ = 0;
+  double last_recovery_s_ = 0;
+  double recovery_s_sum_ = 0;
+  int64_t reprefilled_ = 0;
 };
 
 }  // namespace fulcrum::server

@@ -18,7 +18,8 @@ namespace fulcrum::server {
 
 struct RankCommand {
   enum class Kind : int32_t {
-    kAdd = 1,         // drop `releases`, then add sequence `id` with room for `capacity` positions
+    kAdd = 1,         // drop `releases`, then add sequence `id` with room for `capacity` positions, in
+                      // attention-DP group `dp_group` (-1: the engine's choice), pages from the pool
     kAddOnPages = 2,  // drop `releases`, then add `id` over `page_ids` of attention-DP group `dp_group`
     kPass = 3,        // drop `releases`, then one forward pass over the batch and the EPLB step
     kStop = 4,        // the worker ranks leave their loop (the server stops)
@@ -28,7 +29,7 @@ struct RankCommand {
   // kAdd, kAddOnPages
   model::SequenceId id = 0;
   int64_t capacity = 0;
-  int32_t dp_group = 0;
+  int32_t dp_group = -1;
   std::vector<int32_t> page_ids;
   int64_t num_cached_tokens = 0;
   int32_t copy_source_page = -1;  // kAddOnPages: model::SequencePages::copy_source_page

@@ -82,6 +82,7 @@ std::shared_ptr<comm::PeerMesh> join_world(const ServeOptions& options) {
   comm::DistInit init = options.rank->dist_init();
   init.liveness_timeout = std::chrono::milliseconds(static_cast<int64_t>(options.elastic_ep_timeout_s * 1000));
   std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
+  mesh->set_elastic(options.enable_elastic_ep);
   log(fmt::format("rank {} (pid {}) joined the world of {} at {}", options.rank->world_rank, ::getpid(),
                   options.rank->world_size, options.rank->dist_init_addr));
   return mesh;
@@ -134,6 +135,7 @@ void serve_worker_rank(const ServeOptions& options) {
     comm::TcpCommunicator world(mesh);
     EngineExecutorOptions engine_options = engine_executor_options(options);
     engine_options.process_world = &world;
+    if (options.enable_elastic_ep) engine_options.elastic_mesh = mesh;
     EngineStepExecutor executor(std::move(engine_options));
     executor.serve_as_worker();
   } catch (const std::exception& e) {
@@ -202,6 +204,7 @@ void serve(const ServeOptions& options) {
     engine_options.metrics = &metrics;
     engine_options.on_layers_loaded = on_layers_loaded;
     engine_options.process_world = process_world.get();
+    if (options.enable_elastic_ep) engine_options.elastic_mesh = mesh;
     auto cpu = std::make_unique<EngineStepExecutor>(std::move(engine_options));
     config = &cpu->config();
     recorder = cpu->recorder();

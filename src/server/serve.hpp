@@ -33,6 +33,7 @@ struct ServeOptions {
   // the HTTP front end and the scheduler; the others run the engine's commands (serve_as_worker).
   std::optional<engine::LaunchedRank> rank;
   double elastic_ep_timeout_s = 30;  // --elastic-ep-timeout: a rank silent this long has failed
+  bool enable_elastic_ep = false;    // --enable-elastic-ep: survive lost ranks (elastic_world.hpp)
   HttpTransportOptions http;     // body / header limits, header and idle timeouts, --max-connections, --request-timeout
   int max_queued_requests = 1024;
   std::string cors_allow_origin;

@@ -1,0 +1,224 @@
+// `fulcrum serve --multi-process --enable-elastic-ep`: real rank processes and concurrent clients (half of
+// them streaming). A rank killed (SIGKILL) or stopped (SIGSTOP, found by --elastic-ep-timeout) while every
+// request is mid-decode, or two ranks killed one after the other: no request fails, every greedy response
+// equals the fault-free (threaded) server's on the same layout, the survivors form a new world and say so,
+// and the metrics count the recovery. Layouts elastic EP does not support are refused in one line.
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <regex>
+
+#include <gtest/gtest.h>
+
+#include "server_clients.hpp"
+#include "server_http_util.hpp"
+#include "server_process.hpp"
+#include "server_test_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+constexpr int kClients = 32, kNew = 48;
+
+std::vector<std::string> layout_flags(const TempDir& dir) {
+  return {"--tp", "4", "--dp", "4", "--enable-dp-attention", "--ep", "4", "--disable-radix-cache",
+          "--max-running-requests", "32", "--kv-pages", "128", "--page-size", "8", "--expert-distribution-dir", dir.path()};
+}
+
+std::vector<std::string> elastic_flags(const TempDir& dir, const std::string& timeout_s = "2") {
+  std::vector<std::string> flags = layout_flags(dir);
+  flags.insert(flags.end(), {"--multi-process", "--enable-elastic-ep", "--elastic-ep-timeout", timeout_s});
+  return flags;
+}
+
+// The fault-free run: the threaded server on the same layout.
+const std::vector<std::vector<int32_t>>& fault_free() {
+  static const std::vector<std::vector<int32_t>> tokens = [] {
+    TempDir dir("serve_elastic_reference");
+    ServerProcess server(skewed_served_model(), layout_flags(dir), dir.file("threaded.log"));
+    auto got = run_clients(server.port(), kClients, 1, kNew);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+    return got;
+  }();
+  return tokens;
+}
+
+int processes_mentioning(const std::string& needle) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "cmdline", std::ios::binary);
+    const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (cmdline.find(needle) != std::string::npos) ++count;
+  }
+  return count;
+}
+
+pid_t wait_rank_pid(const ServerProcess& server, int rank) {
+  for (int i = 0; i < 500; ++i) {
+    if (const pid_t pid = server.rank_pid(rank); pid > 0) return pid;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return -1;
+}
+
+int count_of(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// Waits (bounded) until the server has generated more than `tokens` tokens in all: every client's request is
+// then running, mid-decode (each asks kNew tokens).
+bool wait_generated(int port, double tokens) {
+  for (int i = 0; i < 6000; ++i) {
+    if (metrics(port)["fulcrum_generation_tokens_total"] > tokens) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+// Clients run while `fault` strikes once every request is mid-decode; returns their tokens.
+std::vector<std::vector<int32_t>> clients_across(const ServerProcess& server, const std::function<void()>& fault) {
+  const double before = metrics(server.port())["fulcrum_generation_tokens_total"];
+  std::vector<std::vector<int32_t>> got;
+  std::thread clients([&] { got = run_clients(server.port(), kClients, 1, kNew); });
+  EXPECT_TRUE(wait_generated(server.port(), before + 4 * kClients));
+  fault();
+  clients.join();
+  return got;
+}
+
+// The recovery times the log reports, in order.
+std::vector<double> recovery_seconds(const std::string& log) {
+  const std::regex recovered("elastic: recovered in ([0-9.]+) s");
+  std::vector<double> seconds;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), recovered); it != std::sregex_iterator(); ++it) {
+    seconds.push_back(std::stod((*it)[1]));
+  }
+  return seconds;
+}
+
+void expect_recovered(const ServerProcess& server, int recoveries, int live_ranks, const std::string& lost) {
+  const std::string log = server.log();
+  EXPECT_EQ(count_of(log, "elastic: fault detected"), recoveries) << log;
+  EXPECT_NE(log.find("without rank(s) " + lost), std::string::npos) << log;
+  EXPECT_NE(log.find(fmt::format("re-planned onto tp {} (attention: {} DP group(s) x 1 TP), ep {}", live_ranks,
+                                 live_ranks, live_ranks)),
+            std::string::npos)
+      << log;
+  EXPECT_GE(count_of(log, "elastic: re-prefilled "), recoveries) << log;
+  EXPECT_EQ(count_of(log, "fulcrum: error: "), 0) << log;
+  const std::vector<double> seconds = recovery_seconds(log);
+  ASSERT_EQ(seconds.size(), static_cast<size_t>(recoveries)) << log;
+  for (const double s : seconds) std::cout << "[ elastic ] recovered in " << s << " s\n";
+  std::map<std::string, double> m = metrics(server.port());
+  EXPECT_EQ(m["fulcrum_live_ranks"], live_ranks);
+  EXPECT_EQ(m["fulcrum_elastic_recoveries_total"], recoveries);
+  EXPECT_GE(m["fulcrum_elastic_reprefilled_requests_total"], 1);  // the fault struck live requests
+  EXPECT_NEAR(m["fulcrum_elastic_recovery_seconds"], seconds.back(), 0.0005);  // the log rounds to ms
+}
+
+TEST(ElasticServe, AKilledRankUnderConcurrentClientsLosesNoRequestAndChangesNoOutput) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  ASSERT_EQ(reference.size(), static_cast<size_t>(kClients));
+  TempDir dir("serve_elastic_kill");
+  {
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    const pid_t rank2 = wait_rank_pid(server, 2);
+    ASSERT_GT(rank2, 0) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
+    EXPECT_NE(server.log().find("fulcrum: rank 2 lost: rank 2 (pid " + std::to_string(rank2) + ") was killed by signal 9"),
+              std::string::npos)
+        << server.log();
+    expect_recovered(server, 1, 3, "2");
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);  // and the smaller world goes on
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+TEST(ElasticServe, AStoppedRankIsDroppedAfterTheTimeout) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_stop");
+  {
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    const pid_t rank1 = wait_rank_pid(server, 1);
+    ASSERT_GT(rank1, 0) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank1, SIGSTOP), 0); }), reference);
+    expect_recovered(server, 1, 3, "1");
+    // Found by the heartbeat timeout (the recovery time starts there: fault detected -> first completed step).
+    EXPECT_NE(server.log().find("sent nothing, not even a heartbeat, for 2.0 s"), std::string::npos) << server.log();
+    EXPECT_EQ(server.terminate(), 0) << server.log();  // the stopped process is killed by the launcher
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+TEST(ElasticServe, TwoRanksKilledOneAfterTheOther) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_twice");
+  {
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    const pid_t rank1 = wait_rank_pid(server, 1), rank3 = wait_rank_pid(server, 3);
+    ASSERT_GT(rank1, 0) << server.log();
+    ASSERT_GT(rank3, 0) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank1, SIGKILL), 0); }), reference);
+    expect_recovered(server, 1, 3, "1");
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank3, SIGKILL), 0); }), reference);
+    expect_recovered(server, 2, 2, "3");
+    EXPECT_NE(server.log().find("new world (epoch 2): ranks 0, 2 of the 4 launched"), std::string::npos) << server.log();
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+// Live EPLB (rebalances and slot migrations between the processes) before and after the fault: the new
+// world's ranks run it again from the re-planned placement.
+TEST(ElasticServe, AKilledRankWithLiveEplbChangesNoOutput) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_eplb");
+  {
+    std::vector<std::string> flags = elastic_flags(dir);
+    flags.insert(flags.end(), {"--ep-num-redundant-experts", "4", "--enable-eplb", "--eplb-rebalance-num-iterations", "4",
+                               "--expert-distribution-recorder-buffer-size", "8"});
+    ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
+    const pid_t rank3 = wait_rank_pid(server, 3);
+    ASSERT_GT(rank3, 0) << server.log();
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_GE(logged_rebalances(server.log()).size(), 1u) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank3, SIGKILL), 0); }), reference);
+    expect_recovered(server, 1, 3, "3");
+    EXPECT_NE(server.log().find("129 slots per MoE layer"), std::string::npos) << server.log();  // 132 / 4 x 3 < 128
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+TEST(ElasticServe, UnsupportedLayoutsAreRefusedInOneLine) {
+  TempDir dir("serve_elastic_refused");
+  const std::string model = "serve --port 0 --model " + skewed_served_model();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {" --multi-process --enable-elastic-ep --tp 2 --ep 2 --disable-radix-cache",
+       "--enable-elastic-ep needs one rank per attention-DP group and per EP rank"},
+      {" --multi-process --enable-elastic-ep --tp 2 --dp 2 --enable-dp-attention --ep 2",
+       "--enable-elastic-ep needs --disable-radix-cache"},
+      {" --enable-elastic-ep --tp 2 --dp 2 --enable-dp-attention --ep 2 --disable-radix-cache",
+       "--enable-elastic-ep needs ranks as processes"},
+  };
+  for (const auto& [flags, error] : cases) {
+    const CliRun run = run_cli(dir, model + flags);
+    EXPECT_NE(run.exit_code, 0) << flags;
+    EXPECT_EQ(count_of(run.err, "fulcrum: error: "), 1) << run.err;
+    EXPECT_NE(run.err.find(error), std::string::npos) << flags << ": " << run.err;
+  }
+}
+
+}  // namespace
+}  // namespace fulcrum::test
