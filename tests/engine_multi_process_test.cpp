@@ -9,6 +9,7 @@
 
 #include "comm/tcp_socket.hpp"
 #include "engine_test_util.hpp"
+#include "process_list.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -19,18 +20,6 @@ std::string base_command() {
   return "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 5" + kPrompts;
 }
 
-// Processes whose command line mentions `needle` (a test's unique temporary folder).
-int processes_mentioning(const std::string& needle) {
-  int count = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(entry.path() / "cmdline", std::ios::binary);
-    const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (cmdline.find(needle) != std::string::npos) ++count;
-  }
-  return count;
-}
 
 TEST(MultiProcessGenerate, OneNodeAndTwoNodesPrintTheOneRankTokens) {
   TempDir dir("multi_process");

@@ -15,6 +15,7 @@
 #include "server_http_util.hpp"
 #include "server_process.hpp"
 #include "server_test_util.hpp"
+#include "process_list.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -44,17 +45,6 @@ const std::vector<std::vector<int32_t>>& fault_free() {
   return tokens;
 }
 
-int processes_mentioning(const std::string& needle) {
-  int count = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream in(entry.path() / "cmdline", std::ios::binary);
-    const std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (cmdline.find(needle) != std::string::npos) ++count;
-  }
-  return count;
-}
 
 pid_t wait_rank_pid(const ServerProcess& server, int rank) {
   for (int i = 0; i < 500; ++i) {
