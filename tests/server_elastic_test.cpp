@@ -46,20 +46,6 @@ const std::vector<std::vector<int32_t>>& fault_free() {
 }
 
 
-pid_t wait_rank_pid(const ServerProcess& server, int rank) {
-  for (int i = 0; i < 500; ++i) {
-    if (const pid_t pid = server.rank_pid(rank); pid > 0) return pid;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return -1;
-}
-
-int count_of(const std::string& text, const std::string& needle) {
-  int n = 0;
-  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
-
 // Waits (bounded) until the server has generated more than `tokens` tokens in all: every client's request is
 // then running, mid-decode (each asks kNew tokens).
 bool wait_generated(int port, double tokens) {
@@ -118,7 +104,7 @@ TEST(ElasticServe, AKilledRankUnderConcurrentClientsLosesNoRequestAndChangesNoOu
   TempDir dir("serve_elastic_kill");
   {
     ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
-    const pid_t rank2 = wait_rank_pid(server, 2);
+    const pid_t rank2 = server.wait_rank_pid(2);
     ASSERT_GT(rank2, 0) << server.log();
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
     EXPECT_NE(server.log().find("fulcrum: rank 2 lost: rank 2 (pid " + std::to_string(rank2) + ") was killed by signal 9"),
@@ -137,7 +123,7 @@ TEST(ElasticServe, AStoppedRankIsDroppedAfterTheTimeout) {
   TempDir dir("serve_elastic_stop");
   {
     ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
-    const pid_t rank1 = wait_rank_pid(server, 1);
+    const pid_t rank1 = server.wait_rank_pid(1);
     ASSERT_GT(rank1, 0) << server.log();
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank1, SIGSTOP), 0); }), reference);
     expect_recovered(server, 1, 3, "1");
@@ -154,7 +140,7 @@ TEST(ElasticServe, TwoRanksKilledOneAfterTheOther) {
   TempDir dir("serve_elastic_twice");
   {
     ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
-    const pid_t rank1 = wait_rank_pid(server, 1), rank3 = wait_rank_pid(server, 3);
+    const pid_t rank1 = server.wait_rank_pid(1), rank3 = server.wait_rank_pid(3);
     ASSERT_GT(rank1, 0) << server.log();
     ASSERT_GT(rank3, 0) << server.log();
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank1, SIGKILL), 0); }), reference);
@@ -178,7 +164,7 @@ TEST(ElasticServe, AKilledRankWithLiveEplbChangesNoOutput) {
     flags.insert(flags.end(), {"--ep-num-redundant-experts", "4", "--enable-eplb", "--eplb-rebalance-num-iterations", "4",
                                "--expert-distribution-recorder-buffer-size", "8"});
     ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
-    const pid_t rank3 = wait_rank_pid(server, 3);
+    const pid_t rank3 = server.wait_rank_pid(3);
     ASSERT_GT(rank3, 0) << server.log();
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
     EXPECT_GE(logged_rebalances(server.log()).size(), 1u) << server.log();

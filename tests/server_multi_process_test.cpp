@@ -33,20 +33,6 @@ std::vector<std::string> with(std::vector<std::string> flags, const std::vector<
 }
 
 
-pid_t wait_rank_pid(const ServerProcess& server, int rank) {
-  for (int i = 0; i < 500; ++i) {
-    if (const pid_t pid = server.rank_pid(rank); pid > 0) return pid;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return -1;
-}
-
-int count_of(const std::string& text, const std::string& needle) {
-  int n = 0;
-  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
-
 TEST(MultiProcessServe, GreedyResponsesEqualTheThreadedServeWithAndWithoutLiveEplb) {
   std::signal(SIGPIPE, SIG_IGN);
   TempDir dir("serve_multi_process");
@@ -59,7 +45,7 @@ TEST(MultiProcessServe, GreedyResponsesEqualTheThreadedServeWithAndWithoutLiveEp
   ASSERT_EQ(threaded.size(), static_cast<size_t>(kClients * kRequests));
   {
     ServerProcess server(skewed_served_model(), with(base_flags(dir), {"--multi-process"}), dir.file("mp.log"));
-    EXPECT_GT(wait_rank_pid(server, 1), 0) << server.log();
+    EXPECT_GT(server.wait_rank_pid(1), 0) << server.log();
     EXPECT_NE(server.log().find("2 rank processes"), std::string::npos) << server.log();
     ASSERT_EQ(post(server.port(), "/start_expert_distribution_record", "").first, 200);
     EXPECT_EQ(run_clients(server.port(), kClients, kRequests, kNew), threaded);
@@ -97,7 +83,7 @@ TEST(MultiProcessServe, AKilledOrStoppedRankEndsTheServerWithOneErrorLine) {
     TempDir dir("serve_multi_process_fault");
     ServerProcess server(skewed_served_model(),
                          with(base_flags(dir), {"--multi-process", "--elastic-ep-timeout", "2"}), dir.file("serve.log"));
-    const pid_t rank1 = wait_rank_pid(server, 1);
+    const pid_t rank1 = server.wait_rank_pid(1);
     ASSERT_GT(rank1, 0) << server.log();
     ASSERT_EQ(::kill(rank1, sig), 0);
     // A request now fails (rank 0 waits for rank 1 at most the timeout) instead of hanging.

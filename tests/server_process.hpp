@@ -76,6 +76,14 @@ class ServerProcess {
     const std::string text = log();
     return std::regex_search(text, m, joined) ? static_cast<pid_t>(std::stol(m[1])) : -1;
   }
+  // rank_pid once the rank has joined (polls up to 5 s; -1: it never did).
+  pid_t wait_rank_pid(int rank) const {
+    for (int i = 0; i < 500; ++i) {
+      if (const pid_t pid = rank_pid(rank); pid > 0) return pid;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
   std::string log() const { return slurp(log_file_); }
 
@@ -121,6 +129,13 @@ inline std::vector<std::vector<int32_t>> generate_greedy(const std::string& mode
     for (int32_t id; ids >> id;) out[idx].push_back(id);
   }
   return out;
+}
+
+// How many times `needle` occurs in `text` (log lines the multi-process tests count).
+inline int count_of(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
 }
 
 }  // namespace fulcrum::test
