@@ -6,19 +6,16 @@
 // wait returns when the previous grid has completed and its writes are visible; since every block of that grid
 // waited in turn, every earlier kernel has completed too), and before it exits. Kernels launched the ordinary
 // way keep ordinary stream order. FULCRUM_PDL=0 launches everything the ordinary way (for measurement); read once.
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include <cuda_runtime.h>
 
+#include "gpu/env_switch.hpp"
+
 namespace fulcrum::gpu {
 
 inline bool dependent_launch_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("FULCRUM_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = env_switch_on("FULCRUM_PDL");
   return enabled;
 }
 

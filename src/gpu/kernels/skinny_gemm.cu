@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 
+#include "gpu/env_switch.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm_core.cuh"
@@ -103,10 +103,7 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 namespace skinny {
 
 bool skinny_wide_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("FULCRUM_SKINNY_WIDE");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = env_switch_on("FULCRUM_SKINNY_WIDE");
   return enabled;
 }
 

@@ -5,13 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "backend/cuda/cuda_check.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
+#include "gpu/env_switch.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "model/random_weights.hpp"
@@ -809,10 +808,7 @@ bool GpuMoeLayer::uses_skinny(int64_t num_tokens) const {
 
 // Read once; FULCRUM_FUSED_ROUTER=0 keeps the router and the small permutation in two launches, for measurement.
 static bool fused_small_route_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("FULCRUM_FUSED_ROUTER");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = gpu::env_switch_on("FULCRUM_FUSED_ROUTER");
   return enabled;
 }
 

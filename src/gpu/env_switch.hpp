@@ -1,0 +1,14 @@
+#pragma once
+// Measurement switches of the GPU path (FULCRUM_PDL, FULCRUM_SKINNY_WIDE, FULCRUM_FUSED_ROUTER): on unless the
+// environment sets the variable to "0". Callers read it once (a function-local static), never per launch.
+#include <cstdlib>
+#include <cstring>
+
+namespace fulcrum::gpu {
+
+inline bool env_switch_on(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+}  // namespace fulcrum::gpu
