@@ -19,7 +19,8 @@
 // Capture-safe: no allocation, no synchronization; the grid depends on n, k, max_rows, num_slots and the device.
 // Returns cudaErrorInvalidValue for n < 1, k <= 0, k % 8 != 0, max_rows < 1, num_slots < 1, x or out misaligned,
 // null arrays.
-// Weight pointers must be 16-byte aligned (the slot pool's are).
+// Weight pointers must be 16-byte aligned (the slot pool's are). With fp8_weights set (and weights null) the
+// weights are e4m3 with 128x128 block scales (fields below).
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -41,6 +42,12 @@ struct ExpertSkinnyArgs {
                                              // (registers), never changes a result; any slot may exceed it
   bool swiglu = false;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
+  // FP8 weights (an FP8 checkpoint's experts, weights then null): per slot e4m3 [w_rows, k] (w_rows = 2n with
+  // swiglu, else n) and fp32 block scales [k / 128][w_rows / 128] (the FP8 grouped GEMM's layout,
+  // grouped_gemm_fp8.hpp): W[j][c] = float(q[j][c]) * scale[c / 128][j / 128], then the same dot products in
+  // fp32 with the bf16 x rows (no activation quantization). Needs n % 128 == 0 and k % 128 == 0.
+  const uint8_t* const* fp8_weights = nullptr;  // [P]
+  const float* const* fp8_scales = nullptr;     // [P]
 };
 
 cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream);
