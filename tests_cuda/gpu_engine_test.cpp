@@ -13,6 +13,14 @@
 // Between two engine runs that differ only in batching or chunking (cuBLAS may pick other kernels by M, split
 // attention differently), the same argument gives kBatchRelTolerance = 0.01 on logits. Graph replay and
 // placement changes run the same kernels on the same rows in the same order: bitwise.
+// FP8 fixture (qwen3moe-tiny-fp8): its experts run in FP8 on the device (the golden is the fp32 model with the
+// dequantized weights, so the weights themselves are exact). Steps of more than 4 tokens quantize the expert
+// activations to e4m3 per 1x128 block: 3 mantissa bits, a relative rounding error of at most 2^-4 and about
+// 2^-4 / sqrt(3) = 3.6% RMS per element; a dot product of many such independently rounded terms keeps that
+// relative RMS, and the two quantized GEMMs of an expert add in quadrature to ~5% of the expert output. The
+// expert output is one branch of the residual stream, so logits move by at most that fraction of it:
+// kFp8LogitRelTolerance = 0.08 (the bf16 roundings on top, and room for a router flip). Decode steps take the
+// skinny path (FP8 weights, bf16 activations): the bf16 argument holds for them.
 #include <algorithm>
 #include <cmath>
 #include <iostream>
@@ -32,6 +40,7 @@ namespace fulcrum::test {
 namespace {
 
 constexpr double kBf16LogitRelTolerance = 0.03;
+constexpr double kFp8LogitRelTolerance = 0.08;
 constexpr double kBatchRelTolerance = 0.01;
 
 double rel_error(std::span<const float> a, std::span<const float> ref) {
@@ -110,7 +119,7 @@ TEST_P(GpuGoldenTest, LogitsAndGreedyFollowTransformers) {
     const model::StepSequence prompt = entry(static_cast<int64_t>(i), g.input_ids, false);
     const std::vector<model::HostTensor> logits = engine.forward_logits(std::span(&prompt, 1));
     const double rel = rel_error(logits[0].data, g.logits.data);
-    EXPECT_LE(rel, kBf16LogitRelTolerance) << "sequence " << i;
+    EXPECT_LE(rel, config.quantization ? kFp8LogitRelTolerance : kBf16LogitRelTolerance) << "sequence " << i;
     const float worst = max_abs_diff(logits[0].data, g.logits.data);
     const int v = config.vocab_size;
     int compared = 0, agreed = 0;

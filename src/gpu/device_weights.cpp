@@ -1,6 +1,7 @@
 #include "gpu/device_weights.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
@@ -27,6 +28,7 @@ struct DeviceWeights::Entry {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr int kFp8Block = 128;
 
 int64_t qkv_rows(const model::Qwen3MoeConfig& c) {
   return int64_t{c.num_attention_heads + 2 * c.num_key_value_heads} * c.head_dim;
@@ -58,11 +60,22 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
+bool DeviceWeights::fp8_experts_for(const model::Qwen3MoeConfig& config) {
+  return config.quantization.has_value() && config.hidden_size % kFp8Block == 0;
+}
+
+int DeviceWeights::expert_intermediate_for(const model::Qwen3MoeConfig& config) {
+  const int i = config.moe_intermediate_size;
+  return fp8_experts_for(config) ? (i + kFp8Block - 1) / kFp8Block * kFp8Block : i;
+}
+
 int64_t DeviceWeights::bytes_needed(const model::Qwen3MoeConfig& config, int num_slots) {
   const int64_t moe_layers = static_cast<int64_t>(config.moe_layer_indices().size());
-  const int64_t expert_elems = 3 * int64_t{config.moe_intermediate_size} * config.hidden_size;
+  const int64_t h = config.hidden_size, i = expert_intermediate_for(config);
+  const int64_t slot_bytes = fp8_experts_for(config) ? backend::fp8_blob_bytes(2 * i, h) + backend::fp8_blob_bytes(h, i)
+                                                     : 2 * 3 * i * h;
   // The slot pool keeps one layer of spare buffers for migration staging.
-  return 2 * (non_expert_elems(config) + (moe_layers + (moe_layers > 0 ? 1 : 0)) * num_slots * expert_elems);
+  return 2 * non_expert_elems(config) + (moe_layers + (moe_layers > 0 ? 1 : 0)) * num_slots * slot_bytes;
 }
 
 DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx)
@@ -73,8 +86,8 @@ DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Pl
   size_t free_bytes = 0, total_bytes = 0;
   FULCRUM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   FULCRUM_CHECK(needed <= static_cast<int64_t>(free_bytes),
-                "the model's bf16 weights need {:.2f} GiB on GPU {}, which has {:.2f} GiB free of {:.2f} GiB",
-                needed / kGiB, device_idx, free_bytes / kGiB, total_bytes / kGiB);
+                "the model's {} weights need {:.2f} GiB on GPU {}, which has {:.2f} GiB free of {:.2f} GiB",
+                fp8_experts_for(config) ? "bf16 + FP8-expert" : "bf16", needed / kGiB, device_idx, free_bytes / kGiB, total_bytes / kGiB);
   bytes_ = needed;
   FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(2 * non_expert_elems(config))));
 
@@ -105,7 +118,7 @@ DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Pl
   if (num_slots > 0) {
     slots_ = std::make_unique<backend::GpuSlotPool>(
         backend::SlotPoolShape{static_cast<int>(config.moe_layer_indices().size()), num_slots, config.hidden_size,
-                               config.moe_intermediate_size},
+                               expert_intermediate_for(config), -1, fp8_experts_for(config)},
         device_idx);
   }
 }
@@ -166,31 +179,84 @@ void DeviceWeights::load(model::Checkpoint& checkpoint, const std::function<void
     for (int64_t i = 0; i < n; ++i) out[at + static_cast<size_t>(i)] = model::f32_to_bf16_bits(host[static_cast<size_t>(i)]);
   };
   const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size;
+  std::vector<uint16_t> gate_up_bits, down_bits;
   upload_in_order(
       [&](const Entry& e, std::vector<uint16_t>& bits) {
         bits.resize(static_cast<size_t>(numel_of(e.shape)));
         read(e.name, e.shape, bits, 0);
       },
-      [&](int l, int moe, std::vector<uint16_t>& gate_up, std::vector<uint16_t>& down) {
+      [&](int l, int moe, std::vector<std::byte>& gate_up, std::vector<std::byte>& down) {
         const std::span<const int32_t> map = placement_.layer(moe);
-        gate_up.resize(map.size() * static_cast<size_t>(2 * im * h));
-        down.resize(map.size() * static_cast<size_t>(h * im));
-        for (size_t s = 0; s < map.size(); ++s) {
-          const auto expert = [&](const char* proj) {
-            return layer_name(l, fmt::format("mlp.experts.{}.{}.weight", map[s], proj).c_str());
-          };
-          read(expert("gate_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h));
-          read(expert("up_proj"), {im, h}, gate_up, s * static_cast<size_t>(2 * im * h) + static_cast<size_t>(im * h));
-          read(expert("down_proj"), {h, im}, down, s * static_cast<size_t>(h * im));
+        const auto expert = [&](size_t s, const char* proj) {
+          return layer_name(l, fmt::format("mlp.experts.{}.{}.weight", map[s], proj).c_str());
+        };
+        if (fp8_experts()) {
+          load_fp8_slots(checkpoint, map.size(), expert, gate_up, down);
+          return;
         }
+        gate_up_bits.resize(map.size() * static_cast<size_t>(2 * im * h));
+        down_bits.resize(map.size() * static_cast<size_t>(h * im));
+        for (size_t s = 0; s < map.size(); ++s) {
+          read(expert(s, "gate_proj"), {im, h}, gate_up_bits, s * static_cast<size_t>(2 * im * h));
+          read(expert(s, "up_proj"), {im, h}, gate_up_bits, s * static_cast<size_t>(2 * im * h) + static_cast<size_t>(im * h));
+          read(expert(s, "down_proj"), {h, im}, down_bits, s * static_cast<size_t>(h * im));
+        }
+        as_blob(gate_up_bits, gate_up);
+        as_blob(down_bits, down);
       },
       on_layer);
+}
+
+void DeviceWeights::as_blob(const std::vector<uint16_t>& bits, std::vector<std::byte>& blob) {
+  blob.resize(bits.size() * 2);
+  std::memcpy(blob.data(), bits.data(), blob.size());
+}
+
+void DeviceWeights::load_fp8_slots(model::Checkpoint& checkpoint, size_t num_slots,
+                                   const std::function<std::string(size_t, const char*)>& expert_name,
+                                   std::vector<std::byte>& gate_up, std::vector<std::byte>& down) {
+  // The slot pool's FP8 blobs (gpu_slot_pool.hpp) with I padded to ip: gate rows [0, I), up rows [ip, ip + I) of
+  // gate_up [2 ip, H]; down [H, ip]; padding codes 0 (e4m3 +0). Scales transposed from the checkpoint's
+  // [row blocks][col blocks] into [col blocks][row blocks] (the FP8 GEMM's MN-major weight scales).
+  const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size, ip = expert_intermediate_size();
+  const int64_t hb = h / kFp8Block, ib = ip / kFp8Block;  // whole blocks (ip padded; h checked)
+  const int64_t gu_bytes = slots_->gate_up_blob_bytes(), dn_bytes = slots_->down_blob_bytes();
+  gate_up.assign(num_slots * static_cast<size_t>(gu_bytes), std::byte{0});
+  down.assign(num_slots * static_cast<size_t>(dn_bytes), std::byte{0});
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  const auto read = [&](const std::string& name, int64_t rows, int64_t cols) {
+    codes.resize(static_cast<size_t>(rows * cols));
+    scales.resize(static_cast<size_t>((rows + kFp8Block - 1) / kFp8Block * ((cols + kFp8Block - 1) / kFp8Block)));
+    const std::vector<int64_t> shape = {rows, cols};
+    checkpoint.read_fp8_into(name, shape, codes, scales);
+  };
+  for (size_t s = 0; s < num_slots; ++s) {
+    std::byte* gu = gate_up.data() + s * static_cast<size_t>(gu_bytes);
+    float* gu_scales = reinterpret_cast<float*>(gu + backend::fp8_scales_offset(2 * ip, h));
+    for (int half = 0; half < 2; ++half) {  // gate, then up
+      read(expert_name(s, half == 0 ? "gate_proj" : "up_proj"), im, h);
+      std::memcpy(gu + half * ip * h, codes.data(), codes.size());
+      for (int64_t rb = 0; rb < (im + kFp8Block - 1) / kFp8Block; ++rb) {
+        for (int64_t kb = 0; kb < hb; ++kb) gu_scales[kb * 2 * ib + half * ib + rb] = scales[rb * hb + kb];
+      }
+    }
+    std::byte* dn = down.data() + s * static_cast<size_t>(dn_bytes);
+    float* dn_scales = reinterpret_cast<float*>(dn + backend::fp8_scales_offset(h, ip));
+    read(expert_name(s, "down_proj"), h, im);
+    for (int64_t r = 0; r < h; ++r) std::memcpy(dn + r * ip, codes.data() + r * im, static_cast<size_t>(im));
+    const int64_t im_blocks = (im + kFp8Block - 1) / kFp8Block;
+    for (int64_t rb = 0; rb < hb; ++rb) {
+      for (int64_t kb = 0; kb < im_blocks; ++kb) dn_scales[kb * hb + rb] = scales[rb * im_blocks + kb];
+    }
+  }
 }
 
 void DeviceWeights::upload_in_order(const EntryBits& entry_bits, const SlotBits& slot_bits,
                                     const std::function<void(int, int)>& on_layer) {
   const std::vector<Entry> all = entries();
-  std::vector<uint16_t> bits, gate_up, down;
+  std::vector<uint16_t> bits;
+  std::vector<std::byte> gate_up, down;
   size_t next = 0;
   const auto upload_until = [&](int layer_idx) {  // the entries of the embedding/head, or of one layer
     for (; next < all.size() && all[next].layer_idx == layer_idx; ++next) {
@@ -204,7 +270,7 @@ void DeviceWeights::upload_in_order(const EntryBits& entry_bits, const SlotBits&
     const int moe = layers_[static_cast<size_t>(l)].moe_layer_idx;
     if (moe >= 0) {
       slot_bits(l, moe, gate_up, down);
-      slots_->upload_layer(moe, gate_up, down);
+      slots_->upload_layer_blobs(moe, gate_up, down);
     }
     if (on_layer) on_layer(l + 1, config_.num_hidden_layers);
   }
@@ -248,6 +314,8 @@ std::map<std::string, std::string> DeviceWeights::cache_identity() const {
 }
 
 void DeviceWeights::save_cache(const std::string& dir) const {
+  FULCRUM_CHECK(!fp8_experts(), "--weight-cache {}: the GPU weight cache does not hold FP8 experts yet (load from "
+                "the checkpoint)", dir);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
   const std::vector<Entry> all = entries();
   std::vector<model::TensorSpec> specs;
@@ -290,6 +358,8 @@ void DeviceWeights::save_cache(const std::string& dir) const {
 }
 
 void DeviceWeights::load_cache(const std::string& dir, const std::function<void(int, int)>& on_layer) {
+  FULCRUM_CHECK(!fp8_experts(), "--weight-cache {}: the GPU weight cache does not hold FP8 experts yet (load from "
+                "the checkpoint)", dir);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
   const std::string path = cache_file(dir);
   const model::SafetensorsFile file(path);
@@ -317,9 +387,12 @@ void DeviceWeights::load_cache(const std::string& dir, const std::function<void(
   };
   const int64_t h = config_.hidden_size, im = config_.moe_intermediate_size, p = placement_.num_physical_experts();
   upload_in_order([&](const Entry& e, std::vector<uint16_t>& bits) { read(e.name, e.shape, bits); },
-                  [&](int, int moe, std::vector<uint16_t>& gate_up, std::vector<uint16_t>& down) {
-                    read(slot_tensor(moe, "gate_up"), {p, 2 * im, h}, gate_up);
-                    read(slot_tensor(moe, "down"), {p, h, im}, down);
+                  [&](int, int moe, std::vector<std::byte>& gate_up, std::vector<std::byte>& down) {
+                    std::vector<uint16_t> bits;
+                    read(slot_tensor(moe, "gate_up"), {p, 2 * im, h}, bits);
+                    as_blob(bits, gate_up);
+                    read(slot_tensor(moe, "down"), {p, h, im}, bits);
+                    as_blob(bits, down);
                   },
                   on_layer);
 }

@@ -142,7 +142,8 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
   if (num_moe > 0) {
     backend::MoeLayerShape shape;
     shape.hidden_size = config.hidden_size;
-    shape.moe_intermediate_size = config.moe_intermediate_size;
+    shape.moe_intermediate_size = weights_->expert_intermediate_size();  // FP8: padded to whole blocks
+    shape.fp8_experts = weights_->fp8_experts();
     shape.num_experts = config.num_experts;
     shape.num_experts_per_tok = config.num_experts_per_tok;
     shape.norm_topk_prob = config.norm_topk_prob;
@@ -155,9 +156,11 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
       auto layer = std::make_unique<backend::GpuMoeLayer>(shape, options_.device, stream_, moe_ws);
       const LayerWeights& lw = weights_->layer(config.moe_layer_indices()[static_cast<size_t>(m)]);
       layer->set_router_weights(lw.router);
-      const auto gate_up = weights_->slot_pool()->gate_up_ptrs(m);
-      const auto down = weights_->slot_pool()->down_ptrs(m);
-      layer->set_slot_weights(gate_up, down);
+      if (shape.fp8_experts) {
+        layer->set_fp8_slot_weights(weights_->slot_pool()->fp8_ptrs(m));
+      } else {
+        layer->set_slot_weights(weights_->slot_pool()->gate_up_ptrs(m), weights_->slot_pool()->down_ptrs(m));
+      }
       const std::span<const int32_t> map = options_.placement.layer(m);
       std::vector<uint64_t> streams;
       if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));

@@ -19,6 +19,17 @@ std::vector<uint16_t> random_bf16_reference(int64_t n, uint64_t seed, float scal
   return out;
 }
 
+std::vector<uint8_t> random_e4m3_reference(int64_t n, uint64_t seed) {
+  FULCRUM_CHECK(n >= 0, "random_e4m3_reference: negative count {}", n);
+  std::vector<uint8_t> out(static_cast<size_t>(n));
+  uint64_t state = seed;
+  for (uint8_t& value : out) {
+    const float u = static_cast<float>(splitmix64(state) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    value = f32_to_f8e4m3_bits((2.0f * u - 1.0f) * 448.0f);
+  }
+  return out;
+}
+
 uint64_t expert_weight_seed(uint64_t seed, int layer_idx, int expert_idx, ExpertTensor tensor) {
   FULCRUM_CHECK(layer_idx >= 0 && expert_idx >= 0, "expert weights: layer {} expert {} (both must be >= 0)", layer_idx,
                 expert_idx);

@@ -11,6 +11,9 @@
 namespace fulcrum::model {
 
 std::vector<uint16_t> random_bf16_reference(int64_t n, uint64_t seed, float scale);
+// The FP8 twin (cuda::moe::launch_fill_random_e4m3): the same stream's u mapped to e4m3((2u - 1) * 448), round
+// to nearest even; with a block scale s every weight is uniform in +-448 s.
+std::vector<uint8_t> random_e4m3_reference(int64_t n, uint64_t seed);
 
 // The tensors of one expert: gate_up [2I, H] (gate rows, then up rows) and down [H, I].
 enum class ExpertTensor : int { kGateUp = 0, kDown = 1 };

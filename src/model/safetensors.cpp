@@ -277,6 +277,11 @@ void SafetensorsFile::read_f32_into(const std::string& name, std::span<float> ou
   for (size_t i = 0; i < numel; ++i) out[i] = float_at(src, t.dtype, static_cast<int64_t>(i));
 }
 
+std::span<const uint8_t> SafetensorsFile::bytes(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  return {data_ + t.data_begin, static_cast<size_t>(t.numel()) * dtype_size(t.dtype)};
+}
+
 void SafetensorsFile::read_f32_block_into(const std::string& name, int64_t row_begin, int64_t num_rows,
                                           int64_t col_begin, int64_t num_cols, std::span<float> out) const {
   const TensorInfo& t = info(name);
@@ -458,6 +463,25 @@ void Checkpoint::read_f32_into(const std::string& name, std::span<const int64_t>
                 "{}: tensor '{}' has shape {}, expected {}", file_of(name), name, shape_text(t.shape),
                 shape_text(expected_shape));
   file_of_.at(name)->read_f32_into(name, out);
+}
+
+void Checkpoint::read_fp8_into(const std::string& name, std::span<const int64_t> expected_shape,
+                               std::span<uint8_t> codes, std::span<float> scale_inv) {
+  const TensorInfo& t = info(name);
+  FULCRUM_CHECK(quantization_.has_value() && t.dtype == Dtype::kF8E4M3,
+                "{}: tensor '{}' is {}{}, an FP8 read needs F8_E4M3 with a quantization_config", file_of(name), name,
+                dtype_name(t.dtype), quantization_ ? "" : " in a checkpoint without quantization_config");
+  FULCRUM_CHECK(std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end()),
+                "{}: tensor '{}' has shape {}, expected {}", file_of(name), name, shape_text(t.shape),
+                shape_text(expected_shape));
+  const std::span<const uint8_t> stored = file_of_.at(name)->bytes(name);
+  FULCRUM_CHECK(codes.size() == stored.size(), "{}: tensor '{}' has {} codes, destination holds {}", file_of(name), name,
+                stored.size(), codes.size());
+  std::copy(stored.begin(), stored.end(), codes.begin());
+  const std::vector<float> scales = read_scale_inv(name);
+  FULCRUM_CHECK(scale_inv.size() == scales.size(), "{}: tensor '{}' has {} scale blocks, destination holds {}",
+                file_of(name), name, scales.size(), scale_inv.size());
+  std::copy(scales.begin(), scales.end(), scale_inv.begin());
 }
 
 std::set<std::string> checked_fp8_scale_names(const Qwen3MoeConfig& config, const Checkpoint& checkpoint) {

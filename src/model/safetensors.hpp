@@ -70,6 +70,8 @@ class SafetensorsFile {
   void read_f32_block_into(const std::string& name, int64_t row_begin, int64_t num_rows, int64_t col_begin,
                            int64_t num_cols, std::span<float> out) const;
   HostTensor read_f32(const std::string& name) const;
+  // The stored bytes of a tensor as they lie in the file (numel x dtype size), e.g. F8_E4M3 codes.
+  std::span<const uint8_t> bytes(const std::string& name) const;
   // Integer tensors (I64, I32), e.g. token ids of golden data.
   std::vector<int64_t> read_i64(const std::string& name) const;
 
@@ -109,6 +111,12 @@ class Checkpoint {
   // (2-D, or 1-D as one row); shape checked as above.
   void read_f32_block_into(const std::string& name, std::span<const int64_t> expected_shape, int64_t row_begin,
                            int64_t num_rows, int64_t col_begin, int64_t num_cols, std::span<float> out);
+  // An F8_E4M3 tensor of shape `expected_shape` [out, in] as it is stored: its codes into `codes` (out * in
+  // bytes, row-major) and its scales into `scale_inv` (ceil(out / 128) * ceil(in / 128), checked finite and
+  // positive as for the dequantizing reads), for a device that computes in FP8. A tensor of another dtype or a
+  // checkpoint without quantization_config is a one-line error.
+  void read_fp8_into(const std::string& name, std::span<const int64_t> expected_shape, std::span<uint8_t> codes,
+                     std::span<float> scale_inv);
   // Where a tensor lives, for messages: "dir/model-00001-of-00002.safetensors".
   const std::string& file_of(const std::string& name) const;
 

@@ -9,21 +9,42 @@ namespace fulcrum::backend {
 
 namespace {
 
+constexpr int64_t kFp8Block = 128;
+constexpr int64_t kBlobAlignment = 256;
+
 eplb_runtime::SlotBufferMap checked_map(const SlotPoolShape& shape) {
   FULCRUM_CHECK(shape.hidden_size > 0 && shape.moe_intermediate_size > 0,
                 "slot pool: hidden {} / intermediate {} must be positive", shape.hidden_size, shape.moe_intermediate_size);
+  FULCRUM_CHECK(!shape.fp8 || (shape.hidden_size % kFp8Block == 0 && shape.moe_intermediate_size % kFp8Block == 0),
+                "slot pool: FP8 experts need hidden {} and intermediate {} to be multiples of 128 (whole scale blocks)",
+                shape.hidden_size, shape.moe_intermediate_size);
   return eplb_runtime::SlotBufferMap(shape.num_layers, shape.slots_per_layer, shape.spare);
 }
 
 }  // namespace
+
+int64_t fp8_scales_offset(int64_t rows, int64_t cols) { return (rows * cols + 15) / 16 * 16; }
+
+int64_t fp8_blob_bytes(int64_t rows, int64_t cols) {
+  const int64_t scales = ((rows + kFp8Block - 1) / kFp8Block) * ((cols + kFp8Block - 1) / kFp8Block) * 4;
+  return (fp8_scales_offset(rows, cols) + scales + kBlobAlignment - 1) / kBlobAlignment * kBlobAlignment;
+}
+
+int64_t GpuSlotPool::gate_up_blob_bytes() const {
+  return shape_.fp8 ? fp8_blob_bytes(2 * int64_t{shape_.moe_intermediate_size}, shape_.hidden_size) : gate_up_elems() * 2;
+}
+
+int64_t GpuSlotPool::down_blob_bytes() const {
+  return shape_.fp8 ? fp8_blob_bytes(shape_.hidden_size, shape_.moe_intermediate_size) : down_elems() * 2;
+}
 
 GpuSlotPool::GpuSlotPool(const SlotPoolShape& shape, int device_idx)
     : shape_(shape), device_idx_(device_idx), map_(checked_map(shape)) {
   shape_.spare = map_.num_buffers() - shape.num_layers * shape.slots_per_layer;
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
   const auto buffers = static_cast<size_t>(map_.num_buffers());
-  gate_up_ = DeviceBuffer(buffers * static_cast<size_t>(gate_up_elems()) * sizeof(uint16_t));
-  down_ = DeviceBuffer(buffers * static_cast<size_t>(down_elems()) * sizeof(uint16_t));
+  gate_up_ = DeviceBuffer(buffers * static_cast<size_t>(gate_up_blob_bytes()));
+  down_ = DeviceBuffer(buffers * static_cast<size_t>(down_blob_bytes()));
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 }
 
@@ -39,16 +60,43 @@ void GpuSlotPool::check_layer(int layer_idx) const {
                 shape_.num_layers);
 }
 
-uint16_t* GpuSlotPool::gate_up_buffer(int32_t buffer) const {
+void GpuSlotPool::check_buffer(int32_t buffer) const {
   FULCRUM_CHECK(buffer >= 0 && buffer < map_.num_buffers(), "slot pool: buffer {} outside [0, {})", buffer,
                 map_.num_buffers());
-  return gate_up_.as<uint16_t>() + static_cast<size_t>(buffer) * static_cast<size_t>(gate_up_elems());
+}
+
+std::byte* GpuSlotPool::gate_up_blob(int32_t buffer) const {
+  check_buffer(buffer);
+  return gate_up_.as<std::byte>() + static_cast<size_t>(buffer) * static_cast<size_t>(gate_up_blob_bytes());
+}
+
+std::byte* GpuSlotPool::down_blob(int32_t buffer) const {
+  check_buffer(buffer);
+  return down_.as<std::byte>() + static_cast<size_t>(buffer) * static_cast<size_t>(down_blob_bytes());
+}
+
+uint16_t* GpuSlotPool::gate_up_buffer(int32_t buffer) const {
+  FULCRUM_CHECK(!shape_.fp8, "slot pool: bf16 view of an FP8 pool");
+  return reinterpret_cast<uint16_t*>(gate_up_blob(buffer));
 }
 
 uint16_t* GpuSlotPool::down_buffer(int32_t buffer) const {
-  FULCRUM_CHECK(buffer >= 0 && buffer < map_.num_buffers(), "slot pool: buffer {} outside [0, {})", buffer,
-                map_.num_buffers());
-  return down_.as<uint16_t>() + static_cast<size_t>(buffer) * static_cast<size_t>(down_elems());
+  FULCRUM_CHECK(!shape_.fp8, "slot pool: bf16 view of an FP8 pool");
+  return reinterpret_cast<uint16_t*>(down_blob(buffer));
+}
+
+Fp8MatrixPtrs GpuSlotPool::gate_up_fp8(int32_t buffer) const {
+  FULCRUM_CHECK(shape_.fp8, "slot pool: FP8 view of a bf16 pool");
+  const std::byte* blob = gate_up_blob(buffer);
+  const int64_t rows = 2 * int64_t{shape_.moe_intermediate_size}, cols = shape_.hidden_size;
+  return {reinterpret_cast<const uint8_t*>(blob), reinterpret_cast<const float*>(blob + fp8_scales_offset(rows, cols))};
+}
+
+Fp8MatrixPtrs GpuSlotPool::down_fp8(int32_t buffer) const {
+  FULCRUM_CHECK(shape_.fp8, "slot pool: FP8 view of a bf16 pool");
+  const std::byte* blob = down_blob(buffer);
+  const int64_t rows = shape_.hidden_size, cols = shape_.moe_intermediate_size;
+  return {reinterpret_cast<const uint8_t*>(blob), reinterpret_cast<const float*>(blob + fp8_scales_offset(rows, cols))};
 }
 
 std::vector<const uint16_t*> GpuSlotPool::gate_up_ptrs(int layer_idx) const {
@@ -63,8 +111,37 @@ std::vector<const uint16_t*> GpuSlotPool::down_ptrs(int layer_idx) const {
   return ptrs;
 }
 
+Fp8SlotPtrs GpuSlotPool::fp8_ptrs(int layer_idx) const {
+  Fp8SlotPtrs ptrs;
+  for (const int32_t b : map_.layer_buffers(layer_idx)) {
+    const Fp8MatrixPtrs gu = gate_up_fp8(b), dn = down_fp8(b);
+    ptrs.gate_up.push_back(gu.codes);
+    ptrs.gate_up_scales.push_back(gu.scales);
+    ptrs.down.push_back(dn.codes);
+    ptrs.down_scales.push_back(dn.scales);
+  }
+  return ptrs;
+}
+
+void GpuSlotPool::upload_layer_blobs(int layer_idx, std::span<const std::byte> gate_up, std::span<const std::byte> down) {
+  check_layer(layer_idx);
+  const int64_t slots = shape_.slots_per_layer, gu = gate_up_blob_bytes(), dn = down_blob_bytes();
+  FULCRUM_CHECK(static_cast<int64_t>(gate_up.size()) == slots * gu && static_cast<int64_t>(down.size()) == slots * dn,
+                "slot pool: layer {} upload of {} / {} bytes, expected {} x {} / {} x {}", layer_idx, gate_up.size(),
+                down.size(), slots, gu, slots, dn);
+  for (int s = 0; s < shape_.slots_per_layer; ++s) {
+    const int32_t b = map_.buffer_of(layer_idx, s);
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(gate_up_blob(b), gate_up.data() + s * gu, static_cast<size_t>(gu),
+                                       cudaMemcpyHostToDevice, stream_));
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(down_blob(b), down.data() + s * dn, static_cast<size_t>(dn),
+                                       cudaMemcpyHostToDevice, stream_));
+  }
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host spans may go away after return
+}
+
 void GpuSlotPool::upload_layer(int layer_idx, std::span<const uint16_t> gate_up, std::span<const uint16_t> down) {
   check_layer(layer_idx);
+  FULCRUM_CHECK(!shape_.fp8, "slot pool: bf16 upload into an FP8 pool (upload_layer_blobs)");
   const int64_t slots = shape_.slots_per_layer;
   FULCRUM_CHECK(static_cast<int64_t>(gate_up.size()) == slots * gate_up_elems() &&
                     static_cast<int64_t>(down.size()) == slots * down_elems(),
@@ -94,6 +171,19 @@ void GpuSlotPool::fill_layer(int layer_idx, std::span<const int32_t> experts, ui
   for (int s = 0; s < shape_.slots_per_layer; ++s) {
     const int32_t b = map_.buffer_of(layer_idx, s);
     const int expert = experts[static_cast<size_t>(s)];
+    if (shape_.fp8) {
+      for (const ExpertTensor tensor : {ExpertTensor::kGateUp, ExpertTensor::kDown}) {
+        const bool gu = tensor == ExpertTensor::kGateUp;
+        const Fp8MatrixPtrs m = gu ? gate_up_fp8(b) : down_fp8(b);
+        const int64_t rows = gu ? 2 * int64_t{i} : h, cols = gu ? h : i;
+        FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_e4m3(const_cast<uint8_t*>(m.codes), rows * cols,
+                                                              model::expert_weight_seed(seed, layer_idx, expert, tensor),
+                                                              stream_));
+        FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_f32(const_cast<float*>(m.scales), rows / 128 * (cols / 128),
+                                                      model::expert_weight_scale(tensor, h, i) / 448.0f, stream_));
+      }
+      continue;
+    }
     FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(
         gate_up_buffer(b), gate_up_elems(), model::expert_weight_seed(seed, layer_idx, expert, ExpertTensor::kGateUp),
         model::expert_weight_scale(ExpertTensor::kGateUp, h, i), stream_));
@@ -102,6 +192,15 @@ void GpuSlotPool::fill_layer(int layer_idx, std::span<const int32_t> experts, ui
         model::expert_weight_scale(ExpertTensor::kDown, h, i), stream_));
   }
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::pair<std::vector<std::byte>, std::vector<std::byte>> GpuSlotPool::download_blobs(int32_t buffer) const {
+  std::pair<std::vector<std::byte>, std::vector<std::byte>> out{std::vector<std::byte>(static_cast<size_t>(gate_up_blob_bytes())),
+                                                                 std::vector<std::byte>(static_cast<size_t>(down_blob_bytes()))};
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(out.first.data(), gate_up_blob(buffer), out.first.size(), cudaMemcpyDeviceToHost, stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(out.second.data(), down_blob(buffer), out.second.size(), cudaMemcpyDeviceToHost, stream_));
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
 }
 
 std::pair<std::vector<uint16_t>, std::vector<uint16_t>> GpuSlotPool::download_buffer(int32_t buffer) const {

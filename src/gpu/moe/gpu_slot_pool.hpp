@@ -1,16 +1,22 @@
 #pragma once
-// Device storage of the GPU MoE layers' expert slots (bf16), addressed through an eplb_runtime::SlotBufferMap so
-// a live migration receives into free buffers and commits by remapping pointers (no weight copy).
+// Device storage of the GPU MoE layers' expert slots (bf16 or FP8), addressed through an
+// eplb_runtime::SlotBufferMap so a live migration receives into free buffers and commits by remapping pointers
+// (no weight copy).
 //
-// Layout: ONE allocation per tensor kind, buffers contiguous in index order:
-//   gate_up [N, 2I, H] bf16 (gate rows, then up rows), N * 2I * H * 2 bytes
-//   down    [N, H, I]  bf16,                            N * H * I * 2 bytes
+// Layout: ONE allocation per tensor kind, buffers contiguous in index order, each buffer one blob:
+//   bf16: gate_up [N][2I, H] bf16 (gate rows, then up rows); down [N][H, I] bf16
+//   fp8:  gate_up [N][codes e4m3 [2I, H] | scales fp32 [H/128][2I/128]]; down [N][codes [H, I] | scales
+//         [I/128][H/128]], each blob padded to 256 bytes (the FP8 grouped GEMM's weight and scale layout,
+//         gpu/cutlass/grouped_gemm_fp8.hpp; needs H and I multiples of 128: the engine pads I)
 // N = num_layers * slots_per_layer + spare (SlotBufferMap). So buffers b and b + 1 are adjacent in both
-// tensors and a run of consecutive buffers moves as one NCCL op per tensor.
-// GpuMoeLayer::set_slot_weights takes gate_up_ptrs(layer) / down_ptrs(layer).
+// tensors and a run of consecutive buffers moves as one NCCL op per tensor. A slot's scales live inside its
+// blob: whatever moves, copies or caches a slot moves its scales with its weights (the EPLB bug of the big
+// servers — scales left behind after a rebalance — cannot be written against this layout).
+// GpuMoeLayer::set_slot_weights takes gate_up_ptrs(layer) / down_ptrs(layer) (bf16) or fp8_ptrs(layer).
 // Uploads and fills are synchronous (setup work; they return when the device holds the values); they write
 // live buffers, so never while a migration of that layer is in flight.
 // This header includes no CUDA header.
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -29,7 +35,25 @@ struct SlotPoolShape {
   int hidden_size = 0;            // H
   int moe_intermediate_size = 0;  // I
   int spare = -1;                 // free buffers; < 0: slots_per_layer (staging of one layer)
+  bool fp8 = false;               // e4m3 codes with 128x128 fp32 block scales instead of bf16
 };
+
+// One FP8 matrix on the device: e4m3 codes [rows, cols] and fp32 scales [cols / 128][rows / 128].
+struct Fp8MatrixPtrs {
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+};
+
+// Per local slot of a layer, as GpuMoeLayer::set_fp8_slot_weights takes them.
+struct Fp8SlotPtrs {
+  std::vector<const uint8_t*> gate_up, down;
+  std::vector<const float*> gate_up_scales, down_scales;
+};
+
+// Bytes of an FP8 blob (codes then scales, padded to 256) of a [rows, cols] matrix; the scales start at
+// fp8_scales_offset(rows, cols).
+int64_t fp8_blob_bytes(int64_t rows, int64_t cols);
+int64_t fp8_scales_offset(int64_t rows, int64_t cols);
 
 class GpuSlotPool {
  public:
@@ -46,35 +70,53 @@ class GpuSlotPool {
 
   int64_t gate_up_elems() const { return 2 * int64_t{shape_.moe_intermediate_size} * shape_.hidden_size; }  // 2I * H
   int64_t down_elems() const { return int64_t{shape_.hidden_size} * shape_.moe_intermediate_size; }         // H * I
-  int64_t slot_bytes() const { return 2 * (gate_up_elems() + down_elems()); }
+  bool fp8() const { return shape_.fp8; }
+  // Bytes of one buffer's blob of each tensor kind (what migration and copies move per slot).
+  int64_t gate_up_blob_bytes() const;
+  int64_t down_blob_bytes() const;
+  int64_t slot_bytes() const { return gate_up_blob_bytes() + down_blob_bytes(); }
 
-  // Device addresses of one buffer's tensors.
+  // Device addresses of one buffer's blobs (either dtype).
+  std::byte* gate_up_blob(int32_t buffer) const;
+  std::byte* down_blob(int32_t buffer) const;
+  // The same as bf16 matrices (a bf16 pool only).
   uint16_t* gate_up_buffer(int32_t buffer) const;  // [2I, H]
   uint16_t* down_buffer(int32_t buffer) const;     // [H, I]
+  // The same as FP8 matrices (an fp8 pool only).
+  Fp8MatrixPtrs gate_up_fp8(int32_t buffer) const;  // [2I, H]
+  Fp8MatrixPtrs down_fp8(int32_t buffer) const;     // [H, I]
 
   // One device pointer per local slot of the layer, as GpuMoeLayer::set_slot_weights takes them; valid until
   // the layer's next commit.
   std::vector<const uint16_t*> gate_up_ptrs(int layer_idx) const;
   std::vector<const uint16_t*> down_ptrs(int layer_idx) const;
+  Fp8SlotPtrs fp8_ptrs(int layer_idx) const;  // an fp8 pool only
 
   // Host bf16 weights of all the layer's local slots: gate_up [S, 2I, H], down [S, H, I].
   void upload_layer(int layer_idx, std::span<const uint16_t> gate_up, std::span<const uint16_t> down);
-  // Fills each local slot s of the layer with the generated weights of logical expert experts[s]
-  // (model::expert_weights_reference(seed, layer_idx, experts[s], ...)), on the device.
+  // Host blobs of all the layer's local slots (either dtype): gate_up [S][gate_up_blob_bytes()], down
+  // [S][down_blob_bytes()], each in the layout above.
+  void upload_layer_blobs(int layer_idx, std::span<const std::byte> gate_up, std::span<const std::byte> down);
+  // Fills each local slot s of the layer with the generated weights of logical expert experts[s], on the
+  // device: bf16 model::expert_weights_reference(seed, layer_idx, experts[s], ...); fp8 codes
+  // model::random_e4m3_reference of the same seeds and every scale expert_weight_scale / 448.
   void fill_layer(int layer_idx, std::span<const int32_t> experts, uint64_t seed);
-  // Host copy of one buffer: (gate_up [2I * H], down [H * I]).
+  // Host copy of one buffer, bf16 pool: (gate_up [2I * H], down [H * I]).
   std::pair<std::vector<uint16_t>, std::vector<uint16_t>> download_buffer(int32_t buffer) const;
-  // Host copy of the layer's local slot (through the map).
+  // Host copy of the layer's local slot (through the map), bf16 pool.
   std::pair<std::vector<uint16_t>, std::vector<uint16_t>> download_slot(int layer_idx, int local_slot) const;
+  // Host copy of one buffer's blobs, either dtype: (gate_up blob, down blob).
+  std::pair<std::vector<std::byte>, std::vector<std::byte>> download_blobs(int32_t buffer) const;
 
  private:
   void check_layer(int layer_idx) const;
+  void check_buffer(int32_t buffer) const;
 
   SlotPoolShape shape_;
   int device_idx_ = 0;
   eplb_runtime::SlotBufferMap map_;
-  DeviceBuffer gate_up_;  // [N, 2I, H]
-  DeviceBuffer down_;     // [N, H, I]
+  DeviceBuffer gate_up_;  // [N][gate_up blob]
+  DeviceBuffer down_;     // [N][down blob]
   CUstream_st* stream_ = nullptr;  // uploads and fills
 };
 

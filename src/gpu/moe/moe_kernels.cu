@@ -2,6 +2,7 @@
 // histogram), permutation by physical slot, SwiGLU activation, combine. See moe_kernels.hpp.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "backend/cuda/launch_util.cuh"
 #include "gpu/moe/moe_kernels.hpp"
@@ -380,6 +381,22 @@ __global__ void fill_random_bf16_kernel(uint16_t* out, int64_t n, uint64_t seed,
   }
 }
 
+__global__ void fill_random_e4m3_kernel(uint8_t* out, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t z = splitmix_mix(seed + static_cast<uint64_t>(i + 1) * kGolden);
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    out[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8((2.0f * u - 1.0f) * 448.0f, __NV_SATFINITE, __NV_E4M3));
+  }
+}
+
+__global__ void fill_f32_kernel(float* out, int64_t n, float value) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = value;
+  }
+}
+
 // One block per (source, chunk), one thread per token: bit i of mask[e] marks the chunk's i-th token as
 // routed to e (a token's experts are distinct), so an entry's rank among the chunk's entries of e is the
 // popcount of the bits below its token; the chunk's count of e is the popcount of the whole mask.
@@ -576,6 +593,20 @@ cudaError_t launch_silu_mul_bf16_rows(const uint16_t* h, const int32_t* row_begi
   if (n == 0) return cudaSuccess;
   silu_mul_bf16_rows_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(h, row_begin, row_end, max_rows, intermediate_size,
                                                                      act);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fill_random_e4m3(uint8_t* out, int64_t n, uint64_t seed, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (n < 0 || out == nullptr) return cudaErrorInvalidValue;
+  fill_random_e4m3_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(out, n, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fill_f32(float* out, int64_t n, float value, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (n < 0 || out == nullptr) return cudaErrorInvalidValue;
+  fill_f32_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(out, n, value);
   return cudaGetLastError();
 }
 

@@ -109,5 +109,9 @@ cudaError_t launch_combine_f32(const uint16_t* rows, const int32_t* entry_row, c
 // array would hold there.
 cudaError_t launch_fill_random_bf16(uint16_t* out, int64_t n, uint64_t seed, float scale, cudaStream_t stream,
                                     int64_t first_index = 0);
+// The FP8 twin: out[i] = e4m3((2u - 1) * 448) of the same stream (CPU reference model::random_e4m3_reference).
+cudaError_t launch_fill_random_e4m3(uint8_t* out, int64_t n, uint64_t seed, cudaStream_t stream);
+// out[i] = value for i < n.
+cudaError_t launch_fill_f32(float* out, int64_t n, float value, cudaStream_t stream);
 
 }  // namespace fulcrum::cuda::moe

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "backend/cuda/cuda_check.hpp"
+#include "gpu/moe/gpu_slot_pool.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
 #include "gpu/env_switch.hpp"
@@ -77,6 +78,10 @@ void check_moe_shape(const MoeLayerShape& shape, const char* what) {
                 shape.num_experts);
   FULCRUM_CHECK(shape.num_slots >= shape.num_experts, "{}: {} slots for {} experts", what, shape.num_slots,
                 shape.num_experts);
+  FULCRUM_CHECK(!shape.fp8_experts || (shape.hidden_size % gpu::kFp8BlockSize == 0 &&
+                                       shape.moe_intermediate_size % gpu::kFp8BlockSize == 0),
+                "{}: FP8 experts need hidden {} and intermediate {} to be multiples of 128 (whole scale blocks)", what,
+                shape.hidden_size, shape.moe_intermediate_size);
 }
 
 }  // namespace
@@ -100,6 +105,10 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
   active = device_array<int32_t>(n + 1);
   permuted = device_array<uint16_t>(n * h);
   expert_out = device_array<uint16_t>(n * h);
+  if (shape.fp8_experts) {
+    fp8_x = device_array<uint8_t>(n * h);
+    fp8_x_scales = device_array<float>(n * h / gpu::kFp8BlockSize);
+  }
   reserve_expert_rows(n);
   cublasHandle_t handle = nullptr;
   FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
@@ -125,6 +134,16 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
     return;
   }
   gemm_workspace_ = DeviceBuffer(gemm_limits_.workspace_bytes);
+  if (shape.fp8_experts) {
+    const gpu::GroupedGemmStatus fp8 = gpu::prepare_fp8_grouped_gemm(device_idx, max_groups, &fp8_limits_);
+    if (!fp8.ok()) {
+      cutlass_unavailable_ = fmt::format("prepare_fp8_grouped_gemm: {} ({})", fp8.failed,
+                                         cudaGetErrorString(static_cast<cudaError_t>(fp8.cuda_error)));
+      (void)cudaGetLastError();
+      return;
+    }
+    fp8_workspace_ = DeviceBuffer(fp8_limits_.workspace_bytes);
+  }
 }
 
 MoeWorkspace::~MoeWorkspace() {
@@ -133,10 +152,12 @@ MoeWorkspace::~MoeWorkspace() {
 
 void MoeWorkspace::check_fits(const MoeLayerShape& layer) const {
   FULCRUM_CHECK(layer.hidden_size == shape_.hidden_size && layer.moe_intermediate_size == shape_.moe_intermediate_size &&
-                    layer.num_experts == shape_.num_experts && layer.num_experts_per_tok == shape_.num_experts_per_tok,
-                "MoE workspace for H {} / I {} / E {} / k {}, the layer has {} / {} / {} / {}", shape_.hidden_size,
-                shape_.moe_intermediate_size, shape_.num_experts, shape_.num_experts_per_tok, layer.hidden_size,
-                layer.moe_intermediate_size, layer.num_experts, layer.num_experts_per_tok);
+                    layer.num_experts == shape_.num_experts && layer.num_experts_per_tok == shape_.num_experts_per_tok &&
+                    layer.fp8_experts == shape_.fp8_experts,
+                "MoE workspace for H {} / I {} / E {} / k {} / fp8 {}, the layer has {} / {} / {} / {} / {}",
+                shape_.hidden_size, shape_.moe_intermediate_size, shape_.num_experts, shape_.num_experts_per_tok,
+                shape_.fp8_experts, layer.hidden_size, layer.moe_intermediate_size, layer.num_experts,
+                layer.num_experts_per_tok, layer.fp8_experts);
   FULCRUM_CHECK(layer.num_slots <= shape_.num_slots && layer.max_tokens <= shape_.max_tokens,
                 "MoE workspace for {} slots / {} tokens, the layer has {} / {}", shape_.num_slots, shape_.max_tokens,
                 layer.num_slots, layer.max_tokens);
@@ -148,6 +169,10 @@ void MoeWorkspace::reserve_expert_rows(int64_t rows) {
   FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());  // any layer's stream may still use the old scratch
   h = device_array<uint16_t>(rows * 2 * shape_.moe_intermediate_size);
   act = device_array<uint16_t>(rows * shape_.moe_intermediate_size);
+  if (shape_.fp8_experts) {
+    fp8_act = device_array<uint8_t>(rows * shape_.moe_intermediate_size);
+    fp8_act_scales = device_array<float>(rows * shape_.moe_intermediate_size / gpu::kFp8BlockSize);
+  }
   expert_rows_ = rows;
 }
 
@@ -280,15 +305,26 @@ GpuMoeLayer::GpuMoeLayer(const MoeLayerShape& shape, int device_idx, CUstream_st
   ws().cublas_on(stream_);
 
   const int64_t h = shape.hidden_size, i = shape.moe_intermediate_size, e = shape.num_experts, l = shape.local_slots();
-  if (!shape.external_weights) {
-    router_w_ = device_array<uint16_t>(e * h);
-    gate_up_w_ = device_array<uint16_t>(l * 2 * i * h);
-    down_w_ = device_array<uint16_t>(l * h * i);
-    router_ = router_w_.as<uint16_t>();
-  }
-  has_expert_weights_ = !shape.external_weights;
   gate_up_ptrs_ = device_array<const uint16_t*>(l);
   down_ptrs_ = device_array<const uint16_t*>(l);
+  if (shape.fp8_experts) {
+    gate_up_scale_ptrs_ = device_array<const float*>(l);
+    down_scale_ptrs_ = device_array<const float*>(l);
+  }
+  if (!shape.external_weights) {
+    router_w_ = device_array<uint16_t>(e * h);
+    router_ = router_w_.as<uint16_t>();
+    if (shape.fp8_experts) {
+      // The layer's own FP8 experts live in a one-layer slot pool (no spare buffers): the same blobs as the engine's.
+      own_fp8_pool_ = std::make_unique<GpuSlotPool>(
+          SlotPoolShape{1, static_cast<int>(l), static_cast<int>(h), static_cast<int>(i), 0, true}, device_idx);
+      fp8_slots_ = std::make_unique<Fp8SlotPtrs>(own_fp8_pool_->fp8_ptrs(0));
+    } else {
+      gate_up_w_ = device_array<uint16_t>(l * 2 * i * h);
+      down_w_ = device_array<uint16_t>(l * h * i);
+    }
+  }
+  has_expert_weights_ = !shape.external_weights;
   upload_slot_pointers();
   own_problems_ = std::make_unique<GemmProblems>();
   recv_problems_ = std::make_unique<GemmProblems>();
@@ -333,6 +369,10 @@ const uint16_t* GpuMoeLayer::down_of(int local_slot) const {
 
 void GpuMoeLayer::upload_slot_pointers() {
   const int l = shape_.local_slots();
+  if (shape_.fp8_experts) {
+    upload_fp8_slot_pointers();
+    return;
+  }
   std::vector<const uint16_t*> gate_up(static_cast<size_t>(l)), down(static_cast<size_t>(l));
   bool aligned = true;
   for (int q = 0; q < l; ++q) {
@@ -350,6 +390,7 @@ void GpuMoeLayer::upload_slot_pointers() {
 }
 
 void GpuMoeLayer::set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down) {
+  FULCRUM_CHECK(!shape_.fp8_experts, "set_slot_weights: the layer's experts are FP8 (set_fp8_slot_weights)");
   const size_t l = static_cast<size_t>(shape_.local_slots());
   FULCRUM_CHECK(gate_up.size() == down.size() && (gate_up.empty() || gate_up.size() == l),
                 "set_slot_weights: {} gate_up and {} down pointers, expected {} each (or none)", gate_up.size(),
@@ -373,6 +414,7 @@ void GpuMoeLayer::set_router_weights(const uint16_t* router) {
 void GpuMoeLayer::upload_weights(std::span<const uint16_t> router, std::span<const uint16_t> gate_up,
                                  std::span<const uint16_t> down) {
   FULCRUM_CHECK(!shape_.external_weights, "upload_weights: the layer holds no weights of its own (external_weights)");
+  FULCRUM_CHECK(!shape_.fp8_experts, "upload_weights: bf16 weights for FP8 experts");
   FULCRUM_CHECK(router.size() * 2 == router_w_.bytes() && gate_up.size() * 2 == gate_up_w_.bytes() &&
                     down.size() * 2 == down_w_.bytes(),
                 "MoE layer weights: router {} / gate_up {} / down {} values, expected {} / {} / {}", router.size(),
@@ -390,6 +432,10 @@ void GpuMoeLayer::randomize_weights(uint64_t seed) {
   const float gate_up_scale = model::expert_weight_scale(ExpertTensor::kGateUp, h, i);  // 1/sqrt(H), the router's too
   const float down_scale = model::expert_weight_scale(ExpertTensor::kDown, h, i);
   FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(router_w_.as<uint16_t>(), router_w_.bytes() / 2, seed, gate_up_scale, stream_));
+  if (shape_.fp8_experts) {
+    randomize_fp8_experts(seed);
+    return;
+  }
   // Local slot l takes the values of global slot local_slot_begin + l in the global [P, ...] arrays.
   const int64_t slot_values = int64_t{shape_.hidden_size} * shape_.moe_intermediate_size, first = shape_.local_slot_begin;
   FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_random_bf16(gate_up_w_.as<uint16_t>(), gate_up_w_.bytes() / 2, seed + 1,
@@ -456,6 +502,10 @@ void GpuMoeLayer::set_balanced_sources(int source_idx, CountGather gather) {
 std::string GpuMoeLayer::cutlass_problem() const {
   if (!ws().cutlass_unavailable().empty()) return ws().cutlass_unavailable();
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
+  if (shape_.fp8_experts && shape_.local_slots() > ws().fp8_gemm_limits().max_groups) {
+    return fmt::format("{} local slots, the workspace's FP8 grouped GEMM holds {} groups", shape_.local_slots(),
+                       ws().fp8_gemm_limits().max_groups);
+  }
   if (const char* why = gpu::grouped_gemm_shape_problem(2 * i, h)) {
     return fmt::format("gate_up GEMM N = 2I = {}, K = H = {}: {}", 2 * i, h, why);
   }
@@ -622,6 +672,8 @@ void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
 }
 
 void GpuMoeLayer::build_own_problems() {
+  FULCRUM_CHECK(!shape_.fp8_experts, "MoE layer: FP8 experts run on CUTLASS's FP8 grouped GEMM or the skinny path, "
+                "not cuBLAS ({})", cutlass_fallback_reason().empty() ? "cuBLAS was asked for" : cutlass_fallback_reason());
   MoeWorkspace& w = ws();
   const int p = shape_.num_slots;
   // The cuBLAS paths' one host synchronization: cuBLAS takes the GEMM sizes as host arrays (balanced routing
@@ -690,6 +742,10 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
 void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local,
                                   int num_weights, int64_t max_rows, int64_t total_rows, uint16_t* out) {
   if (num_groups == 0 || max_rows == 0) return;
+  if (shape_.fp8_experts) {
+    cutlass_experts_fp8(in, offsets, num_groups, first_local, num_weights, max_rows, total_rows, out);
+    return;
+  }
   MoeWorkspace& w = ws();
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   // By the batch's total rows, never per group: the config is the same whatever the placement (grouped_gemm.hpp).
@@ -756,6 +812,8 @@ void GpuMoeLayer::run_experts_on(const uint16_t* rows, std::span<const int32_t> 
   MoeWorkspace& w = ws();
   FULCRUM_CHECK(n <= w.expert_rows(), "run_experts_on: {} rows, scratch for {} (reserve_expert_rows)", n, w.expert_rows());
   const int num_groups = static_cast<int>(rows_per_segment_slot.size());
+  FULCRUM_CHECK(!shape_.fp8_experts || (expert_gemm_ == ExpertGemm::kCutlass && cutlass_problem().empty()),
+                "run_experts_on: FP8 experts need ExpertGemm::kCutlass and a device it runs on ({})", cutlass_problem());
   if (expert_gemm_ == ExpertGemm::kCutlass && cutlass_problem().empty() &&
       num_groups <= w.grouped_gemm_limits().max_groups && gpu::grouped_gemm_aligned(rows) && gpu::grouped_gemm_aligned(out)) {
     // One group per (segment, local slot), group g using local slot g % L; offsets from the host counts.
@@ -833,6 +891,11 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.offsets = w.offsets.as<int32_t>();
   gemm.active = w.active.as<int32_t>();
   gemm.weights = gate_up_ptrs_.as<const uint16_t* const>();
+  if (shape_.fp8_experts) {  // codes and block scales instead (expert_skinny_gemm.hpp)
+    gemm.weights = nullptr;
+    gemm.fp8_weights = gate_up_ptrs_.as<const uint8_t* const>();
+    gemm.fp8_scales = gate_up_scale_ptrs_.as<const float* const>();
+  }
   gemm.n = shape_.moe_intermediate_size;
   gemm.k = shape_.hidden_size;
   gemm.max_rows = static_cast<int>(entries);
@@ -844,6 +907,11 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.x = w.act.as<uint16_t>();
   gemm.row_source = nullptr;
   gemm.weights = down_ptrs_.as<const uint16_t* const>();
+  if (shape_.fp8_experts) {
+    gemm.weights = nullptr;
+    gemm.fp8_weights = down_ptrs_.as<const uint8_t* const>();
+    gemm.fp8_scales = down_scale_ptrs_.as<const float* const>();
+  }
   gemm.n = shape_.hidden_size;
   gemm.k = shape_.moe_intermediate_size;
   gemm.swiglu = false;
@@ -920,9 +988,11 @@ double GpuMoeLayer::expert_min_bytes(int slot_begin, int slot_end) const {
     slots += counts[s] > 0 ? 1 : 0;
   }
   const double h = shape_.hidden_size, i = shape_.moe_intermediate_size;
-  // Weights of the used slots once, input rows read and output rows written once (bf16); the [n, 2I]
-  // and [n, I] intermediates are not counted (a fused kernel keeps them on chip).
-  return 2.0 * (slots * 3.0 * h * i + rows * 2.0 * h);
+  // Weights of the used slots once (bf16: 2 bytes, FP8: 1 byte and its scales), input rows read and output
+  // rows written once (bf16); the [n, 2I] and [n, I] intermediates are not counted (a fused kernel keeps them
+  // on chip).
+  const double weight_bytes = shape_.fp8_experts ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
+  return slots * 3.0 * h * i * weight_bytes + rows * 4.0 * h;
 }
 
 }  // namespace fulcrum::backend

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "gpu/cutlass/grouped_gemm.hpp"
+#include "gpu/cutlass/grouped_gemm_fp8.hpp"
 #include "model/moe_reference.hpp"
 
 struct CUstream_st;
@@ -38,6 +39,9 @@ struct RouterArgs;  // moe_kernels.hpp
 }
 
 namespace fulcrum::backend {
+
+struct Fp8SlotPtrs;  // gpu_slot_pool.hpp
+class GpuSlotPool;
 
 struct MoeLayerShape {
   int hidden_size = 0;            // H
@@ -57,6 +61,12 @@ struct MoeLayerShape {
   // The layer allocates no router or expert weights: set_router_weights and set_slot_weights point it at
   // weights held elsewhere (the GPU engine's), and upload_weights / randomize_weights are refused.
   bool external_weights = false;
+  // FP8 experts (an FP8 checkpoint): e4m3 weights with fp32 128x128 block scales, per slot the slot pool's FP8
+  // matrices (Fp8SlotPtrs, gpu_slot_pool.hpp; H and I multiples of 128: the engine pads I with zero weights).
+  // Expert GEMMs: the skinny path with FP8 weights and bf16 activations for small steps, else CUTLASS's FP8
+  // blockwise grouped GEMM with 1x128 dynamic activation quantization (gpu/cutlass/grouped_gemm_fp8.hpp);
+  // no cuBLAS path (an error names it). Router weights stay bf16, as in the checkpoints.
+  bool fp8_experts = false;
   int local_slots() const { return num_local_slots < 0 ? num_slots : num_local_slots; }
 };
 
@@ -134,6 +144,10 @@ class MoeWorkspace {
   const gpu::GroupedGemmLimits& grouped_gemm_limits() const { return gemm_limits_; }
   void* grouped_gemm_workspace() const { return gemm_workspace_.as<void>(); }
   const std::string& cutlass_unavailable() const { return cutlass_unavailable_; }
+  // FP8 experts (shape().fp8_experts): the FP8 grouped GEMM's limits and workspace, and the quantized
+  // activations: x rows [N, H] e4m3 with scales [N * H / 128], act rows [expert_rows, I] with [.. * I / 128].
+  const gpu::Fp8GroupedGemmLimits& fp8_gemm_limits() const { return fp8_limits_; }
+  void* fp8_gemm_workspace() const { return fp8_workspace_.as<void>(); }
 
   DeviceBuffer logits;       // fp32 [T, E]
   DeviceBuffer expert_ids;   // int32 [N]
@@ -152,6 +166,10 @@ class MoeWorkspace {
   DeviceBuffer entry_rank;   // int32 [N] (balanced only; reserve_entry_ranks)
   DeviceBuffer row_token;    // int32 [N] token of each permuted row (the skinny path)
   DeviceBuffer active;       // int32 [N + 1] how many slots have rows, then those slots (the skinny path)
+  DeviceBuffer fp8_x;        // e4m3 [N, H] (FP8 experts only)
+  DeviceBuffer fp8_x_scales; // fp32 [N * H / 128]
+  DeviceBuffer fp8_act;      // e4m3 [expert_rows, I]
+  DeviceBuffer fp8_act_scales;  // fp32 [expert_rows * I / 128]
 
  private:
   MoeLayerShape shape_;
@@ -164,6 +182,8 @@ class MoeWorkspace {
   gpu::GroupedGemmLimits gemm_limits_;
   DeviceBuffer gemm_workspace_;
   std::string cutlass_unavailable_;
+  gpu::Fp8GroupedGemmLimits fp8_limits_;
+  DeviceBuffer fp8_workspace_;
 };
 
 class GpuMoeLayer {
@@ -198,6 +218,9 @@ class GpuMoeLayer {
   // external_weights: none). Call between forwards only: it rewrites the layer's device pointer arrays in
   // place (stream-ordered, then waits), so a captured forward picks up the new pointers on its next replay.
   void set_slot_weights(std::span<const uint16_t* const> gate_up, std::span<const uint16_t* const> down);
+  // The same for FP8 experts (shape().fp8_experts): per local slot the codes and scales of gate_up [2I, H] and
+  // down [H, I] (GpuSlotPool::fp8_ptrs); all four of L entries.
+  void set_fp8_slot_weights(const Fp8SlotPtrs& slots);
   // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
   // Allocates and uploads; call between forwards.
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
@@ -282,6 +305,12 @@ class GpuMoeLayer {
   const uint16_t* down_of(int local_slot) const;
   // Rebuilds the device pointer arrays [L] from gate_up_of / down_of, and whether CUTLASS can read them.
   void upload_slot_pointers();
+  // FP8: CUTLASS's FP8 grouped GEMMs with the activation quantizations (moe_layer_fp8.cpp); arguments as
+  // cutlass_experts.
+  void cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
+                           int64_t max_rows, int64_t total_rows, uint16_t* out);
+  void randomize_fp8_experts(uint64_t seed);
+  void upload_fp8_slot_pointers();
   // Why CUTLASS cannot run this layer's expert GEMMs (empty: it can).
   std::string cutlass_problem() const;
   // cuBLAS path: the host counts (read back if the last permute did not) and the permutation's problems.
@@ -316,6 +345,10 @@ class GpuMoeLayer {
   const uint16_t* router_ = nullptr;            // what the router GEMM reads: router_w_ or set_router_weights
   std::vector<const uint16_t*> slot_gate_up_, slot_down_;  // set_slot_weights: [L] each, or empty
   DeviceBuffer gate_up_ptrs_, down_ptrs_;       // device [L] pointers (gate_up_of / down_of) for CUTLASS
+                                                // (FP8: the e4m3 codes)
+  DeviceBuffer gate_up_scale_ptrs_, down_scale_ptrs_;  // FP8: device [L] pointers to the block scales
+  std::unique_ptr<Fp8SlotPtrs> fp8_slots_;      // FP8: set_fp8_slot_weights' pointers (null: none yet)
+  std::unique_ptr<GpuSlotPool> own_fp8_pool_;   // FP8 without external_weights: the layer's own experts
   bool slot_pointers_aligned_ = true;           // all 16-byte aligned (CUTLASS's TMA needs it)
   bool has_expert_weights_ = true;
   DeviceBuffer static_slot_of_, replica_offsets_, replica_slots_, source_streams_;

@@ -136,9 +136,9 @@ void NcclSlotPoolMigration::begin_layer(int layer_idx, std::span<const int32_t> 
   });
   const std::vector<int32_t> reserved = map.reserve(layer_idx, static_cast<int>(incoming.size()));
   const auto bytes_of_buffer = [this](int32_t b, bool gate_up) {
-    return reinterpret_cast<std::byte*>(gate_up ? pool_.gate_up_buffer(b) : pool_.down_buffer(b));
+    return gate_up ? pool_.gate_up_blob(b) : pool_.down_blob(b);  // weights and, FP8, their scales
   };
-  const int64_t gate_up_bytes = pool_.gate_up_elems() * 2, down_bytes = pool_.down_elems() * 2;
+  const int64_t gate_up_bytes = pool_.gate_up_blob_bytes(), down_bytes = pool_.down_blob_bytes();
   try {
     CUevent_st* start_after = wait_for_readers_of(reserved);  // the local copies below wait too (stream_)
     std::vector<SlotRunItem> sends, recvs;
