@@ -14,7 +14,7 @@
 // attention differently), the same argument gives kBatchRelTolerance = 0.01 on logits. Graph replay and
 // placement changes run the same kernels on the same rows in the same order: bitwise.
 // FP8 fixture (qwen3moe-tiny-fp8): its experts run in FP8 on the device (the golden is the fp32 model with the
-// dequantized weights, so the weights themselves are exact). Steps of more than 4 tokens quantize the expert
+// dequantized weights, so the weights themselves are exact). Steps beyond the skinny bound quantize the expert
 // activations to e4m3 per 1x128 block: 3 mantissa bits, a relative rounding error of at most 2^-4 and about
 // 2^-4 / sqrt(3) = 3.6% RMS per element; a dot product of many such independently rounded terms keeps that
 // relative RMS, and the two quantized GEMMs of an expert add in quadrature to ~5% of the expert output. The

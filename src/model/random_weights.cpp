@@ -45,6 +45,11 @@ float expert_weight_scale(ExpertTensor tensor, int hidden_size, int moe_intermed
   return 1.0f / std::sqrt(static_cast<float>(fan_in));
 }
 
+float expert_fp8_block_scale(ExpertTensor tensor, int hidden_size, int moe_intermediate_size, int expert_idx) {
+  FULCRUM_CHECK(expert_idx >= 0, "expert weights: expert {} must be >= 0", expert_idx);
+  return expert_weight_scale(tensor, hidden_size, moe_intermediate_size) / 448.0f * (1.0f + 0.25f * (expert_idx % 4));
+}
+
 std::vector<uint16_t> expert_weights_reference(uint64_t seed, int layer_idx, int expert_idx, ExpertTensor tensor,
                                                int hidden_size, int moe_intermediate_size) {
   const int64_t h_times_i = int64_t{hidden_size} * moe_intermediate_size;

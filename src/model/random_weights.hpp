@@ -23,6 +23,10 @@ uint64_t expert_weight_seed(uint64_t seed, int layer_idx, int expert_idx, Expert
 // Fill scale, as GpuMoeLayer::randomize_weights: 1/sqrt(fan_in), fan_in = H for gate_up, I for down.
 float expert_weight_scale(ExpertTensor tensor, int hidden_size, int moe_intermediate_size);
 
+// Block scale of a generated FP8 expert tensor (GpuSlotPool::fill_layer, FP8 pools): the fill scale / 448, times
+// 1, 1.25, 1.5 or 1.75 by expert % 4, so experts differ in their scales too (a scale left behind shows).
+float expert_fp8_block_scale(ExpertTensor tensor, int hidden_size, int moe_intermediate_size, int expert_idx);
+
 // The reference weights of one expert tensor: [2I * H] for gate_up, [H * I] for down (bf16 bits).
 std::vector<uint16_t> expert_weights_reference(uint64_t seed, int layer_idx, int expert_idx, ExpertTensor tensor,
                                                int hidden_size, int moe_intermediate_size);

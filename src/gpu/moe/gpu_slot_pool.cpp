@@ -180,7 +180,7 @@ void GpuSlotPool::fill_layer(int layer_idx, std::span<const int32_t> experts, ui
                                                               model::expert_weight_seed(seed, layer_idx, expert, tensor),
                                                               stream_));
         FULCRUM_CUDA_CHECK(cuda::moe::launch_fill_f32(const_cast<float*>(m.scales), rows / 128 * (cols / 128),
-                                                      model::expert_weight_scale(tensor, h, i) / 448.0f, stream_));
+                                                      model::expert_fp8_block_scale(tensor, h, i, expert), stream_));
       }
       continue;
     }

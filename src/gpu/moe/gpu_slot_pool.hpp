@@ -99,7 +99,7 @@ class GpuSlotPool {
   void upload_layer_blobs(int layer_idx, std::span<const std::byte> gate_up, std::span<const std::byte> down);
   // Fills each local slot s of the layer with the generated weights of logical expert experts[s], on the
   // device: bf16 model::expert_weights_reference(seed, layer_idx, experts[s], ...); fp8 codes
-  // model::random_e4m3_reference of the same seeds and every scale expert_weight_scale / 448.
+  // model::random_e4m3_reference of the same seeds and every block scale model::expert_fp8_block_scale.
   void fill_layer(int layer_idx, std::span<const int32_t> experts, uint64_t seed);
   // Host copy of one buffer, bf16 pool: (gate_up [2I * H], down [H * I]).
   std::pair<std::vector<uint16_t>, std::vector<uint16_t>> download_buffer(int32_t buffer) const;
