@@ -88,6 +88,7 @@ TEST(EngineEplb, RebalancingMidGenerationKeepsLogitsAndTokens) {
       {k128e, {4, 1, 2, 2, false, 2}, "allgather", DispatchAlgorithm::kBalanced, 1, 0},  // 2 ranks per EP rank
       {k128e, {4, 2, 4, 2, true, 4}, "alltoall", DispatchAlgorithm::kStatic, 1, 2},     // DP attention, PP 2
       {kDenseMix, {2, 1, 2, 2, false, 2}, "alltoall", DispatchAlgorithm::kBalanced, 1, 0},
+      {kFp8, {2, 1, 2, 1, false, 2}, "alltoall", DispatchAlgorithm::kStatic, 1, 0},  // FP8 weights + block scales
   };
   const int max_new_tokens = 6;
   for (const Case& c : cases) {
@@ -113,6 +114,31 @@ TEST(EngineEplb, RebalancingMidGenerationKeepsLogitsAndTokens) {
     for (const auto& report : live.rebalances) changed += report.skipped ? 0 : 1;
     EXPECT_GE(changed, 1) << "no rebalance changed the placement";
     EXPECT_GE(live.layers_switched, 1) << "no layer migrated on rank 0";
+  }
+}
+
+// An FP8 checkpoint (weights and their block scales, dequantized at load) under the same layout with and
+// without live rebalancing: the experts each slot holds move with their scales, so every pass's logits are
+// bitwise those of the run that never migrates.
+TEST(EngineEplb, Fp8RebalancingIsBitwiseTheStaticRun) {
+  const engine::ParallelFlags flags{2, 1, 2, 1, false, 4};
+  engine::EngineOptions options;
+  options.moe_a2a_backend = "allgather";
+  const DecodeRun fixed = decode(kFp8, flags, options, nullptr, greedy(6));
+  engine::EplbSettings settings;
+  settings.enabled = true;
+  settings.rebalance_num_iterations = 1;
+  settings.recorder_buffer_size = 3;
+  settings.skip_balancedness = 1.0;
+  settings.log = [](const std::string&) {};
+  const DecodeRun live = decode(kFp8, flags, options, &settings, greedy(6));
+  EXPECT_GE(live.layers_switched, 1) << "no layer migrated on rank 0";
+  EXPECT_EQ(live.generated.new_tokens, fixed.generated.new_tokens);
+  ASSERT_EQ(live.logits.size(), fixed.logits.size());
+  for (size_t pass = 0; pass < live.logits.size(); ++pass) {
+    for (size_t seq = 0; seq < live.logits[pass].size(); ++seq) {
+      EXPECT_EQ(live.logits[pass][seq].data, fixed.logits[pass][seq].data) << "pass " << pass << " sequence " << seq;
+    }
   }
 }
 

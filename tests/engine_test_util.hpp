@@ -17,6 +17,7 @@ namespace fulcrum::test {
 
 inline const char* const k128e = "qwen3moe-tiny-128e";      // 3 MoE layers, 128 experts, top-8, 4 q / 4 kv heads
 inline const char* const kDenseMix = "qwen3moe-tiny-dense-mix";  // layers 0, 1, 3 MoE (16 experts), 2 dense; 2 kv heads
+inline const char* const kFp8 = "qwen3moe-tiny-fp8";  // FP8 e4m3 linear weights with 128x128 block scales
 
 // Pass 0: prompts of 5, 1 and 3 tokens; pass 1: one token each. Logits per pass, per sequence.
 using PassLogits = std::vector<std::vector<model::HostTensor>>;
