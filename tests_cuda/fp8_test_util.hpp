@@ -48,7 +48,7 @@ inline std::vector<int32_t> offsets_from(const std::vector<int32_t>& counts, int
 }
 
 // `groups` group sizes ~ largest / (rank + 1)^1.2, shuffled (deterministic): a group of `largest` rows
-// (several 64- and 128-row tiles), a long tail of empty groups, and exactly one 1-row group at a fixed place.
+// (several 64- and 128-row tiles), a long tail of empty groups (largest >= 100), and exactly one 1-row group.
 inline std::vector<int32_t> skewed_counts(int groups, int largest, uint64_t seed) {
   std::vector<int32_t> counts(static_cast<size_t>(groups));
   for (int rank = 0; rank < groups; ++rank) {
@@ -57,7 +57,7 @@ inline std::vector<int32_t> skewed_counts(int groups, int largest, uint64_t seed
   }
   eplb::SplitMix64 rng(seed);
   for (int q = groups - 1; q > 0; --q) std::swap(counts[q], counts[rng.below(static_cast<uint32_t>(q + 1))]);
-  counts[groups / 3] = 1;
+  *std::find(counts.begin(), counts.end(), 0) = 1;  // the first empty group (there are dozens) gets one row
   return counts;
 }
 
