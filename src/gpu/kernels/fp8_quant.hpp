@@ -6,7 +6,8 @@
 // Group g = rows [offsets[g], offsets[g + 1]) (f its first row, m its rows) stores sa(r, kb) at
 //   scales[f * Kb + kb * m + (r - f)],  Kb = cols / 128.
 // Rows [offsets[0], offsets[num_groups]) are processed (read on the device); the grid covers max_rows rows
-// (a host bound, fixed for a captured batch). CPU reference: gpu::reference::quantize_rows_fp8 /
+// (a host bound, fixed for a captured batch; one warp per row, grid-stride, so more rows are still right, only
+// slower). scales must hold offsets[num_groups] * Kb floats (absolute rows, as the offsets). CPU reference: gpu::reference::quantize_rows_fp8 /
 // swiglu_quantize_fp8 (src/gpu/reference/fp8_reference.hpp): q and scales bitwise equal for quantize_rows_fp8.
 // Capture-safe: no allocation, no synchronization. cudaErrorInvalidValue for cols % 128 != 0, null pointers,
 // misaligned (16-byte) x / h / q rows, num_groups < 1, max_rows < 0.
