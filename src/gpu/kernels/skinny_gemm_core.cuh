@@ -1,7 +1,8 @@
 #pragma once
 // What the skinny GEMMs share (skinny_gemm.cu: one dense matrix; expert_skinny_gemm.cu: a matrix per expert
 // slot): the warp's dot products of R (4 or 8) W rows with up to 8 x rows over one K slice, and the block's sum
-// of the K slices in slice order. Internal to those files.
+// of the K slices in slice order; the same dot products with FP8 (e4m3, 128 x 128 block-scaled) weights at the
+// end (warp_dot_fp8). Internal to those files.
 //
 // Arithmetic, the same for every M and R (so a row's result does not depend on how many rows ran with it, nor
 // on how rows are grouped into warps): lane l of a warp takes 16-byte chunks c = begin + l, begin + l + 32, ...
