@@ -2,7 +2,8 @@
 // an item is one slot's rows, kChunk at a time, against one column tile. A warp owns R W rows (8 for chunks of 1
 // row, else 4: skinny::rows_per_warp): plain, R consecutive output columns; SwiGLU, R / 2 output columns
 // j.. as gate rows j.. and up rows I + j.., so the activation is formed where the sums are. K slices as in the dense skinny GEMM (skinny_gemm_core.cuh), chosen
-// from the grid's warps at max_rows rows.
+// from the grid's warps at max_rows rows. FP8 weights (kFp8): the same items and rows, W chunks of 16 e4m3
+// weights and the block-scaled dot products of skinny_gemm_core.cuh (warp_dot_fp8).
 #include <algorithm>
 
 #include "gpu/kernels/expert_skinny_gemm.hpp"
@@ -21,11 +22,19 @@ __device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(st
 template <bool kSwiGlu, int R>
 constexpr int kColsPerWarp = kSwiGlu ? R / 2 : R;
 
+// FP8 weights only: the scale column of the warp's rows in the slot's table [k / 128][w_rows / 128] (n % 128 == 0,
+// so a warp's rows lie in one 128-row block: with SwiGLU one for the gate rows, one for the up rows).
+struct Fp8ScaleCols {
+  const float* col[2] = {nullptr, nullptr};
+  int64_t stride = 0;  // w_rows / 128
+};
+
 // Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
-template <int R, int M, bool kSwiGlu>
+template <int R, int M, bool kSwiGlu, bool kFp8>
 __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
-                                             int r0, int64_t begin, int64_t end, int warp, int lane, int k_split,
-                                             int64_t first_col, float (*partial)[kRowsPerWarp * kMaxRows]) {
+                                             const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int warp,
+                                             int lane, int k_split, int64_t first_col,
+                                             float (*partial)[kRowsPerWarp * kMaxRows]) {
   const int64_t chunks = a.k / 8;
   const uint4* x_rows[M];
 #pragma unroll
@@ -34,7 +43,11 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
     x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
   }
   float acc[R][M];
-  warp_dot<R, M>(w_rows, x_rows, begin, end, lane, acc);
+  if constexpr (kFp8) {
+    warp_dot_fp8<R, M, kSwiGlu ? 2 : 1>(w_rows, x_rows, scales.col, scales.stride, begin, end, lane, acc);
+  } else {
+    warp_dot<R, M>(w_rows, x_rows, begin, end, lane, acc);
+  }
   sum_slices<R, M>(acc, warp, lane, k_split, partial);
   const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
   constexpr int kCols = kColsPerWarp<kSwiGlu, R>;
@@ -62,24 +75,28 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
 // rows_times_w for the m rows of a chunk (1 <= m <= kChunk; m is uniform over the block). Only the variant
 // depends on kChunk, never a row's result, so kChunk may follow how many rows a slot can hold at most: the kernel
 // for 1-row chunks needs a fraction of the registers of the one for 8 and fits twice the warps per SM.
-template <int R, int M, bool kSwiGlu, int kChunk>
+template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk>
 __device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
-                                              int r0, int64_t begin,
+                                              const Fp8ScaleCols& scales, int r0, int64_t begin,
                                               int64_t end, int warp, int lane, int k_split, int64_t first_col,
                                               float (*partial)[kRowsPerWarp * kMaxRows]) {
   if constexpr (M < kChunk) {
     if (m != M) {
-      rows_in_chunk<R, M + 1, kSwiGlu, kChunk>(m, a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
+      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk>(m, a, w_rows, scales, r0, begin, end, warp, lane, k_split,
+                                                     first_col, partial);
       return;
     }
   }
-  rows_times_w<R, M, kSwiGlu>(a, w_rows, r0, begin, end, warp, lane, k_split, first_col, partial);
+  rows_times_w<R, M, kSwiGlu, kFp8>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col, partial);
 }
 
 // Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
-// slot-major, so consecutive items of a block mostly share a slot and its row range.
-template <bool kSwiGlu, int kChunk, int R>
-__global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
+// slot-major, so consecutive items of a block mostly share a slot and its row range. FP8 with 1-row chunks: at
+// most 128 registers, so the 4 blocks per SM of the persistent grid (skinny_blocks_per_sm(1)) are all resident
+// (ptxas otherwise gives the SwiGLU one 161, 3 blocks per SM); bf16 kernels: no minimum, as tuned.
+template <bool kSwiGlu, bool kFp8, int kChunk, int R>
+__global__ void __launch_bounds__(kThreads, kFp8 && kChunk == 1 ? 4 : 0)
+    expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
@@ -88,10 +105,13 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
   constexpr int kColsPerGroup = kColsPerWarp<kSwiGlu, R>;
-  const int64_t chunks = a.k / 8;
+  const int64_t chunks = kFp8 ? a.k / kFp8ChunkValues : a.k / 8;  // W chunks per row
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
   int slot_index = -1, row_begin = 0, row_end = 0;
   const uint4* w = nullptr;
+  const float* slot_scales = nullptr;  // FP8: [k / 128][w_rows / 128]
+  Fp8ScaleCols scales;
+  if constexpr (kFp8) scales.stride = (kSwiGlu ? 2 * int64_t{a.n} : a.n) / kFp8BlockValues;
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int y = static_cast<int>(item / tiles);
     if (y != slot_index) {
@@ -99,7 +119,12 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
       const int slot = __ldg(a.active + 1 + y);
       row_begin = __ldg(a.offsets + slot);
       row_end = __ldg(a.offsets + slot + 1);
-      w = reinterpret_cast<const uint4*>(a.weights[slot]);
+      if constexpr (kFp8) {
+        w = reinterpret_cast<const uint4*>(a.fp8_weights[slot]);
+        slot_scales = a.fp8_scales[slot];
+      } else {
+        w = reinterpret_cast<const uint4*>(a.weights[slot]);
+      }
     }
     const int64_t first_col = (item % tiles) * groups_per_block * kColsPerGroup;
     // Columns past n read the last column's rows and store nothing.
@@ -114,32 +139,39 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_kernel(const ExpertSki
         row = min(first_col + group * kColsPerGroup + r, static_cast<int64_t>(a.n - 1));
       }
       w_rows[r] = w + row * chunks;
+      if constexpr (kFp8) {
+        if (r == 0 || (kSwiGlu && r == kColsPerGroup)) scales.col[r == 0 ? 0 : 1] = slot_scales + row / kFp8BlockValues;
+      }
     }
     for (int r0 = row_begin; r0 < row_end; r0 += kChunk) {
-      rows_in_chunk<R, 1, kSwiGlu, kChunk>(min(kChunk, row_end - r0), a, w_rows, r0, begin, end, warp, lane, k_split,
-                                        first_col, partial);
+      rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end, warp,
+                                                 lane, k_split, first_col, partial);
     }
   }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <bool kSwiGlu>
+template <bool kSwiGlu, bool kFp8 = false>
 cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int64_t blocks, int k_split, int tiles,
                            cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
   constexpr int kWide = kWideRowsPerWarp, kNarrow = kRowsPerWarp;
   switch (chunk) {
     case 1:
-      return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, 1, kWide>, grid, block, 0, stream, a, k_split, tiles)
-                  : launch_dependent(expert_skinny_kernel<kSwiGlu, 1, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
+      return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, grid, block, 0, stream, a, k_split,
+                                     tiles)
+                  : launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kNarrow>, grid, block, 0, stream, a,
+                                     k_split, tiles);
     case 2:
-      return launch_dependent(expert_skinny_kernel<kSwiGlu, 2, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
-    case 4:
-      return launch_dependent(expert_skinny_kernel<kSwiGlu, 4, kNarrow>, grid, block, 0, stream, a, k_split, tiles);
-    default:
-      return launch_dependent(expert_skinny_kernel<kSwiGlu, kMaxRows, kNarrow>, grid, block, 0, stream, a, k_split,
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 2, kNarrow>, grid, block, 0, stream, a, k_split,
                               tiles);
+    case 4:
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 4, kNarrow>, grid, block, 0, stream, a, k_split,
+                              tiles);
+    default:
+      return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, kMaxRows, kNarrow>, grid, block, 0, stream, a,
+                              k_split, tiles);
   }
 }
 
@@ -147,7 +179,14 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
 
 cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t stream) {
   if (a.n < 1 || a.k <= 0 || a.k % 8 != 0 || a.max_rows < 1 || a.num_slots < 1) return cudaErrorInvalidValue;
-  if (a.x == nullptr || a.offsets == nullptr || a.active == nullptr || a.weights == nullptr || a.out == nullptr) {
+  // Exactly one kind of weights: bf16, or e4m3 with their scales (whole 128 x 128 blocks).
+  const bool fp8 = a.fp8_weights != nullptr;
+  if (fp8 ? a.weights != nullptr || a.fp8_scales == nullptr || a.n % kFp8BlockValues != 0 ||
+                a.k % kFp8BlockValues != 0
+          : a.weights == nullptr || a.fp8_scales != nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.x == nullptr || a.offsets == nullptr || a.active == nullptr || a.out == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (!aligned16(a.x) || reinterpret_cast<uintptr_t>(a.out) % alignof(uint16_t) != 0) return cudaErrorInvalidValue;
@@ -158,7 +197,7 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
   // row had its own slot: at most max_rows slots have rows.
   const auto columns_of = [&](int w_rows) { return a.swiglu ? w_rows / 2 : w_rows; };
   const int64_t split_groups = (static_cast<int64_t>(a.n) + columns_of(kRowsPerWarp) - 1) / columns_of(kRowsPerWarp);
-  const int k_split = choose_k_split(split_groups * a.max_rows, a.k / 8);
+  const int k_split = choose_k_split(split_groups * a.max_rows, fp8 ? a.k / kFp8ChunkValues : a.k / 8);
   const int64_t col_groups = (static_cast<int64_t>(a.n) + columns_of(rows_per_group) - 1) / columns_of(rows_per_group);
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (col_groups + groups_per_block - 1) / groups_per_block;
@@ -166,6 +205,10 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
   const int64_t blocks = skinny_grid_blocks(max_items, chunk);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const bool wide = rows_per_group == kWideRowsPerWarp;
+  if (fp8) {
+    return a.swiglu ? launch_chunked<true, true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)
+                    : launch_chunked<false, true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream);
+  }
   return a.swiglu ? launch_chunked<true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)
                   : launch_chunked<false>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream);
 }

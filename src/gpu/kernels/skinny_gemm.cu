@@ -4,6 +4,9 @@
 //   - k_split (1, 2 or 4, chosen for groups of 4 rows) warps of a block share a row group, each with a contiguous
 //     K slice; a block of 4 warps holds 4 / k_split row groups (skinny::choose_k_split);
 //   - the dot products and the slice sums are skinny_gemm_core.cuh's, shared with the expert skinny GEMMs.
+// FP8 weights (launch_skinny_gemm_fp8): the same split in FP8 chunks of 16 weights (K slices from k / 16), each
+// row group's scale column that of its first row (R divides 128 and groups start at multiples of R, so a group's
+// rows share a 128-row block; rows past n only read).
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -98,6 +101,77 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// Tile `tile` with FP8 weights: w e4m3 [n, k], w_scales [ceil(k / 128)][ceil(n / 128)].
+template <int R, int M, bool kBf16Out>
+__device__ __forceinline__ void skinny_tile_fp8(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w,
+                                                const float* __restrict__ w_scales, int n, int k, int k_split,
+                                                void* __restrict__ out, int64_t tile,
+                                                float (*partial)[kRowsPerWarp * kMaxRows]) {
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int64_t first_row = (tile * groups_per_block + warp / k_split) * R;
+  const int slice = warp % k_split;
+  const int64_t w_chunks = k / kFp8ChunkValues, x_chunks = k / 8;  // per row
+  const int64_t begin = w_chunks * slice / k_split, end = w_chunks * (slice + 1) / k_split;
+
+  const uint4* w_rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = first_row + r < n ? first_row + r : n - 1;
+    w_rows[r] = reinterpret_cast<const uint4*>(w) + row * w_chunks;
+  }
+  const uint4* x_rows[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) x_rows[i] = reinterpret_cast<const uint4*>(x) + i * x_chunks;
+  const float* const scale_col[1] = {w_scales + (first_row < n ? first_row : n - 1) / kFp8BlockValues};
+  const int64_t scale_stride = (n + kFp8BlockValues - 1) / kFp8BlockValues;
+
+  float acc[R][M];
+  warp_dot_fp8<R, M, 1>(w_rows, x_rows, scale_col, scale_stride, begin, end, lane, acc);
+  sum_slices<R, M>(acc, warp, lane, k_split, partial);
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < groups_per_block * R * M) {
+    const int group = t / (R * M), j = t % (R * M);
+    const int r = j / M, i = j % M;
+    const int64_t row = (tile * groups_per_block + group) * R + r;
+    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
+  }
+  __syncthreads();  // partial is rewritten by the block's next tile
+}
+
+// As skinny_gemm_kernel. 1 x row: at most 128 registers, so the 4 blocks per SM of the persistent grid fit.
+template <int R, int M, bool kBf16Out>
+__global__ void __launch_bounds__(kThreads, M == 1 ? 4 : 0)
+    skinny_gemm_fp8_kernel(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w,
+                           const float* __restrict__ w_scales, int n, int k, int k_split, int64_t tiles,
+                           void* __restrict__ out) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
+  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    skinny_tile_fp8<R, M, kBf16Out>(x, w, w_scales, n, k, k_split, out, tile, partial);
+  }
+}
+
+template <int R, int M>
+cudaError_t launch_rows_fp8(const uint16_t* x, const uint8_t* w, const float* w_scales, int n, int k, void* out,
+                            bool bf16_out, cudaStream_t stream) {
+  const int k_split =
+      choose_k_split((static_cast<int64_t>(n) + kRowsPerWarp - 1) / kRowsPerWarp, k / kFp8ChunkValues);
+  const int64_t row_groups = (static_cast<int64_t>(n) + R - 1) / R;
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
+  const int64_t blocks = skinny_grid_blocks(tiles, M);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (bf16_out) {
+    return launch_dependent(skinny_gemm_fp8_kernel<R, M, true>, grid, dim3(kThreads), 0, stream, x, w, w_scales, n, k,
+                            k_split, tiles, out);
+  }
+  return launch_dependent(skinny_gemm_fp8_kernel<R, M, false>, grid, dim3(kThreads), 0, stream, x, w, w_scales, n, k,
+                          k_split, tiles, out);
+}
+
 }  // namespace
 
 namespace skinny {
@@ -165,6 +239,31 @@ cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int 
     case 6: return launch_rows<kRowsPerWarp, 6>(x, w, n, k, out, bf16_out, stream);
     case 7: return launch_rows<kRowsPerWarp, 7>(x, w, n, k, out, bf16_out, stream);
     default: return launch_rows<kRowsPerWarp, 8>(x, w, n, k, out, bf16_out, stream);
+  }
+}
+
+cudaError_t launch_skinny_gemm_fp8(const uint16_t* x, const uint8_t* w, const float* w_scales, int m, int n, int k,
+                                   float* out_f32, uint16_t* out_bf16, cudaStream_t stream) {
+  if (m < 1 || m > kSkinnyGemmMaxRows || n < 0 || k <= 0 || k % kFp8ChunkValues != 0) return cudaErrorInvalidValue;
+  if ((out_f32 == nullptr) == (out_bf16 == nullptr)) return cudaErrorInvalidValue;
+  if (x == nullptr || w == nullptr || !aligned(x, 16) || !aligned(w, 16)) return cudaErrorInvalidValue;
+  if (w_scales == nullptr || !aligned(w_scales, alignof(float))) return cudaErrorInvalidValue;
+  if (!aligned(out_f32, alignof(float)) || !aligned(out_bf16, alignof(uint16_t))) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  void* out = out_f32 != nullptr ? static_cast<void*>(out_f32) : static_cast<void*>(out_bf16);
+  const bool bf16_out = out_bf16 != nullptr;
+  const bool wide = rows_per_warp(m) == kWideRowsPerWarp;
+  switch (m) {
+    case 1:
+      return wide ? launch_rows_fp8<kWideRowsPerWarp, 1>(x, w, w_scales, n, k, out, bf16_out, stream)
+                  : launch_rows_fp8<kRowsPerWarp, 1>(x, w, w_scales, n, k, out, bf16_out, stream);
+    case 2: return launch_rows_fp8<kRowsPerWarp, 2>(x, w, w_scales, n, k, out, bf16_out, stream);
+    case 3: return launch_rows_fp8<kRowsPerWarp, 3>(x, w, w_scales, n, k, out, bf16_out, stream);
+    case 4: return launch_rows_fp8<kRowsPerWarp, 4>(x, w, w_scales, n, k, out, bf16_out, stream);
+    case 5: return launch_rows_fp8<kRowsPerWarp, 5>(x, w, w_scales, n, k, out, bf16_out, stream);
+    case 6: return launch_rows_fp8<kRowsPerWarp, 6>(x, w, w_scales, n, k, out, bf16_out, stream);
+    case 7: return launch_rows_fp8<kRowsPerWarp, 7>(x, w, w_scales, n, k, out, bf16_out, stream);
+    default: return launch_rows_fp8<kRowsPerWarp, 8>(x, w, w_scales, n, k, out, bf16_out, stream);
   }
 }
 

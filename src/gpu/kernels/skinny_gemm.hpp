@@ -23,4 +23,14 @@ constexpr int kSkinnyGemmMaxRows = 8;
 cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int n, int k, float* out_f32,
                                uint16_t* out_bf16, cudaStream_t stream);
 
+// The same with FP8 weights (an FP8 checkpoint's dense projections): w e4m3 [n, k] row-major, w_scales fp32
+// [ceil(k / 128)][ceil(n / 128)] (128 x 128 blocks, n blocks contiguous, as the FP8 grouped GEMM's;
+// grouped_gemm_fp8.hpp), W[j][c] = e4m3(w[j][c]) * w_scales[c / 128][j / 128]: the last blocks may be partial
+// (n and k need not be multiples of 128). x stays bf16; fp32 accumulation of 16-product partial sums, each scaled
+// once by its block's scale (skinny_gemm_core.cuh). The same batch invariance (the work split from n and k only)
+// and capture safety. CPU reference: reference::skinny_gemm_fp8. Returns cudaErrorInvalidValue as above, with
+// k % 16 != 0 in place of k % 8 != 0, and for w_scales null or not 4-byte aligned.
+cudaError_t launch_skinny_gemm_fp8(const uint16_t* x, const uint8_t* w, const float* w_scales, int m, int n, int k,
+                                   float* out_f32, uint16_t* out_bf16, cudaStream_t stream);
+
 }  // namespace fulcrum::gpu

@@ -1,7 +1,8 @@
 #pragma once
 // What the skinny GEMMs share (skinny_gemm.cu: one dense matrix; expert_skinny_gemm.cu: a matrix per expert
 // slot): the warp's dot products of R (4 or 8) W rows with up to 8 x rows over one K slice, and the block's sum
-// of the K slices in slice order. Internal to those files.
+// of the K slices in slice order; the same dot products with FP8 (e4m3, 128 x 128 block-scaled) weights at the
+// end (warp_dot_fp8). Internal to those files.
 //
 // Arithmetic, the same for every M and R (so a row's result does not depend on how many rows ran with it, nor
 // on how rows are grouped into warps): lane l of a warp takes 16-byte chunks c = begin + l, begin + l + 32, ...
@@ -163,6 +164,124 @@ __device__ __forceinline__ void sum_slices(const float (&acc)[R][M], int warp, i
   __syncthreads();
   if (mine) partial[group * k_split][j] = sum;
   __syncthreads();
+}
+
+// ---- FP8 weights: e4m3 with 128 x 128 block scales ----
+// A W chunk is 16 e4m3 weights (one 16-byte load, twice the weights of a bf16 chunk) against 16 bf16 x values (two
+// 16-byte loads); 16 divides 128, so chunk c lies inside scale block c / 8 of its row. Lanes, trips, the lane
+// butterfly and the slice sums are the bf16 ones, counted in FP8 chunks. Per chunk and (W row, x row) the 16
+// products (exact in fp32: 4 x 8 significant bits) are summed by fp32 FMAs in K order, then folded into the
+// accumulator by one FMA with the block's scale, acc = sum16 * scale + acc: the scale costs 1 FMA per 16
+// products. (A 128-wide block spans 8 lanes of a coalesced load: summing it whole before scaling would cost 3
+// shuffles per sum and block, about the FMAs' own issue time at 8 x rows.) The same arithmetic for every M.
+constexpr int kFp8ChunkValues = 16;
+constexpr int kFp8BlockValues = 128;
+constexpr int kFp8ChunksPerBlock = kFp8BlockValues / kFp8ChunkValues;
+
+// e4m3 values 2j and 2j + 1 of a 32-bit word (bytes 2j, 2j + 1; j is 0 or 1) as fp32, exactly (e4m3 values are
+// f16 values): one cvt to f16x2, two to f32.
+__device__ __forceinline__ void e4m3_pair_to_f32(uint32_t word, int j, float& lo, float& hi) {
+  const uint16_t pair = static_cast<uint16_t>(j == 0 ? word : word >> 16);
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(halves));
+}
+
+// acc[r][i] += scale[r / (R / S)] * (w[r] . x[i]) over one FP8 chunk; x[i][0] holds values 0..7, x[i][1] 8..15.
+// S = 1 or 2 scale blocks among the R rows (the first R / S rows in the first).
+template <int R, int M, int S>
+__device__ __forceinline__ void fma_chunk_fp8(float (&acc)[R][M], const uint4 (&w)[R], const uint4 (&x)[M][2],
+                                              const float (&scale)[S]) {
+  static_assert(R % S == 0, "whole rows per scale block");
+  float sum[R][M];
+#pragma unroll
+  for (int pair = 0; pair < kFp8ChunkValues / 2; ++pair) {  // values 2 pair, 2 pair + 1
+    float w_lo[R], w_hi[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) e4m3_pair_to_f32(word_of(w[r], pair / 2), pair % 2, w_lo[r], w_hi[r]);
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const uint32_t xw = word_of(x[i][pair / 4], pair % 4);
+      const float x_lo = lo_bf16(xw), x_hi = hi_bf16(xw);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        sum[r][i] = pair == 0 ? __fmul_rn(w_lo[r], x_lo) : __fmaf_rn(w_lo[r], x_lo, sum[r][i]);
+        sum[r][i] = __fmaf_rn(w_hi[r], x_hi, sum[r][i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = __fmaf_rn(sum[r][i], scale[r / (R / S)], acc[r][i]);
+  }
+}
+
+// warp_dot for FP8 weights: w_rows[r] points at an e4m3 row (16 weights per uint4), x_rows[i] at a bf16 row (8
+// values per uint4), [begin, end) counts FP8 chunks. scale_cols[s] (s < S) points at the scale of k block 0 for
+// the rows of scale block s; k block b's is scale_cols[s][b * scale_stride].
+template <int R, int M, int S>
+__device__ __forceinline__ void warp_dot_fp8(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
+                                             const float* const* scale_cols, int64_t scale_stride,
+                                             int64_t begin, int64_t end, int lane, float (&acc)[R][M]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
+  }
+  const auto block_of = [](int64_t chunk) { return static_cast<int64_t>(static_cast<uint64_t>(chunk) / kFp8ChunksPerBlock); };
+  int64_t c = begin + lane;
+  for (; c + 32 * (kChunksPerTrip - 1) < end; c += 32 * kChunksPerTrip) {
+    uint4 wv[kChunksPerTrip][R];
+    float sv[kChunksPerTrip][S];
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
+    }
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) sv[t][s] = __ldg(scale_cols[s] + block_of(c + 32 * t) * scale_stride);
+    }
+#pragma unroll
+    for (int t = 0; t < kChunksPerTrip; ++t) {
+      uint4 xv[M][2];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        xv[i][0] = __ldg(x_rows[i] + 2 * (c + 32 * t));
+        xv[i][1] = __ldg(x_rows[i] + 2 * (c + 32 * t) + 1);
+      }
+      fma_chunk_fp8<R, M, S>(acc, wv[t], xv, sv[t]);
+    }
+  }
+  for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
+    uint4 wv[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wv[r] = load_w(w_rows[r] + c);
+    float sv[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) sv[s] = __ldg(scale_cols[s] + block_of(c) * scale_stride);
+    uint4 xv[M][2];
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      xv[i][0] = __ldg(x_rows[i] + 2 * c);
+      xv[i][1] = __ldg(x_rows[i] + 2 * c + 1);
+    }
+    fma_chunk_fp8<R, M, S>(acc, wv, xv, sv);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        acc[r][i] = __fadd_rn(acc[r][i], __shfl_xor_sync(0xffffffffu, acc[r][i], offset));
+      }
+    }
+  }
 }
 
 }  // namespace fulcrum::gpu::skinny
