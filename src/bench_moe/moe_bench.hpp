@@ -32,6 +32,9 @@ struct MoeBenchOptions {
   int migration_max_ctas = 0;  // several GPUs: SM cap of the migration communicator (0: NCCL's choice)
   int layers_per_pass = 0;  // several GPUs: MoE layer forwards per pass; 0: the model's MoE layers (48 / 94)
   std::string loads;
+  // One GPU: the PyTorch peer script run after the timings (bench/peer/torch_moe_peer.py); "auto": that script
+  // when python3 here imports torch, "off": none (torch_peer.hpp resolve_torch_peer).
+  std::string torch_peer = "auto";
   std::string json_path;
   std::string git_commit = "unknown";
   std::string command;
