@@ -3,9 +3,10 @@
 // Qwen3-235B-A22B MoE shapes with random weights, routing drawn from one layer of a real load matrix or
 // uniform. One GPU: every slot on the GPU, EP ranks simulated (single_gpu_bench.cpp). Several GPUs: one
 // process per GPU, real expert parallelism over NCCL, plus live migration against raw NCCL P2P and the
-// forward-pass inflation while a migration is in flight (ep_bench.cpp). Results print as lines and go to a
-// JSON file (command, machine, git commit, figures). This header needs no CUDA (the CLI parses the flags of
-// a build without CUDA too, and says why it cannot run).
+// forward-pass inflation while a migration is in flight (ep_bench.cpp). One GPU with --torch-peer: PyTorch's
+// grouped_mm MoE on the uniform routing of the same run (bench/peer/torch_moe_peer.py, torch_peer.hpp).
+// Results print as lines and go to a JSON file (command, machine, git commit, figures). This header needs no
+// CUDA (the CLI parses the flags of a build without CUDA too, and says why it cannot run).
 #include <cstdint>
 #include <string>
 #include <vector>

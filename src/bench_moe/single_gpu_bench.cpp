@@ -111,6 +111,8 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
           {"ep_token_balancedness", tok_mean / tok_max}};
 }
 
+void report_peer(json& peer, json& results);
+
 // Runs the torch peer on the uniform routing (after the layers freed the GPU), adds layer_vs_torch and
 // experts_vs_torch to the uniform rows of `results` and prints them. A failing peer is a note and {"error": ...}.
 json run_peer(const std::string& script, const std::vector<PeerRouting>& routing, const MoeBenchOptions& opt, json& results) {
@@ -132,6 +134,17 @@ json run_peer(const std::string& script, const std::vector<PeerRouting>& routing
     fmt::print("torch peer failed (figures without it): {}\n", peer["error"].get<std::string>());
     return peer;
   }
+  try {  // a result of unexpected shape is the peer's failure too, not the benchmark's
+    report_peer(peer, results);
+  } catch (const std::exception& e) {
+    peer = {{"error", fmt::format("{}'s result: {}", script, e.what())}};
+    fmt::print("torch peer failed (figures without it): {}\n", peer["error"].get<std::string>());
+  }
+  return peer;
+}
+
+// Adds the ratios to the uniform rows of `results`, prints them, and notes their definition in `peer`.
+void report_peer(json& peer, json& results) {
   add_torch_ratios(results, peer);
   const auto ms_or_na = [](const json& row, const char* key) {
     return row.contains(key) && row[key].is_number() ? fmt::format("{:.3f} ms", row[key].get<double>()) : std::string("n/a");
@@ -150,7 +163,6 @@ json run_peer(const std::string& script, const std::vector<PeerRouting>& routing
   }
   peer["ratios"] = "per uniform result: layer_vs_torch = torch layer_ms / layer_ms_recorder_off, experts_vs_torch = "
                    "torch experts_ms / expert_gemm.cutlass.ms";
-  return peer;
 }
 
 }  // namespace
