@@ -2,6 +2,7 @@
 """Markdown tables for docs/benchmarks.md from `fulcrum bench moe --json` files (one GPU or several).
 
 Usage: scripts/moe_bench_tables.py bench/results/moe_layer_h200.json bench/results/moe_ep_h200x2.json
+(one-GPU runs with --torch-peer add the PyTorch peer table)
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
 """
 import json
@@ -63,6 +64,32 @@ def single_gpu(doc):
             g = by(res, m, t, s, "tokens")["expert_gemm"]
             print(row([m, t, s, f"{g['grouped']['ms']:.3f} ms", f"{g['per_slot']['ms']:.3f} ms", f"{g['auto']['ms']:.3f} ms",
                        f"{g['auto']['tflops']:.0f}", g["auto"]["bound"], f"{g['auto']['roofline_fraction']:.2f}"]))
+
+    torch_peer(doc, keys)
+
+
+def torch_peer(doc, keys):
+    """`bench moe --torch-peer`: PyTorch's grouped_mm MoE on the uniform rows' routing (ratios from the JSON)."""
+    peer = doc.get("torch_peer")
+    if not peer:
+        return
+    if "results" not in peer:
+        print(f"\nPyTorch peer: {peer.get('error') or peer.get('off')}")
+        return
+    print(f"\n### PyTorch peer, one GPU (uniform routing; torch {peer['torch']}, CUDA {peer['cuda']}, {peer['device']})\n")
+    print(f"{peer['timing']}. Layer: {peer['layer']}. FP8 rowwise: {peer['fp8_rowwise']}; FP8 blockwise: "
+          f"{peer['fp8_blockwise']}. Fulcrum layer = recorder off; Fulcrum experts = CUTLASS.\n")
+    print(header(["model", "T", "Fulcrum layer", "torch layer", "layer torch / Fulcrum", "Fulcrum experts", "torch experts",
+                  "experts torch / Fulcrum", "torch FP8 rowwise experts (GEMMs only)"]))
+    rows = {(p["model"], p["tokens"]): p for p in peer["results"]}
+    ms = lambda v: f"{v:.3f} ms" if v is not None else "n/a"
+    for m, t in keys:
+        r, p = by(doc["results"], m, t, "uniform", "tokens"), rows.get((m, t))
+        if p is None or "layer_vs_torch" not in r:
+            continue
+        print(row([m, t, ms(r["layer_ms_recorder_off"]), ms(p["layer_ms"]), f"{r['layer_vs_torch']:.2f}x",
+                   ms(r["expert_gemm"]["cutlass"]["ms"]), ms(p["experts_ms"]), f"{r['experts_vs_torch']:.2f}x",
+                   f"{ms(p['fp8_rowwise_experts_ms'])} ({ms(p['fp8_rowwise_gemms_ms'])})"]))
 
 
 def expert_parallel(doc):

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 scripts/build.sh
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 FULCRUM_BIN="$PWD/build/bin/fulcrum" python/run_tests.sh
+# The torch peer script's CPU half (no torch needed): bench/peer/test_*.py.
+! command -v python3 >/dev/null || python3 -m unittest discover -s bench/peer -p 'test_*.py'
 [ "${FULCRUM_FUZZ:-1}" = 0 ] || scripts/fuzz.sh

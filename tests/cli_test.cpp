@@ -161,6 +161,8 @@ TEST_F(CliTest, BenchMoeChecksItsFlagsBeforeLookingForAGpu) {
   expect_one_line_error(run("bench moe --loads " + loads + " --loads-layer 5"), "--loads-layer 5 but");
   expect_one_line_error(run("bench moe --loads " + loads + " --loads-layer -5"), "--loads-layer -5: a layer index");
   expect_one_line_error(run("bench moe --loads " + loads + " --gpus 0"), "--gpus");
+  expect_one_line_error(run("bench moe --loads " + loads + " --torch-peer " + (dir_ / "absent.py").string()),
+                        "--torch-peer " + (dir_ / "absent.py").string() + ": no such file");
   expect_one_line_error(run("bench moe"), "--loads");
 }
 

@@ -3,9 +3,10 @@
 // Qwen3-235B-A22B MoE shapes with random weights, routing drawn from one layer of a real load matrix or
 // uniform. One GPU: every slot on the GPU, EP ranks simulated (single_gpu_bench.cpp). Several GPUs: one
 // process per GPU, real expert parallelism over NCCL, plus live migration against raw NCCL P2P and the
-// forward-pass inflation while a migration is in flight (ep_bench.cpp). Results print as lines and go to a
-// JSON file (command, machine, git commit, figures). This header needs no CUDA (the CLI parses the flags of
-// a build without CUDA too, and says why it cannot run).
+// forward-pass inflation while a migration is in flight (ep_bench.cpp). One GPU with --torch-peer: PyTorch's
+// grouped_mm MoE on the uniform routing of the same run (bench/peer/torch_moe_peer.py, torch_peer.hpp).
+// Results print as lines and go to a JSON file (command, machine, git commit, figures). This header needs no
+// CUDA (the CLI parses the flags of a build without CUDA too, and says why it cannot run).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -32,6 +33,9 @@ struct MoeBenchOptions {
   int migration_max_ctas = 0;  // several GPUs: SM cap of the migration communicator (0: NCCL's choice)
   int layers_per_pass = 0;  // several GPUs: MoE layer forwards per pass; 0: the model's MoE layers (48 / 94)
   std::string loads;
+  // One GPU: the PyTorch peer script run after the timings (bench/peer/torch_moe_peer.py); "auto": that script
+  // when python3 here imports torch, "off": none (torch_peer.hpp resolve_torch_peer).
+  std::string torch_peer = "auto";
   std::string json_path;
   std::string git_commit = "unknown";
   std::string command;

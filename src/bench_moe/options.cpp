@@ -34,6 +34,8 @@ void validate(const MoeBenchOptions& opt) {
     const std::filesystem::path dir = std::filesystem::absolute(opt.json_path).parent_path();
     FULCRUM_CHECK(std::filesystem::is_directory(dir), "--json {}: folder {} does not exist", opt.json_path, dir.string());
   }
+  FULCRUM_CHECK(opt.torch_peer == "auto" || opt.torch_peer == "off" || std::filesystem::is_regular_file(opt.torch_peer),
+                "--torch-peer {}: no such file (a script path, auto or off)", opt.torch_peer);
   const eplb::LoadMatrix loads = eplb::read_loads_file(opt.loads);
   FULCRUM_CHECK(loads.num_logical_experts == kMoeBenchExperts, "{}: {} experts, the Qwen3 shapes have 128", opt.loads,
                 loads.num_logical_experts);

@@ -13,12 +13,14 @@
 // Routing scenarios: uniform (every token's top-k uniform without replacement), loads without EPLB
 // (trivial placement of P = E slots), loads with EPLB (the fulcrum planner's placement of E + --redundant
 // slots over --ep ranks; static, dynamic and balanced replica choice from each token's simulated source rank).
+// Then, with --torch-peer, PyTorch's grouped_mm MoE on the uniform scenario's routing (torch_peer.hpp).
 #include <fmt/format.h>
 
 #include <numeric>
 
 #include "gpu/moe/moe_layer.hpp"
 #include "bench_moe/bench_util.hpp"
+#include "bench_moe/torch_peer.hpp"
 #include "eplb/dispatch.hpp"
 #include "model/moe_reference.hpp"
 
@@ -31,8 +33,9 @@ using nlohmann::json;
 
 using LayerScenario = Scenario<GpuMoeLayer>;
 
+// peer_routing (may be null) receives this run's routing for the torch peer: the logits' top-k and the layer's counts.
 json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions& opt, const DeviceBuffer& x, DeviceBuffer& out,
-                  unsigned long long* histogram, double peak_flops, double peak_bytes) {
+                  unsigned long long* histogram, double peak_flops, double peak_bytes, PeerRouting* peer_routing) {
   GpuMoeLayer& layer = *sc.layer;
   const auto& shape = layer.shape();
   const cudaStream_t stream = layer.stream();
@@ -62,6 +65,11 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
   layer.route(lp, tokens);
   layer.permute(xp, tokens);
   const std::span<const int32_t> slot_counts = layer.fetch_slot_counts();  // the CUTLASS path reads none back
+  if (peer_routing != nullptr) {
+    peer_routing->tokens = tokens;
+    peer_routing->topk_ids = topk_of_logits(host_logits, tokens, shape.num_experts, shape.num_experts_per_tok);
+    peer_routing->expert_counts.assign(slot_counts.begin(), slot_counts.end());
+  }
   const int p = shape.num_slots;
   json gemm;
   const auto variant_name = [](backend::ExpertGemm v) {
@@ -103,6 +111,60 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
           {"ep_token_balancedness", tok_mean / tok_max}};
 }
 
+void report_peer(json& peer, json& results);
+
+// Runs the torch peer on the uniform routing (after the layers freed the GPU), adds layer_vs_torch and
+// experts_vs_torch to the uniform rows of `results` and prints them. A failing peer is a note and {"error": ...}.
+json run_peer(const std::string& script, const std::vector<PeerRouting>& routing, const MoeBenchOptions& opt, json& results) {
+  std::vector<json> models;
+  for (const std::string& name : opt.models) {
+    const ModelShape m = model_shape(name);
+    models.push_back({{"name", m.name}, {"hidden", m.hidden}, {"intermediate", m.intermediate}});
+  }
+  json peer;
+  for (const PeerRouting& r : routing) {  // the host top-k must be what the layer's router chose
+    if (expert_counts_of(r.topk_ids, kExperts) != r.expert_counts)
+      peer = {{"error", fmt::format("T={}: the logits' top-k gives other expert counts than the layer's router", r.tokens)}};
+  }
+  if (peer.is_null()) {
+    fmt::print("# torch peer: python3 {} on the uniform routing of this run\n", script);
+    peer = run_torch_peer(script, peer_routing_json(models, routing, kExperts, kTopK), opt.warmup, opt.reps);
+  }
+  if (peer.contains("error")) {
+    fmt::print("torch peer failed (figures without it): {}\n", peer["error"].get<std::string>());
+    return peer;
+  }
+  try {  // a result of unexpected shape is the peer's failure too, not the benchmark's
+    report_peer(peer, results);
+  } catch (const std::exception& e) {
+    peer = {{"error", fmt::format("{}'s result: {}", script, e.what())}};
+    fmt::print("torch peer failed (figures without it): {}\n", peer["error"].get<std::string>());
+  }
+  return peer;
+}
+
+// Adds the ratios to the uniform rows of `results`, prints them, and notes their definition in `peer`.
+void report_peer(json& peer, json& results) {
+  add_torch_ratios(results, peer);
+  const auto ms_or_na = [](const json& row, const char* key) {
+    return row.contains(key) && row[key].is_number() ? fmt::format("{:.3f} ms", row[key].get<double>()) : std::string("n/a");
+  };
+  fmt::print("torch {} on {}: FP8 rowwise {}, FP8 blockwise {}\n", peer.value("torch", "?"), peer.value("device", "?"),
+             peer.value("fp8_rowwise", "?"), peer.value("fp8_blockwise", "?"));
+  for (const json& r : results) {
+    if (!r.contains("layer_vs_torch")) continue;
+    const json& p = *torch_peer_row(peer, r["model"].get<std::string>(), r["tokens"].get<int64_t>());
+    fmt::print("{:16} T={:6} uniform vs torch: layer {:.3f} ms, torch {:.3f} ms (torch / fulcrum {:.2f}x) | experts cutlass "
+               "{:.3f} ms, torch grouped_mm {:.3f} ms ({:.2f}x) | torch FP8 rowwise experts {}, GEMMs only {}\n",
+               r["model"].get<std::string>(), r["tokens"].get<int64_t>(), r["layer_ms_recorder_off"].get<double>(),
+               p["layer_ms"].get<double>(), r["layer_vs_torch"].get<double>(), r["expert_gemm"]["cutlass"]["ms"].get<double>(),
+               p["experts_ms"].get<double>(), r["experts_vs_torch"].get<double>(), ms_or_na(p, "fp8_rowwise_experts_ms"),
+               ms_or_na(p, "fp8_rowwise_gemms_ms"));
+  }
+  peer["ratios"] = "per uniform result: layer_vs_torch = torch layer_ms / layer_ms_recorder_off, experts_vs_torch = "
+                   "torch experts_ms / expert_gemm.cutlass.ms";
+}
+
 }  // namespace
 
 void run_single_gpu(const MoeBenchOptions& opt) {
@@ -117,6 +179,10 @@ void run_single_gpu(const MoeBenchOptions& opt) {
   fmt::print("{}: measured ceilings {:.0f} TFLOP/s bf16 GEMM, {:.2f} TB/s copy\n", machine["gpu"].get<std::string>(),
              peak_flops / 1e12, peak_bytes / 1e12);
   fmt::print("{}\n", routing.describe(opt, opt.ep));
+  std::string peer_note;
+  const std::string peer_script = resolve_torch_peer(opt.torch_peer, &peer_note);
+  if (!peer_note.empty()) fmt::print("{}\n", peer_note);
+  std::vector<PeerRouting> peer_routing;  // per --tokens entry; the logits do not depend on the model
 
   json results = json::array();
   const int64_t max_tokens = *std::max_element(opt.tokens.begin(), opt.tokens.end());
@@ -133,7 +199,9 @@ void run_single_gpu(const MoeBenchOptions& opt) {
     for (const int64_t tokens : opt.tokens) {
       const double router_gemm_ms = median_ms(plain.stream(), opt.warmup, opt.reps, [&] { plain.router_logits(in.x.as<uint16_t>(), tokens); });
       for (const LayerScenario& sc : scenarios) {
-        json r = run_scenario(sc, tokens, opt, in.x, in.out, in.histogram.as<unsigned long long>(), peak_flops, peak_bytes);
+        const bool for_peer = !peer_script.empty() && sc.name == "uniform" && &model_name == &opt.models.front();
+        json r = run_scenario(sc, tokens, opt, in.x, in.out, in.histogram.as<unsigned long long>(), peak_flops, peak_bytes,
+                              for_peer ? &peer_routing.emplace_back() : nullptr);
         r["model"] = m.name;
         r["router_gemm_ms"] = router_gemm_ms;
         const json& g = r["expert_gemm"];
@@ -152,7 +220,9 @@ void run_single_gpu(const MoeBenchOptions& opt) {
     }
   }
   cudaStreamDestroy(stream);
-  write_json(opt, {{"mode", "single_gpu"}, {"machine", machine},
+  const json torch_peer = peer_script.empty() ? json{{"off", peer_note.empty() ? "--torch-peer off" : peer_note}}
+                                              : run_peer(peer_script, peer_routing, opt, results);
+  write_json(opt, {{"mode", "single_gpu"}, {"machine", machine}, {"torch_peer", torch_peer},
                    {"measured_ceilings", {{"bf16_gemm_tflops", peak_flops / 1e12}, {"copy_tb_per_s", peak_bytes / 1e12}}},
                    {"loads_layer", routing.layer_idx}, {"ep_ranks", opt.ep}, {"eplb_slots", routing.eplb_slots}, {"results", results}});
 }

@@ -52,6 +52,10 @@ void register_bench_moe_command(CLI::App& bench) {
   cmd->add_option("--migration-max-ctas", o->migration_max_ctas,
                   "Several GPUs: cap on the SMs the migration's NCCL kernels use (0: NCCL's choice)")
       ->capture_default_str()->check(CLI::Range(0, 64));
+  cmd->add_option("--torch-peer", o->torch_peer,
+                  "One GPU: PyTorch grouped_mm MoE peer script run after the timings on the same routing (auto: "
+                  "bench/peer/torch_moe_peer.py when python3 imports torch; off: none)")
+      ->capture_default_str();
   cmd->add_option("--json", o->json_path, "Write the results here (JSON; written whole or not at all)");
   cmd->add_option("--git-commit", o->git_commit, "Commit recorded in the JSON")->capture_default_str();
   cmd->callback([o] {
