@@ -16,6 +16,7 @@
 // Then, with --torch-peer, PyTorch's grouped_mm MoE on the uniform scenario's routing (torch_peer.hpp).
 #include <fmt/format.h>
 
+#include <memory>
 #include <numeric>
 
 #include "gpu/moe/moe_layer.hpp"
@@ -111,6 +112,37 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
           {"ep_token_balancedness", tok_mean / tok_max}};
 }
 
+// The FP8-expert layer (e4m3 weights, 128x128 block scales; MoeLayerShape::fp8_experts) on the uniform routing:
+// layer forward (recorder on) and the expert stage (CUTLASS FP8 grouped GEMMs with the 1x128 activation
+// quantizations), against the bf16 row `bf16` of the same model and tokens.
+json run_fp8(GpuMoeLayer& layer, const std::vector<double>& uniform, int64_t tokens, const MoeBenchOptions& opt,
+             const DeviceBuffer& x, DeviceBuffer& out, unsigned long long* histogram, const json& bf16, double peak_flops,
+             double peak_bytes) {
+  const auto& shape = layer.shape();
+  const cudaStream_t stream = layer.stream();
+  std::vector<int32_t> trivial(static_cast<size_t>(shape.num_slots));
+  std::iota(trivial.begin(), trivial.end(), 0);
+  layer.set_replica_choice(model::moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, trivial, shape.num_experts,
+                                                           {shape.num_slots, 1, 1}, tokens, {}));
+  const DeviceBuffer logits = upload(logits_for(uniform, tokens, shape.num_experts_per_tok, 77 + tokens));
+  layer.set_recorder(histogram);
+  const double layer_ms = median_ms(stream, opt.warmup, opt.reps, [&] {
+    layer.forward_from_logits(x.as<uint16_t>(), logits.as<float>(), tokens, out.as<float>());
+  });
+  layer.route(logits.as<float>(), tokens);
+  layer.permute(x.as<uint16_t>(), tokens);
+  layer.fetch_slot_counts();
+  const double experts_ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, shape.num_slots); });
+  const double flops = layer.expert_flops(0, shape.num_slots), bytes = layer.expert_min_bytes(0, shape.num_slots);
+  // FP8 tensor-core peak is twice bf16's on Hopper (dense e4m3 wgmma): the ceiling the FP8 GEMMs are held to.
+  const double floor_ms = std::max(flops / (2 * peak_flops), bytes / peak_bytes) * 1e3;
+  return {{"layer_ms_recorder_on", layer_ms}, {"experts_ms", experts_ms}, {"experts_tflops", flops / (experts_ms * 1e-3) / 1e12},
+          {"experts_roofline_fraction", floor_ms / experts_ms},
+          {"experts_bound", flops / (2 * peak_flops) > bytes / peak_bytes ? "tensor-core (2x bf16 peak)" : "HBM"},
+          {"layer_speedup_over_bf16", bf16["layer_ms_recorder_on"].get<double>() / layer_ms},
+          {"experts_speedup_over_bf16_cutlass", bf16["expert_gemm"]["cutlass"]["ms"].get<double>() / experts_ms}};
+}
+
 void report_peer(json& peer, json& results);
 
 // Runs the torch peer on the uniform routing (after the layers freed the GPU), adds layer_vs_torch and
@@ -194,6 +226,15 @@ void run_single_gpu(const MoeBenchOptions& opt) {
     GpuMoeLayer balanced(shape);
     plain.randomize_weights(5);
     balanced.randomize_weights(5);
+    // FP8 experts where the shape has whole 128 blocks (both Qwen3 presets) and CUTLASS runs here.
+    std::unique_ptr<GpuMoeLayer> fp8;
+    if (m.hidden % 128 == 0 && m.intermediate % 128 == 0 && plain.uses_cutlass()) {
+      backend::MoeLayerShape fp8_shape = shape;
+      fp8_shape.num_slots = kExperts;
+      fp8_shape.fp8_experts = true;
+      fp8 = std::make_unique<GpuMoeLayer>(fp8_shape);
+      fp8->randomize_weights(5);
+    }
     LayerInputs in(max_tokens, m.hidden, 9, stream);
     const auto scenarios = routing_scenarios(plain, balanced, routing.trivial, routing.eplb_map, routing.uniform, routing.real);
     for (const int64_t tokens : opt.tokens) {
@@ -216,6 +257,18 @@ void run_single_gpu(const MoeBenchOptions& opt) {
                    g["auto"]["roofline_fraction"].get<double>(), g["auto"]["bound"].get<std::string>(), opt.ep, r["ep_max_rank_expert_ms"].get<double>(),
                    r["ep_time_balancedness"].get<double>(), r["ep_token_balancedness"].get<double>());
         results.push_back(r);
+      }
+      if (fp8 != nullptr) {
+        json& row = results[results.size() - scenarios.size()];  // this tokens' uniform bf16 row
+        row["fp8"] = run_fp8(*fp8, routing.uniform, tokens, opt, in.x, in.out, in.histogram.as<unsigned long long>(), row,
+                             peak_flops, peak_bytes);
+        const json& f = row["fp8"];
+        fmt::print("{:16} T={:6} uniform FP8 experts: layer {:8.3f} ms ({:.2f}x bf16) | experts {:.3f} ms ({:.2f}x bf16 "
+                   "cutlass), {:.0f} TFLOP/s, {:.2f} of {} roofline\n",
+                   m.name, tokens, f["layer_ms_recorder_on"].get<double>(), f["layer_speedup_over_bf16"].get<double>(),
+                   f["experts_ms"].get<double>(), f["experts_speedup_over_bf16_cutlass"].get<double>(),
+                   f["experts_tflops"].get<double>(), f["experts_roofline_fraction"].get<double>(),
+                   f["experts_bound"].get<std::string>());
       }
     }
   }
