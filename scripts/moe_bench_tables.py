@@ -65,7 +65,25 @@ def single_gpu(doc):
             print(row([m, t, s, f"{g['grouped']['ms']:.3f} ms", f"{g['per_slot']['ms']:.3f} ms", f"{g['auto']['ms']:.3f} ms",
                        f"{g['auto']['tflops']:.0f}", g["auto"]["bound"], f"{g['auto']['roofline_fraction']:.2f}"]))
 
+    fp8(doc, keys)
     torch_peer(doc, keys)
+
+
+def fp8(doc, keys):
+    """The FP8-expert layer (e4m3 weights, 128x128 scales, 1x128 activation quantization) on the uniform rows."""
+    rows = [(m, t, by(doc["results"], m, t, "uniform", "tokens")) for m, t in keys]
+    rows = [(m, t, r) for m, t, r in rows if r is not None and "fp8" in r]
+    if not rows:
+        return
+    print("\n### FP8 experts, one GPU (uniform routing; FP8 roofline at 2x the measured bf16 tensor peak)\n")
+    print(header(["model", "T", "bf16 layer", "FP8 layer", "layer bf16 / FP8", "bf16 experts (CUTLASS)", "FP8 experts",
+                  "experts bf16 / FP8", "FP8 experts TFLOP/s", "FP8 experts / roofline"]))
+    for m, t, r in rows:
+        f = r["fp8"]
+        print(row([m, t, f"{r['layer_ms_recorder_on']:.3f} ms", f"{f['layer_ms_recorder_on']:.3f} ms",
+                   f"{f['layer_speedup_over_bf16']:.2f}x", f"{r['expert_gemm']['cutlass']['ms']:.3f} ms",
+                   f"{f['experts_ms']:.3f} ms", f"{f['experts_speedup_over_bf16_cutlass']:.2f}x",
+                   f"{f['experts_tflops']:.0f}", f"{f['experts_roofline_fraction']:.2f} ({f['experts_bound']})"]))
 
 
 def torch_peer(doc, keys):
