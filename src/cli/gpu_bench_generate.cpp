@@ -20,6 +20,7 @@
 #include "eplb/atomic_file.hpp"
 #include "eplb/error.hpp"
 #include "eplb/json_text.hpp"
+#include "gpu/device_weights.hpp"
 #include "gpu/gpu_engine.hpp"
 #include "model/rng.hpp"
 #include "model/synthetic_model.hpp"
@@ -30,6 +31,7 @@ namespace {
 struct BenchGenerateOptions {
   std::string preset = "qwen3-30b-a3b";
   int layers = 0;  // 0: the preset's
+  bool fp8 = false;  // the preset as its FP8 checkpoint: experts FP8 on the device
   std::vector<int> batches = {1, 4, 16, 64, 256};
   std::vector<int> contexts = {512, 2048};
   std::vector<std::string> prefills = {"1x2048", "8x2048", "1x16384"};
@@ -77,9 +79,13 @@ double decode_bytes(const model::Qwen3MoeConfig& c, int batch, int64_t context, 
     elems += c.is_moe_layer(l) ? double(c.num_experts) * h : 3.0 * c.intermediate_size * h;
   }
   elems += double(c.vocab_size) * h + h + batch * h;                    // LM head, final norm, embedding rows
-  elems += double(distinct_experts) * 3.0 * c.moe_intermediate_size * h;  // experts touched, over all layers
   elems += double(batch) * double(context + 1) * c.num_hidden_layers * 2 * hkv * d;  // KV read
-  return 2 * elems;
+  // Experts touched, over all layers: bf16, or FP8 codes and their block scales as the slot pool holds them.
+  const int64_t i = gpu::DeviceWeights::expert_intermediate_for(c);
+  const double expert_bytes = gpu::DeviceWeights::fp8_experts_for(c)
+                                  ? double(backend::fp8_blob_bytes(2 * i, c.hidden_size) + backend::fp8_blob_bytes(c.hidden_size, i))
+                                  : 2.0 * 3.0 * double(i) * h;
+  return 2 * elems + double(distinct_experts) * expert_bytes;
 }
 
 // FLOPs of a prefill of `seqs` x `len` tokens: every token through the projections, router, its k experts or
@@ -105,7 +111,8 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   model::PresetOverrides overrides;
   overrides.num_hidden_layers = o.layers;
   const nlohmann::json config_json = model::preset_config_json(o.preset, overrides);
-  const model::Qwen3MoeConfig config = model::parse_qwen3_moe_config(config_json, o.preset);
+  model::Qwen3MoeConfig config = model::parse_qwen3_moe_config(config_json, o.preset);
+  if (o.fp8) config.quantization = model::Fp8BlockQuantization{};  // random FP8 experts (DeviceWeights::fill_random)
 
   gpu::GpuEngineOptions eo;
   eo.attention = o.attention;
@@ -253,7 +260,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   if (!o.json_path.empty()) {
     nlohmann::json doc{{"command", command_line()}, {"git_commit", o.git_commit}, {"gpu", machine["gpu"]},
                        {"machine", machine}, {"copy_bandwidth_gbs", copy_bytes / 1e9}, {"gemm_tflops", gemm_flops / 1e12},
-                       {"layers", config.num_hidden_layers}, {"runs", runs}, {"peer", peer}};
+                       {"layers", config.num_hidden_layers}, {"fp8_experts", gpu::DeviceWeights::fp8_experts_for(config)}, {"runs", runs}, {"peer", peer}};
     write_file_atomically(o.json_path, doc.dump(2) + "\n");
   }
 }
@@ -265,6 +272,7 @@ void register_bench_generate_command(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand("generate", "The GPU engine at a real Qwen3-MoE shape: decode and prefill vs roofline and HF");
   cmd->add_option("--preset", o->preset, "qwen3-30b-a3b | qwen3-235b-a22b")->capture_default_str();
   cmd->add_option("--layers", o->layers, "Decoder layers (0: the preset's)")->capture_default_str()->check(CLI::Range(0, 1000));
+  cmd->add_flag("--fp8", o->fp8, "The preset's FP8 checkpoint layout: experts e4m3 with 128x128 block scales on the device");
   cmd->add_option("--batch", o->batches, "Decode batch sizes")->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--context", o->contexts, "Decode context lengths")->capture_default_str()->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--prefill", o->prefills, "Prefills SEQSxTOKENS (none: no prefill runs)")->capture_default_str();
