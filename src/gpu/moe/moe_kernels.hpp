@@ -75,6 +75,17 @@ cudaError_t launch_slot_counts(const int32_t* slots, int64_t num_entries, int nu
 cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k, int hidden_size,
                                 const int32_t* slots, int32_t* cursor, int32_t* entry_row, uint16_t* permuted,
                                 cudaStream_t stream);
+// The scatter of an FP8 layer fused with the 1x128 e4m3 quantization its grouped GEMM needs (fp8_permute.cu):
+// each entry takes a row of its slot as above (cursor a copy of offsets [P + 1], consumed; entry_row [T * k]),
+// and instead of a bf16 copy, row r of slot s gets q [r][0, H) e4m3 and scales sa(r, kb) at
+// scales[f * Kb + kb * m + (r - f)] (f = offsets[s], m = offsets[s + 1] - f, Kb = H / 128): bit for bit what
+// gpu::launch_quantize_rows_fp8 (gpu/kernels/fp8_quant.hpp) writes for launch_permute_rows' rows with the P slots
+// as its groups. Each token's row of x [T, H] is read once, each (token, block) quantized once and stored k times.
+// q [T * k, H], scales [T * k * Kb]. cudaErrorInvalidValue for H % 128 != 0, top_k outside [1, kMaxTopK], null
+// pointers, x or q not 16-byte aligned. Capture-safe (the grid depends on num_tokens only).
+cudaError_t launch_permute_rows_fp8(const uint16_t* x, int64_t num_tokens, int top_k, int hidden_size,
+                                    const int32_t* slots, const int32_t* offsets, int32_t* cursor, int32_t* entry_row,
+                                    uint8_t* q, float* scales, cudaStream_t stream);
 
 // The permutation of a small step in one launch (T * k <= kSmallPlanMaxEntries, P <= kSmallPlanMaxSlots):
 // slot_counts [P] and offsets [P + 1] as launch_slot_counts; entry_row [T * k] with a slot's entries in entry

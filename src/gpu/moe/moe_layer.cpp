@@ -661,9 +661,13 @@ void GpuMoeLayer::permute(const uint16_t* x, int64_t num_tokens) {
                                                    w.offsets.as<int32_t>(), stream_));
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(w.cursor.as<int32_t>(), w.offsets.as<int32_t>(), sizeof(int32_t) * p,
                                      cudaMemcpyDeviceToDevice, stream_));
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows(x, num_tokens, k, shape_.hidden_size, w.slots.as<int32_t>(),
-                                                    w.cursor.as<int32_t>(), w.entry_row.as<int32_t>(),
-                                                    w.permuted.as<uint16_t>(), stream_));
+  // FP8 on CUTLASS: e4m3 rows and scales straight from x (moe_layer_fp8.cpp); else the bf16 rows.
+  fp8_rows_quantized_ = permute_quantize_fp8(x, num_tokens);
+  if (!fp8_rows_quantized_) {
+    FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows(x, num_tokens, k, shape_.hidden_size, w.slots.as<int32_t>(),
+                                                      w.cursor.as<int32_t>(), w.entry_row.as<int32_t>(),
+                                                      w.permuted.as<uint16_t>(), stream_));
+  }
   own_problems_built_ = false;
   // CUTLASS reads the offsets on the device: nothing comes back. An expert-parallel layer needs the host
   // counts for its exchange whatever its GEMMs.
@@ -780,9 +784,11 @@ void GpuMoeLayer::run_experts(int slot_begin, int slot_end) {
   MoeWorkspace& w = ws();
   const int64_t total_rows = num_tokens_ * shape_.num_experts_per_tok;
   if (uses_cutlass()) {
-    // Groups = the slots [slot_begin, slot_end), rows from the device offsets of the last permute.
-    cutlass_experts(w.permuted.as<uint16_t>(), w.offsets.as<int32_t>() + slot_begin, slot_end - slot_begin,
-                    slot_begin - local_begin, slot_end - slot_begin, total_rows, total_rows, w.expert_out.as<uint16_t>());
+    // Groups = the slots [slot_begin, slot_end), rows from the device offsets of the last permute (null: it
+    // quantized them already, FP8).
+    cutlass_experts(fp8_rows_quantized_ ? nullptr : w.permuted.as<uint16_t>(), w.offsets.as<int32_t>() + slot_begin,
+                    slot_end - slot_begin, slot_begin - local_begin, slot_end - slot_begin, total_rows, total_rows,
+                    w.expert_out.as<uint16_t>());
     return;
   }
   if (!own_problems_built_) build_own_problems();  // the last permute took the CUTLASS path

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -241,6 +242,13 @@ class GpuMoeLayer {
   // choice when it cannot run) and, when kCutlass was asked for or kAuto would pick it but cannot run, why.
   bool uses_cutlass() const;
   std::string cutlass_fallback_reason() const;
+  // FP8 experts on the CUTLASS path of a layer holding all its slots: permute writes the e4m3 rows and scales the
+  // FP8 grouped GEMM reads straight from x (cuda::moe::launch_permute_rows_fp8; no bf16 permuted copy, so
+  // permuted() is not written) and run_experts skips its quantization of x. On unless FULCRUM_FP8_FUSED_PERMUTE=0
+  // (read once per process); set_fp8_fused_permute overrides that for this layer from its next permute (tests and
+  // benchmarks compare both ways; the outputs are bitwise equal). bf16 layers ignore it.
+  void set_fp8_fused_permute(bool on) { fp8_fused_permute_ = on; }
+  bool fp8_fused_permute() const;
 
   // x: device bf16 [T, H] -> out: device fp32 [T, H]; T <= max_tokens.
   void forward(const uint16_t* x, int64_t num_tokens, float* out);
@@ -280,7 +288,8 @@ class GpuMoeLayer {
   const int32_t* entry_slots() const { return ws().slots.as<int32_t>(); }      // [T * k]
   const int32_t* slot_offsets() const { return ws().offsets.as<int32_t>(); }   // [P + 1]
   const int32_t* entry_row() const { return ws().entry_row.as<int32_t>(); }    // [T * k]
-  const uint16_t* permuted() const { return ws().permuted.as<uint16_t>(); }    // [T * k, H]
+  const uint16_t* permuted() const { return ws().permuted.as<uint16_t>(); }    // [T * k, H] (not written by
+                                                                               //  a fused FP8 permute)
   const uint16_t* expert_out() const { return ws().expert_out.as<uint16_t>(); }  // [T * k, H]
   // Per-slot entry counts of the last permute, on the host [P] (global slots). Unavailable (throws) after a
   // CUTLASS-path permute, which reads nothing back: fetch_slot_counts() copies them (it synchronizes, so
@@ -309,6 +318,10 @@ class GpuMoeLayer {
   // cutlass_experts.
   void cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
                            int64_t max_rows, int64_t total_rows, uint16_t* out);
+  // The scatter of permute for an FP8 layer that fuses it with the quantization (fp8_fused_permute() and the
+  // CUTLASS path of a layer holding all its slots, x 16-byte aligned): launches it and returns true; else false
+  // (permute then copies bf16 rows).
+  bool permute_quantize_fp8(const uint16_t* x, int64_t num_tokens);
   void randomize_fp8_experts(uint64_t seed);
   void upload_fp8_slot_pointers();
   // Why CUTLASS cannot run this layer's expert GEMMs (empty: it can).
@@ -319,7 +332,8 @@ class GpuMoeLayer {
   // per-problem GEMMs when `flops` (of both GEMMs) reaches kPerSlotMinFlops.
   void expert_gemm(const GemmProblems& problems, int gemm_idx, int first, int count, double flops);
   // Both CUTLASS grouped GEMMs and the activation over groups [offsets[0], offsets[num_groups]) of rows
-  // `in` -> `out`, group g using local slot (first_local + g) % num_weights's weights.
+  // `in` -> `out`, group g using local slot (first_local + g) % num_weights's weights. FP8: in == nullptr when
+  // the rows are already quantized in the workspace's fp8_x / fp8_x_scales (permute_quantize_fp8).
   void cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
                        int64_t max_rows, int64_t total_rows, uint16_t* out);
   // route, then the skinny path or permute + run_experts: expert_out rows for combine.
@@ -340,6 +354,8 @@ class GpuMoeLayer {
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;
   int64_t num_tokens_ = 0;  // of the last route/permute
+  std::optional<bool> fp8_fused_permute_;  // set_fp8_fused_permute; empty: FULCRUM_FP8_FUSED_PERMUTE
+  bool fp8_rows_quantized_ = false;        // the last permute wrote fp8_x / fp8_x_scales, not permuted
 
   DeviceBuffer router_w_, gate_up_w_, down_w_;  // own weights [E, H], [L, 2I, H], [L, H, I] (none if external)
   const uint16_t* router_ = nullptr;            // what the router GEMM reads: router_w_ or set_router_weights

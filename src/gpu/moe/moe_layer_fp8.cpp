@@ -1,7 +1,9 @@
 // GPU MoE layer, FP8 experts (MoeLayerShape::fp8_experts): slot pointers, the layer's own random experts and
-// the CUTLASS path — 1x128 quantization of the permuted rows, FP8 blockwise grouped GEMM gate_up, SwiGLU fused
-// with the quantization of its output, FP8 grouped GEMM down (gpu/cutlass/grouped_gemm_fp8.hpp,
-// gpu/kernels/fp8_quant.hpp). The skinny path reads the same codes and scales (moe_layer.cpp, skinny_gemms).
+// the CUTLASS path — 1x128 quantization of the permuted rows (fused into the permutation by default:
+// cuda::moe::launch_permute_rows_fp8; a separate pass over bf16 rows when that is off and for run_experts_on's
+// received rows), FP8 blockwise grouped GEMM gate_up, SwiGLU fused with the quantization of its output, FP8
+// grouped GEMM down (gpu/cutlass/grouped_gemm_fp8.hpp, gpu/kernels/fp8_quant.hpp). The skinny path reads the
+// same codes and scales (moe_layer.cpp, skinny_gemms).
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -10,11 +12,38 @@
 
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
+#include "gpu/env_switch.hpp"
 #include "gpu/kernels/fp8_quant.hpp"
 #include "gpu/moe/gpu_slot_pool.hpp"
+#include "gpu/moe/moe_kernels.hpp"
 #include "gpu/moe/moe_layer.hpp"
 
 namespace fulcrum::backend {
+namespace {
+
+// Read once; FULCRUM_FP8_FUSED_PERMUTE=0 keeps the bf16 permuted copy and its separate quantization, for
+// measurement.
+bool fp8_fused_permute_by_env() {
+  static const bool enabled = gpu::env_switch_on("FULCRUM_FP8_FUSED_PERMUTE");
+  return enabled;
+}
+
+}  // namespace
+
+bool GpuMoeLayer::fp8_fused_permute() const { return fp8_fused_permute_.value_or(fp8_fused_permute_by_env()); }
+
+bool GpuMoeLayer::permute_quantize_fp8(const uint16_t* x, int64_t num_tokens) {
+  // Only where run_experts reads this permutation on CUTLASS: an expert-parallel layer sends the bf16 rows.
+  if (!shape_.fp8_experts || !fp8_fused_permute() || shape_.local_slots() != shape_.num_slots || !uses_cutlass() ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+    return false;
+  }
+  MoeWorkspace& w = ws();
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_permute_rows_fp8(
+      x, num_tokens, shape_.num_experts_per_tok, shape_.hidden_size, w.slots.as<int32_t>(), w.offsets.as<int32_t>(),
+      w.cursor.as<int32_t>(), w.entry_row.as<int32_t>(), w.fp8_x.as<uint8_t>(), w.fp8_x_scales.as<float>(), stream_));
+  return true;
+}
 
 void GpuMoeLayer::set_fp8_slot_weights(const Fp8SlotPtrs& slots) {
   FULCRUM_CHECK(shape_.fp8_experts, "set_fp8_slot_weights: the layer's experts are bf16 (set_slot_weights)");
@@ -76,8 +105,10 @@ void GpuMoeLayer::cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets
     FULCRUM_CHECK(status.ok(), "CUTLASS FP8 grouped GEMM ({}): {} ({})", which, status.failed,
                   cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
   };
-  FULCRUM_CUDA_CHECK(gpu::launch_quantize_rows_fp8(in, h, offsets, num_groups, max_rows, w.fp8_x.as<uint8_t>(),
-                                                   w.fp8_x_scales.as<float>(), stream_));
+  if (in != nullptr) {  // else permute_quantize_fp8 wrote fp8_x / fp8_x_scales from x
+    FULCRUM_CUDA_CHECK(gpu::launch_quantize_rows_fp8(in, h, offsets, num_groups, max_rows, w.fp8_x.as<uint8_t>(),
+                                                     w.fp8_x_scales.as<float>(), stream_));
+  }
   gpu::Fp8GroupedGemmArgs gemm;
   gemm.a = w.fp8_x.as<uint8_t>();  // [rows, H]
   gemm.a_scales = w.fp8_x_scales.as<float>();
