@@ -19,6 +19,11 @@ FEW_SHOT = (
     "Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer: 3 + 2 = 5. The answer is 5.\n\n"
     "Question: A box holds 4 rows of 6 eggs. How many eggs are in the box?\nAnswer: 4 * 6 = 24. The answer is 24.\n\n"
 )
+# Third-party modules sglang's frontend import chain may pull in (reported when the import fails).
+PROBE = ["aiohttp", "dill", "einops", "fastapi", "filelock", "huggingface_hub", "IPython", "msgspec", "numpy", "openai",
+         "orjson", "packaging", "partial_json_parser", "PIL", "prometheus_client", "psutil", "pybase64", "pydantic",
+         "regex", "requests", "setproctitle", "starlette", "torch", "tqdm", "transformers", "triton", "uvicorn", "yaml",
+         "zmq"]
 QUESTIONS = [
     "Sara reads 12 pages a day for 5 days. How many pages does she read?",
     "A train travels 60 miles per hour for 3 hours. How far does it go?",
@@ -41,7 +46,10 @@ def main():
         import sglang as sgl
         from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
     except Exception as e:  # noqa: BLE001 - any import failure is the one-line skip reason
-        print(f"sglang_frontend_check: cannot import sglang: {type(e).__name__}: {e}", file=sys.stderr)
+        import importlib.util
+        missing = [m for m in PROBE if importlib.util.find_spec(m) is None]
+        print(f"sglang_frontend_check: cannot import sglang: {type(e).__name__}: {e} (not importable here: "
+              f"{' '.join(missing) or 'none of the probed'})", file=sys.stderr)
         return 2
 
     @sgl.function

@@ -21,10 +21,10 @@
 namespace fulcrum::backend {
 namespace {
 
-// Read once; FULCRUM_FP8_FUSED_PERMUTE=0 keeps the bf16 permuted copy and its separate quantization, for
-// measurement.
+// Read once. Opt-in (FULCRUM_FP8_FUSED_PERMUTE=1) until the fused permutation has run on a GPU: it was written
+// when no device was lent; its tests (tests_cuda/gpu_fp8_permute_test.cpp) set it per layer.
 bool fp8_fused_permute_by_env() {
-  static const bool enabled = gpu::env_switch_on("FULCRUM_FP8_FUSED_PERMUTE");
+  static const bool enabled = gpu::env_switch_set("FULCRUM_FP8_FUSED_PERMUTE");
   return enabled;
 }
 
