@@ -10,25 +10,17 @@
 #include <cuda_fp8.h>
 
 #include "gpu/kernels/dependent_launch.cuh"
+#include "gpu/kernels/fp8_block_quant.cuh"
 #include "gpu/kernels/fp8_quant.hpp"
 
 namespace fulcrum::gpu {
 namespace {
 
-constexpr int kBlockCols = 128;           // one activation scale per 128 columns (the GEMM's k block)
-constexpr int kColsPerLane = 8;           // 16 bytes of bf16
-constexpr int kLanesPerBlock = kBlockCols / kColsPerLane;  // 16: half a warp
+using fp8_block::kBlockCols;
+using fp8_block::kColsPerLane;
+using fp8_block::kLanesPerBlock;
+using fp8_block::unpack8;
 constexpr int kWarpsPerCtaBlock = 8;      // rows in flight per thread block
-constexpr float kE4m3Max = 448.0f;
-
-__device__ __forceinline__ void unpack8(const uint4 bits, float (&f)[8]) {
-  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = __uint_as_float(w[k] << 16);  // value 2k is the low half of word k (little endian)
-    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
 
 // bf16(silu(gate) * up) as the bf16 path computes it (step_ops.cu's silu_times: expf, not __expf).
 __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
@@ -58,7 +50,7 @@ __global__ void quantize_fp8_kernel(const uint16_t* src, int cols, const int32_t
   const int lane = threadIdx.x % 32;
   const int half = lane / kLanesPerBlock;  // which of the warp's two blocks
   const int sub = lane % kLanesPerBlock;   // its 8 columns within the block
-  const unsigned int half_mask = half == 0 ? 0x0000ffffu : 0xffff0000u;
+  const unsigned int half_mask = fp8_block::half_mask(lane);
   const int k_blocks = cols / kBlockCols;
   const int64_t begin = offsets[0], end = offsets[num_groups];
   const int64_t warp = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
@@ -81,24 +73,9 @@ __global__ void quantize_fp8_kernel(const uint16_t* src, int cols, const int32_t
       } else {
         unpack8(*reinterpret_cast<const uint4*>(src + r * cols + c0), v);
       }
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kColsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-      for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(half_mask, amax, offset));
-      }
-      uint32_t packed[2] = {0u, 0u};
-      if (amax > 0.0f) {
-        const float inv = __fdiv_rn(kE4m3Max, amax);
-#pragma unroll
-        for (int i = 0; i < kColsPerLane; ++i) {
-          const uint32_t code = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
-          packed[i / 4] |= code << (8 * (i % 4));  // byte i of the 8 (little endian)
-        }
-      }
-      *reinterpret_cast<uint2*>(q + r * cols + c0) = make_uint2(packed[0], packed[1]);
-      if (sub == 0) row_scales[int64_t{kb} * rows_in_group] = amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 0.0f;
+      const fp8_block::Quantized8 out = fp8_block::quantize8(v, half_mask);
+      *reinterpret_cast<uint2*>(q + r * cols + c0) = out.codes;
+      if (sub == 0) row_scales[int64_t{kb} * rows_in_group] = out.scale;
     }
   }
 }

@@ -9,25 +9,17 @@
 // one rounding, __nv_cvt_float_to_fp8 (round to nearest even, saturating); amax 0: scale 0 and codes 0.
 #include <cuda_fp8.h>
 
+#include "gpu/kernels/fp8_block_quant.cuh"
 #include "gpu/moe/moe_kernels.hpp"
 
 namespace fulcrum::cuda::moe {
 namespace {
 
-constexpr int kBlockCols = 128;                            // one activation scale per 128 columns
-constexpr int kColsPerLane = 8;                            // one 16-byte load of bf16
-constexpr int kLanesPerBlock = kBlockCols / kColsPerLane;  // 16: half a warp
-constexpr int kTokensPerCta = 8;                           // one warp per token
-constexpr float kE4m3Max = 448.0f;
-
-__device__ __forceinline__ void unpack8(const uint4 bits, float (&f)[kColsPerLane]) {
-  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    f[2 * q] = __uint_as_float(w[q] << 16);  // value 2q is the low half of word q (little endian)
-    f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-  }
-}
+using gpu::fp8_block::kBlockCols;
+using gpu::fp8_block::kColsPerLane;
+using gpu::fp8_block::kLanesPerBlock;
+using gpu::fp8_block::unpack8;
+constexpr int kTokensPerCta = 8;  // one warp per token
 
 __global__ void __launch_bounds__(32 * kTokensPerCta)
     permute_rows_fp8_kernel(const uint16_t* x, int64_t num_tokens, int top_k, int hidden_size, const int32_t* slots,
@@ -40,7 +32,7 @@ __global__ void __launch_bounds__(32 * kTokensPerCta)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = lane / kLanesPerBlock;  // which of the warp's two blocks
   const int sub = lane % kLanesPerBlock;   // its 8 columns within the block
-  const unsigned int half_mask = half == 0 ? 0x0000ffffu : 0xffff0000u;
+  const unsigned int half_mask = gpu::fp8_block::half_mask(lane);
   const int k_blocks = hidden_size / kBlockCols;
   const int64_t num_warps = int64_t{gridDim.x} * kTokensPerCta;
   for (int64_t t = int64_t{blockIdx.x} * kTokensPerCta + warp; t < num_tokens; t += num_warps) {  // warp-uniform
@@ -60,24 +52,9 @@ __global__ void __launch_bounds__(32 * kTokensPerCta)
       const int c0 = kb * kBlockCols + sub * kColsPerLane;
       float v[kColsPerLane];
       unpack8(*reinterpret_cast<const uint4*>(x_row + c0), v);
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kColsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-      for (int offset = kLanesPerBlock / 2; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(half_mask, amax, offset));
-      }
-      uint32_t packed[2] = {0u, 0u};
-      if (amax > 0.0f) {
-        const float inv = __fdiv_rn(kE4m3Max, amax);
-#pragma unroll
-        for (int i = 0; i < kColsPerLane; ++i) {
-          const uint32_t code = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inv), __NV_SATFINITE, __NV_E4M3);
-          packed[i / 4] |= code << (8 * (i % 4));  // byte i of the 8 (little endian)
-        }
-      }
-      const uint2 codes = make_uint2(packed[0], packed[1]);
-      const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4m3Max) : 0.0f;
+      const gpu::fp8_block::Quantized8 out = gpu::fp8_block::quantize8(v, half_mask);
+      const uint2 codes = out.codes;
+      const float scale = out.scale;
       for (int j = 0; j < top_k; ++j) {  // the block computed once, stored to each of the token's k rows
         *reinterpret_cast<uint2*>(q + int64_t{s_row[warp][j]} * hidden_size + c0) = codes;
         if (sub == 0) scales[s_scale0[warp][j] + int64_t{kb} * s_slot_rows[warp][j]] = scale;
