@@ -34,12 +34,14 @@
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "gpu/reference/skinny_gemm_reference.hpp"
+#include "fp8_skinny_test_util.hpp"
 #include "model/checkpoint_writer.hpp"
 
 namespace fulcrum::test {
 namespace {
 
 using backend::DeviceBuffer;
+using namespace fp8_skinny;
 
 constexpr double kRelTolerance = 4e-6;  // of sum |x W|; see the file comment
 constexpr int kGuard = 64;              // poisoned elements after the m x n output
@@ -65,59 +67,6 @@ class SkinnyGemmFp8Test : public ::testing::Test {
     if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the skinny GEMM tests need a GPU";
   }
 };
-
-// splitmix64
-struct SplitMix {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  float unit() { return static_cast<float>(next() >> 40) * 0x1p-24f; }  // [0, 1)
-};
-
-std::vector<uint16_t> random_bf16(size_t count, uint64_t seed) {
-  SplitMix rng{seed};
-  std::vector<uint16_t> bits(count);
-  for (uint16_t& b : bits) b = model::f32_to_bf16_bits(2.0f * rng.unit() - 1.0f);
-  return bits;
-}
-
-// Every e4m3 byte but the two NaNs (S.1111.111), equally likely.
-std::vector<uint8_t> random_e4m3(size_t count, uint64_t seed) {
-  SplitMix rng{seed};
-  std::vector<uint8_t> bytes(count);
-  for (size_t q = 0; q < count; q += 8) {
-    uint64_t z = rng.next();
-    for (size_t b = q; b < std::min(count, q + 8); ++b, z >>= 8) {
-      bytes[b] = static_cast<uint8_t>(z);
-      if ((bytes[b] & 0x7f) == 0x7f) bytes[b] ^= 0x01;  // NaN -> +-416
-    }
-  }
-  return bytes;
-}
-
-std::vector<float> random_scales(size_t count, uint64_t seed) {
-  SplitMix rng{seed};
-  std::vector<float> scales(count);
-  for (float& s : scales) s = (0.5f + rng.unit()) / 1024.0f;
-  return scales;
-}
-
-template <typename T>
-DeviceBuffer upload(const std::vector<T>& host) {
-  DeviceBuffer buf(sizeof(T) * std::max<size_t>(host.size(), 1));
-  EXPECT_EQ(cudaMemcpy(buf.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  return buf;
-}
-template <typename T>
-std::vector<T> download(const T* device, size_t count) {
-  std::vector<T> host(count);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, sizeof(T) * count, cudaMemcpyDeviceToHost), cudaSuccess);
-  return host;
-}
 
 float bf16_spacing_above(float magnitude) {
   const uint16_t bits = model::f32_to_bf16_bits(magnitude);
