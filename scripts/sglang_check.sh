@@ -3,8 +3,9 @@
 # benchmark) against `fulcrum serve` on a tiny model. sglang imports torch, so this runs where torch is (the GPU
 # machine, which has no registry): carry .devdeps/sglang (the sglang 0.5.23 wheel's Python sources as
 # sglang_py.tar.xz, its .so extensions dropped: the frontend does not load them; orjson, psutil and pybase64 wheels),
-# made here by `pip download`. Usage: scripts/sglang_check.sh FULCRUM_BIN [DEVICE] (DEVICE cpu or cuda); logs and
-# the JSON result in $OUT.
+# made here by `pip download`), or anywhere with SGLANG_PYTHON naming an interpreter that imports sglang (a venv
+# with `pip install --no-deps sglang==0.5.23`, torch, and the modules its import asks for). Usage:
+# scripts/sglang_check.sh FULCRUM_BIN [DEVICE] (DEVICE cpu or cuda); logs and the JSON result in $OUT.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 fulcrum="$1"
@@ -19,8 +20,12 @@ cleanup() {
   rm -rf "$site" "$work"
 }
 trap cleanup EXIT
-python3 -m pip install --quiet --no-deps --no-index --target "$site" "$root"/.devdeps/sglang/*.whl
-tar -C "$site" -xJf "$root/.devdeps/sglang/sglang_py.tar.xz"
+python="${SGLANG_PYTHON:-}"
+if [[ -z "$python" ]]; then
+  python=python3
+  python3 -m pip install --quiet --no-deps --no-index --target "$site" "$root"/.devdeps/sglang/*.whl
+  tar -C "$site" -xJf "$root/.devdeps/sglang/sglang_py.tar.xz"
+fi
 tokenizer="$root/../shared/golden/tokenizer/bpe-qwen-style-2k/tokenizer.json"
 "$fulcrum" make-model --preset tiny --layers 2 --seed 7 --tokenizer "$tokenizer" --output "$work/tiny" >/dev/null
 "$fulcrum" serve --model "$work/tiny" --device "$device" --port 0 --kv-pages 256 --page-size 16 >"$OUT/sglang_serve.log" 2>&1 &
@@ -33,4 +38,4 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 [[ -n "$port" ]] || { echo "sglang_check: the server did not start" >&2; exit 1; }
-PYTHONPATH="$site" python3 "$root/bench/peer/sglang_frontend_check.py" "http://127.0.0.1:$port" --json "$OUT/sglang_frontend_check.json"
+PYTHONPATH="$site" "$python" "$root/bench/peer/sglang_frontend_check.py" "http://127.0.0.1:$port" --json "$OUT/sglang_frontend_check.json"

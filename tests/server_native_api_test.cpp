@@ -46,12 +46,13 @@ TempDir* ServerNativeApi::dir_ = nullptr;
 ServerProcess* ServerNativeApi::server_ = nullptr;
 tokenizer::Tokenizer* ServerNativeApi::tok_ = nullptr;
 
-// What RuntimeEndpoint's generate() puts in sampling_params: every field of SglSamplingParams.to_srt_kwargs(),
-// unset ones null, plus the two special-token switches.
+// What RuntimeEndpoint's generate() puts in sampling_params: every field of SglSamplingParams.to_srt_kwargs() and
+// the two special-token switches, as captured from sglang 0.5.23's frontend (stop_token_ids and stop_regex empty
+// lists, regex and json_schema null; bench/peer/sglang_frontend_check.py runs the real frontend).
 json runtime_endpoint_sampling(int max_new_tokens) {
   return {{"skip_special_tokens", true}, {"spaces_between_special_tokens", true}, {"max_new_tokens", max_new_tokens},
-          {"min_new_tokens", 0}, {"n", 1}, {"stop", json::array()}, {"stop_token_ids", nullptr},
-          {"stop_regex", nullptr}, {"temperature", 0.0}, {"top_p", 1.0}, {"top_k", -1}, {"min_p", 0.0},
+          {"min_new_tokens", 0}, {"n", 1}, {"stop", json::array()}, {"stop_token_ids", json::array()},
+          {"stop_regex", json::array()}, {"temperature", 0.0}, {"top_p", 1.0}, {"top_k", -1}, {"min_p", 0.0},
           {"frequency_penalty", 0.0}, {"presence_penalty", 0.0}, {"ignore_eos", true}, {"regex", nullptr},
           {"json_schema", nullptr}};
 }

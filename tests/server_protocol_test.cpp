@@ -96,15 +96,17 @@ TEST(ServerProtocol, PromptListsAndNExpandIntoOneRequestPerChoice) {
   EXPECT_EQ(status_of(json{{"prompt", {4}}, {"n", 65}}, parse_completion_request, ctx), 400);
 }
 
-// /generate as SGLang's RuntimeEndpoint sends it: every sampling field present, most null; unimplemented ones
-// are 400s naming the field unless null or neutral; lists of prompts and n give a batch; max_new_tokens 0 is
-// a prefill.
+// /generate as SGLang's RuntimeEndpoint sends it (the body below was captured from sglang 0.5.23's frontend:
+// stop_token_ids and stop_regex are empty lists, regex and json_schema null); unimplemented fields are 400s
+// naming the field unless null, empty or neutral; lists of prompts and n give a batch; max_new_tokens 0 is a
+// prefill.
 TEST(ServerProtocol, GenerateTakesRuntimeEndpointsFields) {
   ProtocolContext ctx;
   ctx.eos_token_ids = {0};
   const json sampling = {{"skip_special_tokens", true}, {"spaces_between_special_tokens", true},
-                         {"max_new_tokens", 5}, {"min_new_tokens", 0}, {"n", 1}, {"stop", json::array()},
-                         {"stop_token_ids", nullptr}, {"stop_regex", nullptr}, {"temperature", 0}, {"top_p", 1.0},
+                         {"max_new_tokens", 5}, {"min_new_tokens", 0}, {"n", 1},
+                         {"stop", {"Question", "Assistant:", "<|separator|>"}}, {"stop_token_ids", json::array()},
+                         {"stop_regex", json::array()}, {"temperature", 0}, {"top_p", 1.0},
                          {"top_k", -1}, {"min_p", 0.0}, {"frequency_penalty", 0.0}, {"presence_penalty", 0.0},
                          {"ignore_eos", false}, {"regex", nullptr}, {"json_schema", nullptr}};
   const ParsedRequest p = parse_generate_request(json{{"input_ids", {3, 4}}, {"sampling_params", sampling},
@@ -124,6 +126,11 @@ TEST(ServerProtocol, GenerateTakesRuntimeEndpointsFields) {
   json with = sampling;
   with["regex"] = "[0-9]+";
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}), "sampling_params 'regex' is not implemented");
+  with = sampling;
+  with["stop_regex"] = {"[0-9]+$"};
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}), "sampling_params 'stop_regex' is not implemented");
+  with["stop_regex"] = "";
+  EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}), "accepted");  // empty asks for nothing
   with = sampling;
   with["json_schema"] = "{}";
   EXPECT_EQ(message_of({{"input_ids", {3}}, {"sampling_params", with}}), "sampling_params 'json_schema' is not implemented");

@@ -25,6 +25,15 @@ const json* field(const json& obj, const char* name) {
   return it == obj.end() || it->is_null() ? nullptr : &*it;
 }
 
+// A field Fulcrum does not implement is refused only when it asks for something: absent, null, or an empty
+// list, string or object (SGLang's frontend sends `stop_regex: []` on every request) ask for nothing.
+bool asks_nothing(const json& obj, const char* name) {
+  const json* v = field(obj, name);
+  if (v == nullptr) return true;
+  if (v->is_string()) return v->get_ref<const std::string&>().empty();  // json::empty() is false for any string
+  return (v->is_array() || v->is_object()) && v->empty();
+}
+
 int64_t integer(const json& v, const char* name, int64_t lo, int64_t hi) {
   FULCRUM_REQUIRE(v.is_number_integer(), "'{}' must be an integer", name);
   const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi) ? hi + 1 : v.get<int64_t>();
@@ -222,10 +231,10 @@ ParsedRequest parse_generate_request(const json& body, const ProtocolContext& ct
                      "top_logprobs_num", "return_text_in_logprobs", "image_data", "lora_path", "modalities",
                      "session_params", "custom_logit_processor", "return_hidden_states", "input_embeds"},
               "a generate request");
-  // Fields RuntimeEndpoint and SGLang's Runtime may send that Fulcrum does not implement: null or false pass.
+  // Fields RuntimeEndpoint and SGLang's Runtime may send that Fulcrum does not implement: null, empty or false pass.
   for (const char* name : {"image_data", "lora_path", "modalities", "session_params", "custom_logit_processor",
                            "input_embeds"}) {
-    FULCRUM_REQUIRE(field(body, name) == nullptr, "'{}' is not implemented", name);
+    FULCRUM_REQUIRE(asks_nothing(body, name), "'{}' is not implemented", name);
   }
   if (const json* v = field(body, "return_hidden_states")) {
     FULCRUM_REQUIRE(!boolean(*v, "return_hidden_states"), "'return_hidden_states' true is not implemented");
@@ -266,7 +275,7 @@ ParsedRequest parse_generate_request(const json& body, const ProtocolContext& ct
                       "json_schema", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params"},
                 "sampling_params");
     for (const char* name : {"regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params"}) {
-      FULCRUM_REQUIRE(field(*sp, name) == nullptr, "sampling_params '{}' is not implemented", name);
+      FULCRUM_REQUIRE(asks_nothing(*sp, name), "sampling_params '{}' is not implemented", name);
     }
     // Penalties and bounds at their neutral value change nothing; any other value is not implemented.
     const std::pair<const char*, double> neutral_values[] = {
