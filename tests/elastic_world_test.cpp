@@ -49,6 +49,19 @@ TEST(ElasticWorld, SurvivorsHoldEveryExpertAtLeastOnce) {
   }
 }
 
+// 2 MoE layers, 6 experts on 3 EP ranks of 3 slots. Layer 0: experts 0, 1 on ranks 0 and 2, 5 on ranks 1 and 2,
+// 2 on rank 0 only, 3 and 4 on rank 1 only. Layer 1: 0, 1, 2 on ranks 0 and 2, 3, 4, 5 on rank 1 only.
+TEST(ElasticWorld, LastReplicasLostAreTheExpertsWithNoSurvivingSlot) {
+  eplb::Placement placement({9, 3, 1}, 2, 6);
+  placement.physical_to_logical_map = {0, 1, 2, /**/ 3, 4, 5, /**/ 0, 5, 1,   // layer 0: rank 0 | rank 1 | rank 2
+                                       0, 1, 2, /**/ 5, 3, 4, /**/ 0, 1, 2};  // layer 1
+  EXPECT_EQ(experts_without_surviving_replica(placement, {true, false, true}), (std::vector<int>{2, 3}));
+  EXPECT_EQ(experts_without_surviving_replica(placement, {false, true, true}), (std::vector<int>{1, 0}));
+  EXPECT_EQ(experts_without_surviving_replica(placement, {true, true, true}), (std::vector<int>{0, 0}));
+  EXPECT_EQ(experts_without_surviving_replica(placement, {false, false, true}), (std::vector<int>{3, 3}));
+  EXPECT_THROW(experts_without_surviving_replica(placement, {true, false}), Error);
+}
+
 TEST(ElasticWorld, OnlyOneRankPerGroupAndEpRankWithoutThePrefixCache) {
   const engine::ParallelFlags good{.tp = 4, .dp = 4, .ep = 4, .enable_dp_attention = true};
   EXPECT_EQ(why_elastic_ep_cannot_run(good, false, "cpu"), "");

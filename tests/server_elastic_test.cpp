@@ -77,7 +77,9 @@ std::vector<double> recovery_seconds(const std::string& log) {
   return seconds;
 }
 
-void expect_recovered(const ServerProcess& server, int recoveries, int live_ranks, const std::string& lost) {
+// `reprefilled`: the fault struck live requests (mid-decode), whose state the recovery rebuilt.
+void expect_recovered(const ServerProcess& server, int recoveries, int live_ranks, const std::string& lost,
+                      bool reprefilled = true) {
   const std::string log = server.log();
   EXPECT_EQ(count_of(log, "elastic: fault detected"), recoveries) << log;
   EXPECT_NE(log.find("without rank(s) " + lost), std::string::npos) << log;
@@ -93,7 +95,7 @@ void expect_recovered(const ServerProcess& server, int recoveries, int live_rank
   std::map<std::string, double> m = metrics(server.port());
   EXPECT_EQ(m["fulcrum_live_ranks"], live_ranks);
   EXPECT_EQ(m["fulcrum_elastic_recoveries_total"], recoveries);
-  EXPECT_GE(m["fulcrum_elastic_reprefilled_requests_total"], 1);  // the fault struck live requests
+  if (reprefilled) EXPECT_GE(m["fulcrum_elastic_reprefilled_requests_total"], 1) << log;
   EXPECT_NEAR(m["fulcrum_elastic_recovery_seconds"], seconds.back(), 0.0005);  // the log rounds to ms
 }
 
@@ -171,6 +173,99 @@ TEST(ElasticServe, AKilledRankWithLiveEplbChangesNoOutput) {
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank3, SIGKILL), 0); }), reference);
     expect_recovered(server, 1, 3, "3");
     EXPECT_NE(server.log().find("129 slots per MoE layer"), std::string::npos) << server.log();  // 132 / 4 x 3 < 128
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+// The first rebalance whose migration (one changed layer per pass, RankEplb) is in flight after the last
+// completed request: its index, or -1. A rebalance that changed L layers switches its first layer in the
+// pass that planned it and logs "rebalance K: migration complete" L - 1 passes later.
+int rebalance_in_flight(const std::string& log) {
+  const std::regex started(R"(eplb: rebalance (\d+) at pass \d+: MoE layers [^:]*: balancedness [0-9.]+ -> [0-9.]+, (\d+) layers changed)");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), started); it != std::sregex_iterator(); ++it) {
+    const std::string k = (*it)[1];
+    if (std::stoi((*it)[2]) >= 2 && log.find("rebalance " + k + ": migration complete") == std::string::npos) {
+      return std::stoi(k);
+    }
+  }
+  return -1;
+}
+
+// Rank 2 is killed while a live migration is in flight. The world runs one-pass requests (1 token each, the
+// server idle between them) until the log shows a rebalance that changed several layers and has not completed:
+// its first layer is switched, the others are still old and will be written in the next passes (the server being
+// idle, the migration stays in flight however slow the test is). Then rank 2 is killed and the 32 clients come:
+// their first command finds the lost rank, and every one of them is served by the recovered world. What the code does with the half-done
+// rebalance: it is dropped. The rebuild destroys the old world's RankEplb (manager, target placement and
+// migration) on every survivor, plans a new placement afresh with the default planner on the survivors'
+// recorded loads (not the half-done target, not the half-migrated live map), and loads every slot of it from
+// the checkpoint, so no slot half-written by the migration is ever read. The new world runs EPLB from there.
+TEST(ElasticServe, ARankKilledDuringALiveMigrationChangesNoOutput) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_migration");
+  {
+    std::vector<std::string> flags = elastic_flags(dir);
+    flags.insert(flags.end(), {"--ep-num-redundant-experts", "4", "--enable-eplb", "--eplb-rebalance-num-iterations", "8",
+                               "--expert-distribution-recorder-buffer-size", "8"});
+    ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
+    const pid_t rank2 = server.wait_rank_pid(2);
+    ASSERT_GT(rank2, 0) << server.log();
+    int in_flight = -1;
+    for (int request = 0; request < 64 && in_flight < 0; ++request) {
+      ASSERT_EQ(run_clients(server.port(), 1, 1, 1).at(0).size(), 1u);
+      in_flight = rebalance_in_flight(server.log());
+    }
+    ASSERT_GE(in_flight, 0) << "no rebalance changed two layers or more: " << server.log();
+    ASSERT_EQ(::kill(rank2, SIGKILL), 0);
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    const std::string log = server.log();
+    const size_t fault = log.find("elastic: fault detected");
+    ASSERT_NE(fault, std::string::npos) << log;
+    EXPECT_EQ(log.rfind(fmt::format("rebalance {}: migration complete", in_flight), fault), std::string::npos) << log;
+    expect_recovered(server, 1, 3, "2", /*reprefilled=*/false);  // found by the first request's add: none was live
+    EXPECT_NE(log.find("129 slots per MoE layer"), std::string::npos) << log;  // re-planned: 132 / 4 x 3 < 128
+    // The new world's EPLB (from the re-planned placement, the same on every survivor: each rebalance checks it)
+    // rebalances and migrates among the survivors.
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_GE(logged_rebalances(server.log().substr(fault)).size(), 1u) << server.log();
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+// An initial placement (--init-expert-location) over 256 slots (--ep-num-redundant-experts 128), 64 per rank, where
+// every expert has two replicas except, in MoE layer l, experts 0..l held by rank 2 alone (their slots on rank 0
+// hold extra copies of experts 64..64+l): killing rank 2 loses the last replica of 1 + 2 + 3 + 4 = 10 logical
+// experts, which no survivor can send; the recovery reloads them (every slot, in fact) from the checkpoint.
+TEST(ElasticServe, ExpertsWhoseLastReplicaIsLostAreReloadedFromTheCheckpoint) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_last_replica");
+  constexpr int kExperts = 128, kSlots = 256, kMoeLayers = 4;
+  json map = json::array();
+  for (int l = 0; l < kMoeLayers; ++l) {
+    json row = json::array();
+    for (int s = 0; s < kSlots; ++s) row.push_back(s < l + 1 ? kExperts / 2 + s : s % kExperts);
+    map.push_back(row);
+  }
+  const std::string placement = dir.file("placement.json");
+  std::ofstream(placement) << json{{"num_gpus", 4}, {"physical_to_logical_map", map}}.dump();
+  {
+    std::vector<std::string> flags = elastic_flags(dir);
+    flags.insert(flags.end(), {"--ep-num-redundant-experts", "128", "--init-expert-location", placement});
+    ServerProcess server(skewed_served_model(), flags, dir.file("serve.log"));
+    const pid_t rank2 = server.wait_rank_pid(2);
+    ASSERT_GT(rank2, 0) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
+    expect_recovered(server, 1, 3, "2");
+    EXPECT_NE(server.log().find("elastic: 10 logical expert(s) lost their last replica with rank(s) 2 (per MoE layer: "
+                                "1, 2, 3, 4); reloaded from the checkpoint"),
+              std::string::npos)
+        << server.log();
+    EXPECT_NE(server.log().find("192 slots per MoE layer"), std::string::npos) << server.log();  // 64 on each survivor
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
     EXPECT_EQ(server.terminate(), 0) << server.log();
   }

@@ -110,6 +110,25 @@ engine::ParallelFlags surviving_flags(const engine::ParallelFlags& before, int n
   return flags;
 }
 
+std::vector<int> experts_without_surviving_replica(const eplb::Placement& placement, const std::vector<bool>& survives) {
+  const int num_ranks = placement.topology.num_gpus;
+  FULCRUM_CHECK(num_ranks > 0 && static_cast<int>(survives.size()) == num_ranks &&
+                    placement.num_physical_experts() % num_ranks == 0,
+                "last replicas: a placement of {} slots on {} EP ranks, {} ranks' fates given",
+                placement.num_physical_experts(), num_ranks, survives.size());
+  const int slots_per_rank = placement.num_physical_experts() / num_ranks;
+  std::vector<int> lost(static_cast<size_t>(placement.num_layers), 0);
+  for (int l = 0; l < placement.num_layers; ++l) {
+    std::vector<bool> kept(static_cast<size_t>(placement.num_logical_experts), false);
+    const auto row = placement.layer(l);
+    for (size_t s = 0; s < row.size(); ++s) {
+      if (survives[s / static_cast<size_t>(slots_per_rank)]) kept[static_cast<size_t>(row[s])] = true;
+    }
+    lost[static_cast<size_t>(l)] = static_cast<int>(std::count(kept.begin(), kept.end(), false));
+  }
+  return lost;
+}
+
 eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical_experts, int num_ranks) {
   eplb::LoadMatrix floor = loads;
   for (double& v : floor.values) v += 1.0;

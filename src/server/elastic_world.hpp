@@ -48,6 +48,10 @@ int surviving_physical_experts(int num_experts, int old_slots_per_rank, int num_
 engine::ParallelFlags surviving_flags(const engine::ParallelFlags& before, int num_experts, int num_physical_experts,
                                       int num_ranks);
 
+// Per MoE layer of `placement`, the logical experts none of whose replicas is on an EP rank that `survives`
+// ([the placement's EP ranks]): their last replica was lost, no survivor can send them.
+std::vector<int> experts_without_surviving_replica(const eplb::Placement& placement, const std::vector<bool>& survives);
+
 // The placement over the new layout's EP ranks, planned by the default planner on `loads` (the survivors'
 // recorded windows, summed) plus one token per expert (so an expert never seen still gets planned); every
 // logical expert has at least one slot (checked).

@@ -441,7 +441,9 @@ void EngineStepExecutor::reform_world() {
   elastic_log(fmt::format("new world (epoch {}): ranks {} of the {} launched{}", next.epoch, fmt::join(answered, ", "),
                           mesh.size(), lost.empty() ? "" : fmt::format(", without rank(s) {}", fmt::join(lost, ", "))));
   announce_new_world(mesh, next);
+  const std::string last_replicas = describe_lost_last_replicas(answered, lost);
   rebuild(next);
+  if (!last_replicas.empty()) elastic_log(last_replicas);
   std::vector<std::string> moved;
   for (size_t g = 0; g < next.group_hosts.size(); ++g) {
     if (next.group_hosts[g] != static_cast<int>(g)) moved.push_back(fmt::format("{} -> rank {}", g, next.group_hosts[g]));
@@ -450,6 +452,29 @@ void EngineStepExecutor::reform_world() {
                           "kept; all weights read again from the checkpoint); KV groups moved: {}",
                           layout_->describe(), moved.empty() ? "none" : fmt::format("{}", fmt::join(moved, ", "))));
   if (options_.metrics != nullptr) options_.metrics->set_live_ranks(static_cast<int>(members_.size()));
+}
+
+std::string EngineStepExecutor::describe_lost_last_replicas(const std::vector<int>& answered,
+                                                            const std::vector<int>& lost) const {
+  if (layout_->num_physical_experts() == 0 || lost.empty()) return "";
+  // The placement dispatch ran on (during a migration: switched layers new, the others old; a layer being
+  // copied is switched only once complete). EP rank i of the layout is mesh rank members_[i].
+  const engine::InProcessRank& me = ranks_.at(0);
+  eplb::Placement placement = me.eplb != nullptr ? me.eplb->live_placement() : initial_placement_;
+  placement.topology.num_gpus = layout_->ep();
+  std::vector<bool> survives(static_cast<size_t>(layout_->ep()), false);
+  for (int r = 0; r < layout_->world_size(); ++r) {
+    const int mesh_rank = members_.at(static_cast<size_t>(r));
+    if (std::find(answered.begin(), answered.end(), mesh_rank) != answered.end()) {
+      survives[static_cast<size_t>(layout_->coords(r).ep_rank)] = true;
+    }
+  }
+  const std::vector<int> per_layer = experts_without_surviving_replica(placement, survives);
+  int total = 0;
+  for (const int n : per_layer) total += n;
+  return fmt::format("{} logical expert(s) lost their last replica with rank(s) {} (per MoE layer: {}); reloaded "
+                     "from the checkpoint, as is every slot of the re-planned placement",
+                     total, fmt::join(lost, ", "), fmt::join(per_layer, ", "));
 }
 
 void EngineStepExecutor::rebuild(const NewWorld& next) {

@@ -107,6 +107,9 @@ class EngineStepExecutor final : public StepExecutor {
   // Elastic, rank 0: the roll call and the rebuild; then every live sequence added again and re-prefilled.
   void reform_world();
   void restore_sequences();
+  // Elastic, rank 0, before the rebuild: the line counting the logical experts whose every replica was on a
+  // rank not among `answered` ("" without MoE layers or without a lost rank).
+  std::string describe_lost_last_replicas(const std::vector<int>& answered, const std::vector<int>& lost) const;
   // The attention-DP group of the current world that holds the scheduler's KV group `kv_group`.
   int physical_group(int kv_group) const;
   void elastic_log(const std::string& line) const;
