@@ -45,14 +45,14 @@
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "gpu/reference/skinny_gemm_reference.hpp"
-#include "fp8_skinny_test_util.hpp"
+#include "skinny_test_util.hpp"
 #include "model/checkpoint_writer.hpp"
 
 namespace fulcrum::test {
 namespace {
 
 using backend::DeviceBuffer;
-using namespace fp8_skinny;
+using namespace skinny_test;
 
 constexpr double kRelTolerance = 4e-6;  // of sum |x W|; see the file comment
 constexpr int kBlock = 128;
@@ -70,11 +70,6 @@ class ExpertSkinnyFp8Test : public ::testing::Test {
 };
 
 float bf16(uint16_t bits) { return model::bf16_bits_to_f32(bits); }
-
-float bf16_spacing_above(float magnitude) {
-  const uint16_t bits = model::f32_to_bf16_bits(magnitude);
-  return bf16(static_cast<uint16_t>(bits + 1)) - bf16(bits);
-}
 
 // [lo, hi]: the least and the greatest bf16 value that a fp32 value within `bound` of `ref` rounds to (round to
 // nearest even is monotonic: the roundings of the interval's ends, widened by one fp32 step against the

@@ -34,14 +34,14 @@
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "gpu/reference/skinny_gemm_reference.hpp"
-#include "fp8_skinny_test_util.hpp"
+#include "skinny_test_util.hpp"
 #include "model/checkpoint_writer.hpp"
 
 namespace fulcrum::test {
 namespace {
 
 using backend::DeviceBuffer;
-using namespace fp8_skinny;
+using namespace skinny_test;
 
 constexpr double kRelTolerance = 4e-6;  // of sum |x W|; see the file comment
 constexpr int kGuard = 64;              // poisoned elements after the m x n output
@@ -67,11 +67,6 @@ class SkinnyGemmFp8Test : public ::testing::Test {
     if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the skinny GEMM tests need a GPU";
   }
 };
-
-float bf16_spacing_above(float magnitude) {
-  const uint16_t bits = model::f32_to_bf16_bits(magnitude);
-  return model::bf16_bits_to_f32(static_cast<uint16_t>(bits + 1)) - model::bf16_bits_to_f32(bits);
-}
 
 // Runs the kernel on the first m rows of x into a poisoned output of m * n + kGuard elements; returns them.
 template <typename T>
@@ -222,35 +217,6 @@ TEST_F(SkinnyGemmFp8Test, CapturedGraphReplaysSameBits) {
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-}
-
-// Median microseconds of 50 timed calls of `run(copy)` after 5 warm-up calls; copies cycle so that, as in decode
-// (every layer its own weights), the weights come from HBM and not from L2.
-template <typename Run>
-double median_us(cudaStream_t stream, int copies, Run run) {
-  constexpr int kWarmup = 5, kSamples = 50;
-  for (int i = 0; i < kWarmup; ++i) run(i % copies);
-  std::vector<cudaEvent_t> starts(kSamples), stops(kSamples);
-  for (int i = 0; i < kSamples; ++i) {
-    EXPECT_EQ(cudaEventCreate(&starts[i]), cudaSuccess);
-    EXPECT_EQ(cudaEventCreate(&stops[i]), cudaSuccess);
-  }
-  for (int i = 0; i < kSamples; ++i) {
-    EXPECT_EQ(cudaEventRecord(starts[i], stream), cudaSuccess);
-    run((kWarmup + i) % copies);
-    EXPECT_EQ(cudaEventRecord(stops[i], stream), cudaSuccess);
-  }
-  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  std::vector<double> us(kSamples);
-  for (int i = 0; i < kSamples; ++i) {
-    float ms = 0;
-    EXPECT_EQ(cudaEventElapsedTime(&ms, starts[i], stops[i]), cudaSuccess);
-    us[i] = 1e3 * ms;
-    EXPECT_EQ(cudaEventDestroy(starts[i]), cudaSuccess);
-    EXPECT_EQ(cudaEventDestroy(stops[i]), cudaSuccess);
-  }
-  std::nth_element(us.begin(), us.begin() + kSamples / 2, us.end());
-  return us[kSamples / 2];
 }
 
 // FP8 vs bf16 skinny GEMM at the model shapes; the fraction is of the HBM roofline of each one's weight bytes.

@@ -31,11 +31,13 @@
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/reference/skinny_gemm_reference.hpp"
 #include "model/checkpoint_writer.hpp"
+#include "skinny_test_util.hpp"
 
 namespace fulcrum::test {
 namespace {
 
 using backend::DeviceBuffer;
+using namespace skinny_test;
 
 constexpr double kRelTolerance = 1e-5;  // of sum |x w|; see the file comment
 constexpr int kGuard = 64;              // poisoned elements after the m x n output
@@ -59,39 +61,6 @@ class SkinnyGemmTest : public ::testing::Test {
     if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the skinny GEMM tests need a GPU";
   }
 };
-
-// Random bf16 bits of values in [-1, 1) (splitmix64: fast enough for the LM head's 311M weights).
-std::vector<uint16_t> random_bf16(size_t count, uint64_t seed) {
-  std::vector<uint16_t> bits(count);
-  uint64_t state = seed;
-  for (uint16_t& b : bits) {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    const float unit = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
-    b = model::f32_to_bf16_bits(2.0f * unit - 1.0f);
-  }
-  return bits;
-}
-
-template <typename T>
-DeviceBuffer upload(const std::vector<T>& host) {
-  DeviceBuffer buf(sizeof(T) * std::max<size_t>(host.size(), 1));
-  EXPECT_EQ(cudaMemcpy(buf.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  return buf;
-}
-template <typename T>
-std::vector<T> download(const T* device, size_t count) {
-  std::vector<T> host(count);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, sizeof(T) * count, cudaMemcpyDeviceToHost), cudaSuccess);
-  return host;
-}
-
-float bf16_spacing_above(float magnitude) {
-  const uint16_t bits = model::f32_to_bf16_bits(magnitude);
-  return model::bf16_bits_to_f32(static_cast<uint16_t>(bits + 1)) - model::bf16_bits_to_f32(bits);
-}
 
 // Runs the kernel on the first m rows of x into a poisoned output of m * n + kGuard elements; returns them.
 template <typename T>
@@ -236,35 +205,6 @@ TEST_F(SkinnyGemmTest, CapturedGraphReplaysSameBits) {
   EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-}
-
-// Median microseconds of 50 timed calls of `run(copy)` after 5 warm-up calls; copies cycle so that, as in decode
-// (every layer its own weights), the weights come from HBM and not from L2.
-template <typename Run>
-double median_us(cudaStream_t stream, int copies, Run run) {
-  constexpr int kWarmup = 5, kSamples = 50;
-  for (int i = 0; i < kWarmup; ++i) run(i % copies);
-  std::vector<cudaEvent_t> starts(kSamples), stops(kSamples);
-  for (int i = 0; i < kSamples; ++i) {
-    EXPECT_EQ(cudaEventCreate(&starts[i]), cudaSuccess);
-    EXPECT_EQ(cudaEventCreate(&stops[i]), cudaSuccess);
-  }
-  for (int i = 0; i < kSamples; ++i) {
-    EXPECT_EQ(cudaEventRecord(starts[i], stream), cudaSuccess);
-    run((kWarmup + i) % copies);
-    EXPECT_EQ(cudaEventRecord(stops[i], stream), cudaSuccess);
-  }
-  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  std::vector<double> us(kSamples);
-  for (int i = 0; i < kSamples; ++i) {
-    float ms = 0;
-    EXPECT_EQ(cudaEventElapsedTime(&ms, starts[i], stops[i]), cudaSuccess);
-    us[i] = 1e3 * ms;
-    EXPECT_EQ(cudaEventDestroy(starts[i]), cudaSuccess);
-    EXPECT_EQ(cudaEventDestroy(stops[i]), cudaSuccess);
-  }
-  std::nth_element(us.begin(), us.begin() + kSamples / 2, us.end());
-  return us[kSamples / 2];
 }
 
 TEST_F(SkinnyGemmTest, PrintsTimings) {
