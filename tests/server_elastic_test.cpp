@@ -375,6 +375,11 @@ TEST(ElasticServe, AKilledRankRestartedWithItsCommandRejoins) {
     EXPECT_NE(after.find("128 slots per MoE layer"), std::string::npos) << log;  // the launch's 32 per rank
     EXPECT_NE(after.find("KV groups moved: none"), std::string::npos) << log;   // group 2 is home again
     EXPECT_EQ(count_of(log, "fulcrum: error: "), 0) << log;
+    const std::regex done("elastic: rejoin done in ([0-9.]+) s \\(newcomer taken -> first completed step\\), 4 live rank");
+    ASSERT_TRUE(std::regex_search(after, m, done)) << log;
+    const std::string seconds = m[1];
+    ASSERT_TRUE(std::regex_search(after, m, std::regex("re-prefilled ([0-9]+) request"))) << log;
+    std::cout << "[ elastic ] rejoin done in " << seconds << " s, " << m[1] << " live request(s) re-prefilled\n";
     std::map<std::string, double> metric = metrics(server.port());
     EXPECT_EQ(metric["fulcrum_live_ranks"], 4);
     EXPECT_EQ(metric["fulcrum_elastic_recoveries_total"], 1);  // the rejoin is not a recovery

@@ -22,6 +22,7 @@ void EngineStepExecutor::on_world(Attempt&& attempt) {
         for (const int r : options_.elastic_mesh->take_rejoined()) {
           elastic_log(fmt::format("rank {} rejoins: it comes into the next world", r));
           newcomers_.push_back(r);
+          if (!rejoin_at_) rejoin_at_ = std::chrono::steady_clock::now();
         }
         if (!newcomers_.empty()) needs_reform_ = true;
       }
@@ -303,6 +304,12 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
     elastic_log(fmt::format("recovered in {:.3f} s (fault detected -> first completed step), {} live rank(s)", seconds,
                             members_.size()));
     if (options_.metrics != nullptr) options_.metrics->add_elastic_recovery(seconds);
+  }
+  if (rejoin_at_) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - *rejoin_at_).count();
+    rejoin_at_.reset();
+    elastic_log(fmt::format("rejoin done in {:.3f} s (newcomer taken -> first completed step), {} live rank(s)", seconds,
+                            members_.size()));
   }
   FULCRUM_CHECK(logits.size() == batch.size(), "step: {} logit rows for {} entries", logits.size(), batch.size());
   model::StepOutput out = model::make_step_output(batch.size());

@@ -151,6 +151,7 @@ class EngineStepExecutor final : public StepExecutor {
   int launch_slots_per_rank_ = 0;
   bool needs_reform_ = false;
   std::optional<std::chrono::steady_clock::time_point> fault_at_;  // detected, not yet recovered
+  std::optional<std::chrono::steady_clock::time_point> rejoin_at_;  // a newcomer taken, no step completed since
 };
 
 }  // namespace fulcrum::server
