@@ -329,7 +329,8 @@ class RestartedRank {
   pid_t pid_ = -1;
 };
 
-// Rank 2 killed under 32 clients, then started again with its own command (the launch's flags plus --nnodes 4
+// Rank 2's restart command while rank 2 lives is refused in one line. Rank 2 killed under 32 clients, then
+// started again with its own command (the launch's flags plus --nnodes 4
 // --node-rank 2 --dist-init-addr, the address the log names) while 32 more clients run: it rejoins, world rank 0
 // brings it into a world of 4 again (its KV group home, the launch's 128 slots per MoE layer), no request
 // fails, every output equals the fault-free run's, and stopping the server stops the restarted rank too.
@@ -345,12 +346,20 @@ TEST(ElasticServe, AKilledRankRestartedWithItsCommandRejoins) {
     const std::string started = server.log();
     ASSERT_TRUE(std::regex_search(started, m, std::regex("joined the world of 4 at ([0-9.]+:[0-9]+)"))) << started;
     const std::string address = m[1];
+    std::vector<std::string> restart = elastic_flags(dir);
+    restart.insert(restart.end(), {"--nnodes", "4", "--node-rank", "2", "--dist-init-addr", address});
+    {
+      RestartedRank too_soon(restart, dir.file("rank2_too_soon.log"));  // rank 2 is alive: refused, in one line
+      EXPECT_EQ(too_soon.wait_exit(), 1) << too_soon.log();
+      EXPECT_EQ(count_of(too_soon.log(), "fulcrum: error: "), 1) << too_soon.log();
+      EXPECT_NE(too_soon.log().find("rank 2 (from 127.0.0.1) is still in the world: rank 0 has not seen it fail"),
+                std::string::npos)
+          << too_soon.log();
+    }
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
     expect_recovered(server, 1, 3, "2");
     EXPECT_NE(server.log().find("129 slots per MoE layer"), std::string::npos) << server.log();
 
-    std::vector<std::string> restart = elastic_flags(dir);
-    restart.insert(restart.end(), {"--nnodes", "4", "--node-rank", "2", "--dist-init-addr", address});
     std::unique_ptr<RestartedRank> rank2_again;
     EXPECT_EQ(clients_across(server,
                              [&] {

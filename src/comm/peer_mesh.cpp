@@ -358,8 +358,8 @@ void PeerMesh::readmit(int src, Socket socket, const std::string& address) {
   peer.state = PeerState::kConnected;
   peer.reader_done = false;
   peer.last_heard = Clock::now();
-  for (auto it = mailboxes_.begin(); it != mailboxes_.end();) {
-    it = it->first.second == src ? mailboxes_.erase(it) : std::next(it);  // the old process's leftovers
+  for (auto& [key, box] : mailboxes_) {
+    if (key.second == src) box.clear();  // the old process's leftovers (cleared, not erased: a waiter holds its box)
   }
   peer.reader = std::thread([this, src] { read_loop(src); });
 }
