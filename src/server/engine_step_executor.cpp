@@ -464,6 +464,7 @@ void EngineStepExecutor::reform_world() {
     if (std::find(answered.begin(), answered.end(), m) != answered.end()) rejoined.push_back(m);
   }
   newcomers_.clear();  // one that did not answer has failed again: it may rejoin again
+  if (rejoined.empty()) rejoin_at_.reset();
   NewWorld next{.epoch = mesh.epoch() + 1, .members = answered, .group_hosts = rehome_groups(group_hosts_, answered)};
   next.num_physical_experts = layout_->num_physical_experts() > 0
                                   ? surviving_physical_experts(config_.num_experts, launch_slots_per_rank_,
