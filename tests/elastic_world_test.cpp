@@ -1,6 +1,8 @@
 // Elastic EP's pieces (server/elastic_world.hpp, the mesh's epochs): the new world message, where the lost
 // KV groups go, the survivors' slots and placement, the layout rule, and a recovery over real sockets (an
 // abort ends waits on live peers, the roll call, the next epoch's world).
+#include <atomic>
+#include <functional>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -26,6 +28,15 @@ TEST(ElasticWorld, LostGroupsMoveToTheLeastLoadedSurvivor) {
   // Then rank 1 goes too: rank 0 hosts two groups already, rank 3 one.
   EXPECT_EQ(rehome_groups({0, 1, 0, 3}, {0, 3}), (std::vector<int>{0, 3, 0, 3}));
   EXPECT_EQ(rehome_groups({0, 1, 2, 3}, {0}), (std::vector<int>{0, 0, 0, 0}));
+}
+
+TEST(ElasticWorld, ARejoinedRankTakesItsGroupBack) {
+  EXPECT_EQ(rehome_groups({0, 1, 0, 3}, {0, 1, 2, 3}), (std::vector<int>{0, 1, 2, 3}));
+  // Ranks 1 and 2 were lost (their groups on 3 and 0), rank 2 comes back: group 1 stays on rank 3.
+  EXPECT_EQ(rehome_groups({0, 3, 0, 3}, {0, 2, 3}), (std::vector<int>{0, 3, 2, 3}));
+  // Grown back to 4 ranks, the launch layout's 32 slots each (not the 43 of the world of 3).
+  EXPECT_EQ(surviving_physical_experts(128, 32, 4), 128);
+  EXPECT_EQ(surviving_physical_experts(128, 33, 4), 132);
 }
 
 TEST(ElasticWorld, SurvivorsHoldEveryExpertAtLeastOnce) {
@@ -124,6 +135,120 @@ TEST(ElasticWorld, AnAbortEndsWaitsOnLivePeersAndTheNextEpochWorks) {
     EXPECT_EQ(sums[static_cast<size_t>(r)], 6.0f) << "rank " << r;
   }
   for (int r = 1; r < 3; ++r) EXPECT_NE(aborted[static_cast<size_t>(r)].find("epoch 0 was aborted"), std::string::npos) << aborted[r];
+}
+
+// Polls `done` (bounded: 20 s); whether it came true.
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 2000; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+// A 3-rank elastic mesh over real sockets loses rank 2 (no goodbye: a kill); ranks 0 and 1 form epoch 1 without
+// it. A new mesh started as rank 2 with the same rendezvous address joins the running world: every live rank
+// readmits it, rank 0 lists it, its roll answer is read (not the old process's unread message), and the world of
+// epoch 2 over all three moves data both ways. While the old rank 2 lives, a second rank 2 is refused.
+TEST(ElasticWorld, AKilledRankRejoinsTheRunningWorld) {
+  const int port = comm::pick_free_port();
+  const auto init = [port](int r) {
+    comm::DistInit d{{"127.0.0.1", port}, 3, r, std::chrono::seconds(20), std::chrono::seconds(20)};
+    d.elastic = true;
+    return d;
+  };
+  std::atomic<bool> rank2_dead{false};
+  std::atomic<int> in_epoch1{0};  // the restart comes after the recovery (else it could beat the failure's detection)
+  std::vector<std::string> errors(4);
+  std::vector<float> sums(4, 0);
+  std::string refused, rank1_aborted;
+  std::vector<int> first_roll, second_roll;
+  const auto last_world = [&](const std::shared_ptr<comm::PeerMesh>& mesh, const NewWorld& next, size_t slot) {
+    mesh->begin_epoch(next.epoch, next.members);
+    auto world = comm::TcpCommunicator::over_members(mesh, next.members, next.epoch);
+    float x = static_cast<float>(mesh->rank() + 1);
+    world->all_reduce_sum(std::span<float>(&x, 1));
+    sums[slot] = x;
+    world->barrier();
+  };
+  std::thread rank0([&] {
+    try {
+      auto mesh = comm::PeerMesh::connect(init(0));
+      comm::TcpCommunicator(mesh).barrier();
+      ASSERT_TRUE(eventually([&] { return rank2_dead && mesh->peer_failed(2); }));
+      first_roll = call_the_roll(*mesh, {0, 1});
+      announce_new_world(*mesh, {.epoch = 1, .members = first_roll, .group_hosts = {0, 1, 0}});
+      mesh->begin_epoch(1, first_roll);
+      ++in_epoch1;
+      std::vector<int> rejoined;
+      ASSERT_TRUE(eventually([&] { return !(rejoined = mesh->take_rejoined()).empty(); }));
+      EXPECT_EQ(rejoined, std::vector<int>{2});
+      second_roll = call_the_roll(*mesh, {0, 1, 2}, rejoined);
+      const NewWorld next{.epoch = 2, .members = second_roll, .group_hosts = {0, 1, 2}};
+      announce_new_world(*mesh, next);
+      last_world(mesh, next, 0);
+    } catch (const std::exception& e) {
+      errors[0] = e.what();
+    }
+  });
+  std::thread rank1([&] {
+    try {
+      auto mesh = comm::PeerMesh::connect(init(1));
+      comm::TcpCommunicator(mesh).barrier();
+      ASSERT_TRUE(eventually([&] { return mesh->peer_failed(2); }));
+      NewWorld next = answer_the_roll(*mesh);
+      mesh->begin_epoch(next.epoch, next.members);
+      auto world = comm::TcpCommunicator::over_members(mesh, next.members, next.epoch);
+      ++in_epoch1;
+      std::byte b[1];
+      try {
+        world->recv(b, 0);  // rank 0 never sends: its roll call for the rejoin ends this wait
+      } catch (const Error& e) {
+        rank1_aborted = e.what();
+      }
+      last_world(mesh, answer_the_roll(*mesh), 1);
+    } catch (const std::exception& e) {
+      errors[1] = e.what();
+    }
+  });
+  std::thread old_rank2([&] {
+    try {
+      auto mesh = comm::PeerMesh::connect(init(2));
+      comm::TcpCommunicator(mesh).barrier();
+      try {
+        comm::PeerMesh::connect(init(2));
+      } catch (const Error& e) {
+        refused = e.what();
+      }
+      const std::byte stale[3]{};
+      mesh->send_control(0, stale);  // left unread by rank 0: the newcomer's answer must not be taken for it
+      throw Error("killed");  // the mesh goes while this unwinds: no goodbye, the peers see a failure
+    } catch (const Error&) {
+      rank2_dead = true;
+    }
+  });
+  old_rank2.join();
+  EXPECT_TRUE(eventually([&] { return in_epoch1 == 2; }));
+  std::thread new_rank2([&] {
+    try {
+      auto mesh = comm::PeerMesh::connect(init(2));
+      EXPECT_TRUE(mesh->joined_late());
+      const NewWorld next = answer_the_roll(*mesh);
+      EXPECT_EQ(next.epoch, 2u);
+      last_world(mesh, next, 2);
+    } catch (const std::exception& e) {
+      errors[2] = e.what();
+    }
+  });
+  for (std::thread* t : {&rank0, &rank1, &new_rank2}) t->join();
+  EXPECT_NE(refused.find("rank 2 (from 127.0.0.1) is still in the world"), std::string::npos) << refused;
+  EXPECT_EQ(first_roll, (std::vector<int>{0, 1}));
+  EXPECT_EQ(second_roll, (std::vector<int>{0, 1, 2}));
+  EXPECT_NE(rank1_aborted.find("epoch 1 was aborted"), std::string::npos) << rank1_aborted;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    EXPECT_EQ(sums[static_cast<size_t>(r)], 6.0f) << "rank " << r;
+  }
 }
 
 }  // namespace

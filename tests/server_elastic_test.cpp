@@ -7,7 +7,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <regex>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -268,6 +272,128 @@ TEST(ElasticServe, ExpertsWhoseLastReplicaIsLostAreReloadedFromTheCheckpoint) {
     EXPECT_NE(server.log().find("192 slots per MoE layer"), std::string::npos) << server.log();  // 64 on each survivor
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
     EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+// The restart command of one rank (`fulcrum serve ... --nnodes N --node-rank R --dist-init-addr HOST:PORT`): a
+// process with no HTTP front end, its stderr in `log_file`; killed if it outlives the test.
+class RestartedRank {
+ public:
+  RestartedRank(const std::vector<std::string>& flags, const std::string& log_file) : log_file_(log_file) {
+    std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--port", "0", "--model", skewed_served_model()};
+    args.insert(args.end(), flags.begin(), flags.end());
+    pid_ = ::fork();
+    FULCRUM_CHECK(pid_ >= 0, "fork failed");
+    if (pid_ == 0) {
+      const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+  }
+  ~RestartedRank() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  std::string log() const { return slurp(log_file_); }
+  // Polls (up to 30 s) until the log holds `text`.
+  bool wait_log(const std::string& text) const {
+    for (int i = 0; i < 3000; ++i) {
+      if (log().find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  // Waits (up to 30 s) for the exit; its code (-1: did not exit or crashed).
+  int wait_exit() {
+    for (int i = 0; i < 3000; ++i) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  std::string log_file_;
+  pid_t pid_ = -1;
+};
+
+// Rank 2's restart command while rank 2 lives is refused in one line. Rank 2 killed under 32 clients, then
+// started again with its own command (the launch's flags plus --nnodes 4
+// --node-rank 2 --dist-init-addr, the address the log names) while 32 more clients run: it rejoins, world rank 0
+// brings it into a world of 4 again (its KV group home, the launch's 128 slots per MoE layer), no request
+// fails, every output equals the fault-free run's, and stopping the server stops the restarted rank too.
+TEST(ElasticServe, AKilledRankRestartedWithItsCommandRejoins) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_rejoin");
+  {
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    const pid_t rank2 = server.wait_rank_pid(2);
+    ASSERT_GT(rank2, 0) << server.log();
+    std::smatch m;
+    const std::string started = server.log();
+    ASSERT_TRUE(std::regex_search(started, m, std::regex("joined the world of 4 at ([0-9.]+:[0-9]+)"))) << started;
+    const std::string address = m[1];
+    std::vector<std::string> restart = elastic_flags(dir);
+    restart.insert(restart.end(), {"--nnodes", "4", "--node-rank", "2", "--dist-init-addr", address});
+    {
+      RestartedRank too_soon(restart, dir.file("rank2_too_soon.log"));  // rank 2 is alive: refused, in one line
+      EXPECT_EQ(too_soon.wait_exit(), 1) << too_soon.log();
+      EXPECT_EQ(count_of(too_soon.log(), "fulcrum: error: "), 1) << too_soon.log();
+      EXPECT_NE(too_soon.log().find("rank 2 (from 127.0.0.1) is still in the world: rank 0 has not seen it fail"),
+                std::string::npos)
+          << too_soon.log();
+    }
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
+    expect_recovered(server, 1, 3, "2");
+    EXPECT_NE(server.log().find("129 slots per MoE layer"), std::string::npos) << server.log();
+
+    std::unique_ptr<RestartedRank> rank2_again;
+    EXPECT_EQ(clients_across(server,
+                             [&] {
+                               rank2_again = std::make_unique<RestartedRank>(restart, dir.file("rank2.log"));
+                               ASSERT_TRUE(rank2_again->wait_log("rank 2 (pid ")) << rank2_again->log();
+                             }),
+              reference);
+    // Brought in at world rank 0's next call (within those clients, or the next request when they were done).
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    ASSERT_NE(rank2_again, nullptr);
+    EXPECT_NE(rank2_again->log().find("rejoined the world of 4 at " + address),
+              std::string::npos)
+        << rank2_again->log();
+    const std::string log = server.log();
+    const size_t rejoin = log.find("elastic: rank 2 rejoins");
+    ASSERT_NE(rejoin, std::string::npos) << log;
+    EXPECT_EQ(count_of(log, "elastic: rank 2 rejoins"), 1) << log;
+    const std::string after = log.substr(rejoin);
+    EXPECT_NE(after.find("new world (epoch 2): ranks 0, 1, 2, 3 of the 4 launched, rank(s) 2 rejoined"), std::string::npos)
+        << log;
+    EXPECT_NE(after.find("re-planned onto tp 4 (attention: 4 DP group(s) x 1 TP), ep 4"), std::string::npos) << log;
+    EXPECT_NE(after.find("128 slots per MoE layer"), std::string::npos) << log;  // the launch's 32 per rank
+    EXPECT_NE(after.find("KV groups moved: none"), std::string::npos) << log;   // group 2 is home again
+    EXPECT_EQ(count_of(log, "fulcrum: error: "), 0) << log;
+    const std::regex done("elastic: rejoin done in ([0-9.]+) s \\(newcomer taken -> first completed step\\), 4 live rank");
+    ASSERT_TRUE(std::regex_search(after, m, done)) << log;
+    const std::string seconds = m[1];
+    ASSERT_TRUE(std::regex_search(after, m, std::regex("re-prefilled ([0-9]+) request"))) << log;
+    std::cout << "[ elastic ] rejoin done in " << seconds << " s, " << m[1] << " live request(s) re-prefilled\n";
+    std::map<std::string, double> metric = metrics(server.port());
+    EXPECT_EQ(metric["fulcrum_live_ranks"], 4);
+    EXPECT_EQ(metric["fulcrum_elastic_recoveries_total"], 1);  // the rejoin is not a recovery
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+    EXPECT_EQ(rank2_again->wait_exit(), 0) << rank2_again->log();  // world rank 0's stop reached it
   }
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
 }

@@ -102,7 +102,9 @@ void register_serve_command(CLI::App& app) {
   cmd->add_flag("--enable-elastic-ep", o->enable_elastic_ep,
                 "Ranks as processes: survive a lost rank other than world rank 0 (killed, stopped or cut off): the "
                 "others form a new world without it, re-plan the experts over the survivors and re-prefill its "
-                "requests. Needs --enable-dp-attention with --dp = --tp = --ep, --pp 1 and --disable-radix-cache");
+                "requests. Needs --enable-dp-attention with --dp = --tp = --ep, --pp 1 and --disable-radix-cache. A lost "
+                "rank R restarted with the same flags plus --nnodes N --node-rank R --dist-init-addr HOST:PORT (N "
+                "ranks, the address its log line 'joined the world of N at HOST:PORT' names) rejoins");
   cmd->callback([o, engine_flags, dist] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
     o->parallel = engine_flags->resolved_parallel();

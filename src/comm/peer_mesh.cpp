@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <exception>
+#include <optional>
+#include <utility>
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <fmt/format.h>
@@ -21,6 +24,11 @@ constexpr uint64_t kHeartbeatChannel = 1;  // "still here" (no group uses it: gr
 constexpr uint64_t kAbortChannel = 0xffff'ffff'ffff'ff01;
 constexpr uint64_t kControlChannel = 0xffff'ffff'ffff'ff03;
 constexpr int kHeartbeatsPerTimeout = 5;
+// Rendezvous answers (a u32): the address table follows, an error line follows, or (rejoining) the world
+// runs already and the table of its live ranks follows.
+constexpr uint32_t kStatusOk = 0, kStatusError = 1, kStatusWorldRunning = 2;
+// How long a kept listener waits for a connection's hello (a silent one is not a fulcrum rank).
+constexpr std::chrono::seconds kHelloTimeout{5};
 
 struct Hello {
   uint32_t magic = kMagic;
@@ -58,6 +66,13 @@ std::string read_string(const Socket& s, const std::string& what, Clock::time_po
   return text;
 }
 
+void write_table(const Socket& s, const std::vector<HostPort>& table, const std::string& what) {
+  for (const HostPort& hp : table) {
+    write_string(s, hp.host, what);
+    write_all(s, pod_bytes(static_cast<int32_t>(hp.port)), what);
+  }
+}
+
 struct Joined {
   Socket socket;
   Hello hello;
@@ -66,9 +81,9 @@ struct Joined {
 
 // World rank 0: accepts every other rank, checks what they announce, and answers each with the address
 // table (or, on any mismatch, the same one-line error, which it also throws).
-std::vector<HostPort> serve_rendezvous(const DistInit& init, int my_mesh_port, Clock::time_point deadline) {
+std::vector<HostPort> serve_rendezvous(const DistInit& init, const Socket& listener, int my_mesh_port,
+                                       Clock::time_point deadline) {
   const std::string what = "rendezvous on " + init.address.str();
-  const Socket listener = listen_tcp(init.address.port, what);
   std::vector<Joined> joined;
   std::vector<bool> seen(init.world_size, false);
   seen[0] = true;
@@ -88,7 +103,7 @@ std::vector<HostPort> serve_rendezvous(const DistInit& init, int my_mesh_port, C
     }
     j.address = peer_address(j.socket);
     try {
-      const Clock::time_point hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+      const Clock::time_point hello_deadline = std::min(deadline, Clock::now() + kHelloTimeout);
       if (!read_all(j.socket, pod_writable(j.hello), what, hello_deadline) || j.hello.magic != kMagic) {
         continue;  // not a fulcrum rank (a port scanner, a stale client): ignore it
       }
@@ -115,16 +130,13 @@ std::vector<HostPort> serve_rendezvous(const DistInit& init, int my_mesh_port, C
   }
   for (const Joined& j : joined) {
     try {
-      const uint32_t status = error.empty() ? 0 : 1;
+      const uint32_t status = error.empty() ? kStatusOk : kStatusError;
       write_all(j.socket, pod_bytes(status), what);
       if (!error.empty()) {
         write_string(j.socket, error, what);
         continue;
       }
-      for (const HostPort& hp : table) {
-        write_string(j.socket, hp.host, what);
-        write_all(j.socket, pod_bytes(static_cast<int32_t>(hp.port)), what);
-      }
+      write_table(j.socket, table, what);
     } catch (const Error&) {
       // a rank that is gone will fail its own way; the others still get their answer
     }
@@ -133,7 +145,14 @@ std::vector<HostPort> serve_rendezvous(const DistInit& init, int my_mesh_port, C
   return table;
 }
 
-std::vector<HostPort> join_rendezvous(const DistInit& init, int my_mesh_port, Clock::time_point deadline) {
+// What rank 0 answered: the address table, and whether the world was running already (then a port of -1
+// marks a rank that is not live).
+struct RendezvousAnswer {
+  std::vector<HostPort> table;
+  bool world_running = false;
+};
+
+RendezvousAnswer join_rendezvous(const DistInit& init, int my_mesh_port, Clock::time_point deadline) {
   const std::string what = fmt::format("rank {} joining the rendezvous at {}", init.rank, init.address.str());
   const Socket s = connect_tcp(init.address, deadline, what);
   write_all(s, pod_bytes(Hello{kMagic, init.world_size, init.rank, my_mesh_port}), what);
@@ -141,21 +160,34 @@ std::vector<HostPort> join_rendezvous(const DistInit& init, int my_mesh_port, Cl
   deadline += init.timeout;
   uint32_t status = 0;
   FULCRUM_CHECK(read_all(s, pod_writable(status), what, deadline), "{}: rank 0 closed the connection", what);
-  if (status != 0) throw Error(read_string(s, what, deadline));
-  std::vector<HostPort> table(init.world_size);
-  for (HostPort& hp : table) {
+  if (status == kStatusError) throw Error(read_string(s, what, deadline));
+  FULCRUM_CHECK(status == kStatusOk || status == kStatusWorldRunning, "{}: unknown answer {}", what, status);
+  RendezvousAnswer answer{std::vector<HostPort>(init.world_size), status == kStatusWorldRunning};
+  for (HostPort& hp : answer.table) {
     hp.host = read_string(s, what, deadline);
     int32_t port = 0;
     FULCRUM_CHECK(read_all(s, pod_writable(port), what, deadline), "{}: connection closed", what);
     hp.port = port;
   }
-  table[0].host = init.address.host;  // rank 0 is where we found it
-  return table;
+  answer.table[0].host = init.address.host;  // rank 0 is where we found it
+  return answer;
+}
+
+// A newcomer's hello on a live rank's kept mesh listener: that rank's answer (kStatusOk, or an error line).
+Socket connect_as_newcomer(const DistInit& init, int my_mesh_port, int to, const HostPort& address,
+                           Clock::time_point deadline) {
+  const std::string what = fmt::format("rank {} rejoining: connecting to rank {} at {}", init.rank, to, address.str());
+  Socket s = connect_tcp(address, deadline, what);
+  write_all(s, pod_bytes(Hello{kMagic, init.world_size, init.rank, my_mesh_port}), what);
+  uint32_t status = 0;
+  FULCRUM_CHECK(read_all(s, pod_writable(status), what, deadline), "{}: rank {} closed the connection", what, to);
+  if (status != kStatusOk) throw Error(read_string(s, what, deadline));
+  return s;
 }
 
 }  // namespace
 
-PeerMesh::PeerMesh(int rank, int world_size) : rank_(rank) {
+PeerMesh::PeerMesh(int rank, int world_size) : rank_(rank), epoch_members_(static_cast<size_t>(world_size), true) {
   for (int r = 0; r < world_size; ++r) peers_.push_back(std::make_unique<Peer>());
 }
 
@@ -165,38 +197,182 @@ std::shared_ptr<PeerMesh> PeerMesh::connect(const DistInit& init) {
   std::shared_ptr<PeerMesh> mesh(new PeerMesh(init.rank, init.world_size));
   if (init.world_size == 1) return mesh;
   const auto deadline = Clock::now() + init.timeout;
-  const Socket listener = listen_tcp(0, "rank " + std::to_string(init.rank) + " mesh");
+  Socket listener = listen_tcp(0, "rank " + std::to_string(init.rank) + " mesh");
   const int mesh_port = local_port(listener);
-  const std::vector<HostPort> table = init.rank == 0 ? serve_rendezvous(init, mesh_port, deadline)
-                                                      : join_rendezvous(init, mesh_port, deadline);
-  // Each rank connects to the lower ranks and accepts the higher ones (a listener queues early arrivals).
-  for (int r = 0; r < init.rank; ++r) {
-    const std::string what = fmt::format("rank {} connecting to rank {} at {}", init.rank, r, table[r].str());
-    Peer& peer = *mesh->peers_[r];
-    peer.socket = connect_tcp(table[r], deadline, what);
-    peer.address = table[r].str();
-    write_all(peer.socket, pod_bytes(Hello{kMagic, init.world_size, init.rank, 0}), what);
+  RendezvousAnswer answer;
+  if (init.rank == 0) {
+    Socket rendezvous = listen_tcp(init.address.port, "rendezvous on " + init.address.str());
+    answer.table = serve_rendezvous(init, rendezvous, mesh_port, deadline);
+    if (init.elastic) mesh->rendezvous_listener_ = std::move(rendezvous);
+  } else {
+    answer = join_rendezvous(init, mesh_port, deadline);
   }
-  for (int n = init.rank + 1; n < init.world_size; ++n) {
-    const std::string what = fmt::format("rank {} waiting for the higher ranks' connections", init.rank);
-    Socket s = accept_tcp(listener, deadline, what);
-    Hello h;
-    FULCRUM_CHECK(read_all(s, pod_writable(h), what, deadline) && h.magic == kMagic && h.rank > init.rank &&
-                      h.rank < init.world_size && !mesh->peers_[h.rank]->socket.valid(),
-                  "{}: unexpected connection from {}", what, peer_address(s));
-    mesh->peers_[h.rank]->address = fmt::format("{}:{}", peer_address(s), table[h.rank].port);
-    mesh->peers_[h.rank]->socket = std::move(s);
+  const std::vector<HostPort>& table = answer.table;
+  if (answer.world_running) {
+    // A newcomer: every live rank but 0 readmits it first, rank 0 last (which then counts it as ready).
+    FULCRUM_CHECK(init.elastic, "rank {}: the world at {} is running already (only an elastic rank can rejoin it)",
+                  init.rank, init.address.str());
+    std::vector<int> order;
+    for (int r = 1; r < init.world_size; ++r) order.push_back(r);
+    order.push_back(0);
+    for (const int r : order) {
+      Peer& peer = *mesh->peers_[r];
+      if (r == init.rank || table[r].port < 0) {
+        peer.state = PeerState::kFailed;  // not live: out of every world until it rejoins too
+        continue;
+      }
+      peer.socket = connect_as_newcomer(init, mesh_port, r, table[r], deadline);
+      peer.address = table[r].str();
+    }
+    mesh->joined_late_ = true;
+  } else {
+    // Each rank connects to the lower ranks and accepts the higher ones (a listener queues early arrivals).
+    for (int r = 0; r < init.rank; ++r) {
+      const std::string what = fmt::format("rank {} connecting to rank {} at {}", init.rank, r, table[r].str());
+      Peer& peer = *mesh->peers_[r];
+      peer.socket = connect_tcp(table[r], deadline, what);
+      peer.address = table[r].str();
+      write_all(peer.socket, pod_bytes(Hello{kMagic, init.world_size, init.rank, 0}), what);
+    }
+    for (int n = init.rank + 1; n < init.world_size; ++n) {
+      const std::string what = fmt::format("rank {} waiting for the higher ranks' connections", init.rank);
+      Socket s = accept_tcp(listener, deadline, what);
+      Hello h;
+      FULCRUM_CHECK(read_all(s, pod_writable(h), what, deadline) && h.magic == kMagic && h.rank > init.rank &&
+                        h.rank < init.world_size && !mesh->peers_[h.rank]->socket.valid(),
+                    "{}: unexpected connection from {}", what, peer_address(s));
+      mesh->peers_[h.rank]->address = fmt::format("{}:{}", peer_address(s), table[h.rank].port);
+      mesh->peers_[h.rank]->socket = std::move(s);
+    }
   }
   mesh->liveness_timeout_ = init.liveness_timeout;
+  if (init.elastic) {
+    mesh->elastic_ = true;
+    mesh->addresses_ = table;
+    mesh->addresses_[init.rank].port = mesh_port;
+    mesh->mesh_listener_ = std::move(listener);
+  }
   mesh->start_readers();
   if (init.liveness_timeout.count() > 0) mesh->heartbeat_ = std::thread([m = mesh.get()] { m->heartbeat_loop(); });
+  if (init.elastic) mesh->acceptor_ = std::thread([m = mesh.get()] { m->accept_loop(); });
   return mesh;
+}
+
+void PeerMesh::accept_loop() {
+  const auto tick = std::chrono::milliseconds(100);  // how soon the destructor's closing_ is seen
+  for (;;) {
+    {
+      std::lock_guard lock(mutex_);
+      if (closing_) return;
+    }
+    std::vector<pollfd> fds{{mesh_listener_.fd(), POLLIN, 0}};
+    if (rendezvous_listener_.valid()) fds.push_back({rendezvous_listener_.fd(), POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), static_cast<int>(tick.count())) <= 0) continue;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if ((fds[i].revents & POLLIN) == 0) continue;
+      try {
+        const Socket& listener = i == 0 ? mesh_listener_ : rendezvous_listener_;
+        Socket s = accept_tcp(listener, Clock::now() + tick, "a rejoining rank's connection");
+        i == 0 ? answer_late_mesh_hello(std::move(s)) : answer_late_rendezvous(std::move(s));
+      } catch (const std::exception&) {
+        // a stray or broken connection: it is not a fulcrum rank; the listener goes on
+      }
+    }
+  }
+}
+
+namespace {
+
+// A hello on a kept listener (a stray connection: nullopt).
+std::optional<Hello> read_late_hello(const Socket& s, const std::string& what) {
+  Hello h;
+  if (!read_all(s, pod_writable(h), what, Clock::now() + kHelloTimeout) || h.magic != kMagic) return std::nullopt;
+  return h;
+}
+
+void refuse(const Socket& s, const std::string& error, const std::string& what) {
+  write_all(s, pod_bytes(kStatusError), what);
+  write_string(s, error, what);
+}
+
+}  // namespace
+
+void PeerMesh::answer_late_rendezvous(Socket s) {
+  const std::string what = fmt::format("rendezvous on rank 0 (world running, epoch {})", epoch());
+  const std::optional<Hello> h = read_late_hello(s, what);
+  if (!h) return;
+  const std::string from = peer_address(s);
+  std::vector<HostPort> table = addresses_;
+  std::string error;
+  {
+    std::lock_guard lock(mutex_);
+    if (h->world_size != size()) {
+      error = fmt::format("{}: mismatched world sizes: rank {} at {} has {}, rank 0 has {}", what, h->rank, from,
+                          h->world_size, size());
+    } else if (h->rank <= 0 || h->rank >= size()) {
+      error = fmt::format("{}: rank {} at {} is outside [1, {})", what, h->rank, from, size());
+    } else if (peers_[h->rank]->state == PeerState::kConnected) {
+      error = fmt::format("{}: rank {} (from {}) is still in the world: rank 0 has not seen it fail", what, h->rank,
+                          from);
+    }
+    for (int r = 1; r < size(); ++r) {
+      if (peers_[r]->state != PeerState::kConnected) table[r].port = -1;
+    }
+  }
+  if (!error.empty()) return refuse(s, error, what);
+  write_all(s, pod_bytes(kStatusWorldRunning), what);
+  write_table(s, table, what);
+}
+
+void PeerMesh::answer_late_mesh_hello(Socket s) {
+  const std::string what = fmt::format("rank {}: a rejoining rank's hello", rank_);
+  const std::optional<Hello> h = read_late_hello(s, what);
+  if (!h) return;
+  const std::string from = peer_address(s);
+  if (h->world_size != size() || h->rank <= 0 || h->rank >= size() || h->rank == rank_) {
+    return refuse(s, fmt::format("{}: rank {} of a world of {} from {} does not fit this world of {}", what, h->rank,
+                                 h->world_size, from, size()), what);
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (peers_[h->rank]->state == PeerState::kConnected) {
+      return refuse(s, fmt::format("{}: rank {} (from {}) is still connected to rank {}", what, h->rank, from, rank_),
+                    what);
+    }
+  }
+  write_all(s, pod_bytes(kStatusOk), what);  // before the socket is shared: heartbeats may follow at once
+  readmit(h->rank, std::move(s), fmt::format("{}:{}", from, h->mesh_port));
+  std::lock_guard lock(mutex_);
+  addresses_[h->rank] = {from, h->mesh_port};
+  if (rank_ == 0) rejoined_.push_back(h->rank);
+}
+
+void PeerMesh::readmit(int src, Socket socket, const std::string& address) {
+  Peer& peer = *peers_[src];
+  peer.socket.shutdown_both();  // the old connection's reader (if any) ends
+  if (peer.reader.joinable()) peer.reader.join();
+  std::lock_guard write(peer.write_mutex);
+  std::lock_guard lock(mutex_);
+  peer.socket = std::move(socket);
+  peer.address = address;
+  peer.state = PeerState::kConnected;
+  peer.reader_done = false;
+  peer.last_heard = Clock::now();
+  for (auto& [key, box] : mailboxes_) {
+    if (key.second == src) box.clear();  // the old process's leftovers (cleared, not erased: a waiter holds its box)
+  }
+  peer.reader = std::thread([this, src] { read_loop(src); });
+}
+
+std::vector<int> PeerMesh::take_rejoined() {
+  std::lock_guard lock(mutex_);
+  return std::exchange(rejoined_, {});
 }
 
 void PeerMesh::start_readers() {
   const Clock::time_point now = Clock::now();
   for (int r = 0; r < size(); ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || !peers_[r]->socket.valid()) continue;
     peers_[r]->last_heard = now;
     peers_[r]->reader = std::thread([this, r] { read_loop(r); });
   }
@@ -235,7 +411,7 @@ void PeerMesh::check_liveness(int src, Clock::time_point now) {
                            "its connection): {}",
                            src, peer.address, liveness_timeout_.count() / 1000.0, kPeerFailedPhrase);
   }
-  on_peer_failed();
+  on_peer_failed(src);
   peer.socket.shutdown_both();  // it is out of this world for good, whatever it does later
 }
 
@@ -290,7 +466,7 @@ void PeerMesh::read_loop(int src) {
   if (end == PeerState::kFailed && failure_.empty()) {
     failure_ = fmt::format("rank {} ({}) {}: it failed or was killed", src, peer.address, kPeerFailedPhrase);
   }
-  if (end == PeerState::kFailed) on_peer_failed();
+  if (end == PeerState::kFailed) on_peer_failed(src);
   cv_.notify_all();
 }
 
@@ -346,8 +522,8 @@ std::vector<std::byte> PeerMesh::recv_on(uint64_t channel, int src, bool abortab
   return message;
 }
 
-void PeerMesh::on_peer_failed() {
-  if (elastic_) aborted_ = true;
+void PeerMesh::on_peer_failed(int src) {
+  if (elastic_ && epoch_members_[static_cast<size_t>(src)]) aborted_ = true;
   cv_.notify_all();
 }
 
@@ -388,6 +564,8 @@ void PeerMesh::begin_epoch(uint64_t epoch, const std::vector<int>& members) {
   std::lock_guard lock(mutex_);
   FULCRUM_CHECK(epoch > epoch_, "epoch {} after epoch {}", epoch, epoch_);
   epoch_ = epoch;
+  std::fill(epoch_members_.begin(), epoch_members_.end(), false);
+  for (const int m : members) epoch_members_.at(static_cast<size_t>(m)) = true;
   failure_.clear();  // the next epoch's errors name its own failure
   aborted_ = std::any_of(members.begin(), members.end(),
                          [&](int r) { return r != rank_ && peers_.at(static_cast<size_t>(r))->state != PeerState::kConnected; });
@@ -408,6 +586,13 @@ const Socket& PeerMesh::peer_socket(int peer) const {
 }
 
 PeerMesh::~PeerMesh() {
+  if (acceptor_.joinable()) {
+    {
+      std::lock_guard lock(mutex_);
+      closing_ = true;
+    }
+    acceptor_.join();  // no readmission from here on
+  }
   if (heartbeat_.joinable()) {
     {
       std::lock_guard lock(mutex_);

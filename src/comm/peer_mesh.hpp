@@ -14,6 +14,14 @@
 // it instead of hanging. Control messages (send_control / recv_control) are never aborted: the recovery that
 // forms the next epoch's world runs on them. Abort frames carry their epoch, so a late one from an epoch that
 // is over is ignored.
+//
+// Rejoining (DistInit::elastic): every rank keeps its mesh listener, and world rank 0 its rendezvous
+// listener, after the world formed. A rank started again after its failure (the same command with its
+// rank) says hello at --dist-init-addr as at launch; rank 0 answers "world running" with the mesh addresses
+// of the live ranks; the newcomer connects to every live rank but 0, each of which readmits it (a fresh
+// socket, reader and mailboxes for that rank), and to rank 0 last, which readmits it and lists it in
+// take_rejoined(): rank 0 brings it into the next epoch's world when it chooses (elastic_world.hpp).
+// A rank that fails while it is not a member of the current epoch aborts nothing.
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -41,6 +49,8 @@ struct DistInit {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   // After the rendezvous: a peer silent this long has failed (0: never; a hung peer then blocks receives).
   std::chrono::milliseconds liveness_timeout{0};
+  // Keep listening after the rendezvous, so a failed rank can rejoin (see the top of this file); elastic mode on.
+  bool elastic = false;
 };
 
 class PeerMesh {
@@ -76,6 +86,11 @@ class PeerMesh {
   // Starts `epoch` (> the current one) over `members` (mesh ranks): its waits abort again only on a new
   // event, unless a member has failed already.
   void begin_epoch(uint64_t epoch, const std::vector<int>& members);
+  // Rejoining (DistInit::elastic). Whether this rank joined a world that was already running (then no
+  // epoch's world includes it until rank 0's next roll call, which it answers as a newcomer).
+  bool joined_late() const { return joined_late_; }
+  // World rank 0: the ranks readmitted since the last call, in the order they came (each once).
+  std::vector<int> take_rejoined();
   // Control messages for the recovery: never aborted; a receive from a failed peer throws.
   void send_control(int dst, std::span<const std::byte> data);
   std::vector<std::byte> recv_control(int src);
@@ -97,6 +112,13 @@ class PeerMesh {
 
   PeerMesh(int rank, int world_size);
   void start_readers();
+  void accept_loop();
+  // One connection on a kept listener: a rendezvous hello (rank 0) is answered with the live ranks; a mesh
+  // hello from a rank that is not connected readmits it.
+  void answer_late_rendezvous(Socket s);
+  void answer_late_mesh_hello(Socket s);
+  // Installs `socket` as the connection to `src` (failed or left before) and starts its reader.
+  void readmit(int src, Socket socket, const std::string& address);
   void read_loop(int src);
   void heartbeat_loop();
   // Under mutex_: marks `src` failed when it has been silent past the liveness timeout.
@@ -113,8 +135,17 @@ class PeerMesh {
   bool elastic_ = false;
   uint64_t epoch_ = 0;
   bool aborted_ = false;        // this epoch's data waits end (elastic only)
-  // Under mutex_: a peer failed; in an elastic world that aborts the epoch.
-  void on_peer_failed();
+  std::vector<bool> epoch_members_;  // [mesh rank]: in the current epoch's world (a failure aborts it)
+  // Under mutex_: `src` failed; in an elastic world that aborts the epoch if `src` is one of its members.
+  void on_peer_failed(int src);
+  // Rejoining: the listeners kept (rendezvous: rank 0 only), every rank's mesh address (rank 0), the
+  // readmitted ranks not yet taken, the thread that accepts.
+  Socket mesh_listener_;
+  Socket rendezvous_listener_;
+  std::vector<HostPort> addresses_;
+  std::vector<int> rejoined_;
+  bool joined_late_ = false;
+  std::thread acceptor_;
   std::vector<std::byte> recv_on(uint64_t channel, int src, bool abortable);
   std::thread heartbeat_;
 };

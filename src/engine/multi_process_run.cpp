@@ -232,8 +232,11 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
   }
   // The rank that owns the front end (world rank 0, on node 0): its exit ends the launch.
   const int front_local = first_rank == 0 ? 0 : -1;
+  // Only the front end's launcher goes on without a lost rank: elsewhere (another node, or one rank restarted
+  // to rejoin) a failed rank is this command's failure, said in one line.
+  const bool survive_lost_ranks = options.survive_lost_ranks && front_local >= 0;
   // Reap; the first failure stops the rest (SIGTERM, then SIGKILL after a grace period), except, with
-  // options.survive_lost_ranks, a rank other than world rank 0: the others go on without it.
+  // survive_lost_ranks, a rank other than world rank 0: the others go on without it.
   auto kill_deadline = std::chrono::steady_clock::time_point::max();
   while (!running.empty()) {
     if (const int sig = g_forward_signal; sig != 0) {
@@ -242,6 +245,7 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
         ::kill(pids[front_local], sig);
       } else {
         stop_all(sig);
+        kill_deadline = std::min(kill_deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5));  // ours
       }
     }
     int status = 0;
@@ -262,7 +266,7 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     if (outputs[local].fd >= 0) drain(outputs[local], options.stream_stderr);
     const bool front_end_left = local == front_local;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-      if (front_end_left && options.survive_lost_ranks) {  // the others may wait for a rank that is gone
+      if (front_end_left && survive_lost_ranks) {  // the others may wait for a rank that is gone
         stop_all(SIGTERM);
         kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       }
@@ -273,7 +277,7 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     if (stopped_by_us) continue;
     const std::string own = error_line(outputs[local].held);
     const std::string exit = fmt::format("rank {} (pid {}) {}", first_rank + local, pid, describe_status(status));
-    if (options.survive_lost_ranks && !front_end_left && first_rank + local != 0) {
+    if (survive_lost_ranks && !front_end_left && first_rank + local != 0) {
       std::fputs(fmt::format("fulcrum: rank {} lost: {}\n", first_rank + local, own.empty() ? exit : own + " [" + exit + "]").c_str(),
                  stderr);
       std::fflush(stderr);

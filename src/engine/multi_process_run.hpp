@@ -47,7 +47,8 @@ std::optional<LaunchedRank> launched_rank();
 // LaunchOptions change that for a server: its ranks' stderr is its log, passed on line by line as it comes
 // (their "fulcrum: error: " lines excepted: the launcher's own line says the failure once), SIGINT/SIGTERM
 // go to world rank 0 (it drains and stops the others), and with elastic EP a rank other than world rank 0
-// that fails is reported ("fulcrum: rank R lost: ...") while the others go on.
+// that fails is reported ("fulcrum: rank R lost: ...") while the others go on (on the front end's node only:
+// another node's launcher, or one restarting a lost rank, fails with its rank as without elastic EP).
 struct LaunchOptions {
   bool stream_stderr = false;
   bool forward_signals = false;

@@ -79,6 +79,9 @@ std::string why_elastic_ep_cannot_run(const engine::ParallelFlags& flags, bool p
 std::vector<int> rehome_groups(std::vector<int> group_hosts, const std::vector<int>& members) {
   FULCRUM_CHECK(!members.empty(), "rehome_groups: no surviving member");
   const auto alive = [&](int r) { return std::find(members.begin(), members.end(), r) != members.end(); };
+  for (size_t g = 0; g < group_hosts.size(); ++g) {
+    if (alive(static_cast<int>(g))) group_hosts[g] = static_cast<int>(g);  // home again
+  }
   for (int& host : group_hosts) {
     if (alive(host)) continue;
     int best = members.front();
@@ -95,9 +98,9 @@ std::vector<int> rehome_groups(std::vector<int> group_hosts, const std::vector<i
   return group_hosts;
 }
 
-int surviving_physical_experts(int num_experts, int old_slots_per_rank, int num_ranks) {
+int surviving_physical_experts(int num_experts, int launch_slots_per_rank, int num_ranks) {
   FULCRUM_CHECK(num_ranks >= 1, "no surviving EP rank");
-  const int per_rank = std::max(old_slots_per_rank, (num_experts + num_ranks - 1) / num_ranks);
+  const int per_rank = std::max(launch_slots_per_rank, (num_experts + num_ranks - 1) / num_ranks);
   return per_rank * num_ranks;
 }
 
@@ -144,8 +147,10 @@ eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical
   return placement;
 }
 
-std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members) {
-  FULCRUM_CHECK(mesh.rank() == 0 && !members.empty() && members.front() == 0, "the roll is called by world rank 0");
+std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members, const std::vector<int>& newcomers) {
+  FULCRUM_CHECK(mesh.rank() == 0 && !members.empty() && members.front() == 0 &&
+                    std::is_sorted(members.begin(), members.end()),
+                "the roll is called by world rank 0 over ascending mesh ranks");
   mesh.abort_epoch();
   const uint64_t epoch = mesh.epoch();
   std::vector<int> answered{0};
@@ -156,7 +161,8 @@ std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& mem
       uint64_t theirs = 0;
       FULCRUM_CHECK(ack.size() == sizeof(theirs), "rank {}: malformed answer to the roll", m);
       std::memcpy(&theirs, ack.data(), sizeof(theirs));
-      FULCRUM_CHECK(theirs == epoch, "rank {} answered the roll of epoch {} in epoch {}", m, theirs, epoch);
+      const bool newcomer = std::find(newcomers.begin(), newcomers.end(), m) != newcomers.end();
+      FULCRUM_CHECK(newcomer || theirs == epoch, "rank {} answered the roll of epoch {} in epoch {}", m, theirs, epoch);
       answered.push_back(m);
     } catch (const std::exception&) {
       // closed, silent past the liveness timeout, or confused: it is out of the new world
@@ -178,12 +184,14 @@ void announce_new_world(comm::PeerMesh& mesh, const NewWorld& world) {
 }
 
 NewWorld answer_the_roll(comm::PeerMesh& mesh) {
-  mesh.abort_epoch();
+  const bool newcomer = mesh.joined_late() && mesh.epoch() == 0;
+  if (!newcomer) mesh.abort_epoch();
   const uint64_t epoch = mesh.epoch();
   try {
     mesh.send_control(0, std::as_bytes(std::span<const uint64_t>(&epoch, 1)));
     NewWorld world = decode_new_world(mesh.recv_control(0));
-    FULCRUM_CHECK(world.epoch == epoch + 1, "the new world is epoch {}, this rank was in epoch {}", world.epoch, epoch);
+    FULCRUM_CHECK(world.epoch == epoch + 1 || (newcomer && world.epoch > epoch),
+                  "the new world is epoch {}, this rank was in epoch {}", world.epoch, epoch);
     FULCRUM_CHECK(std::find(world.members.begin(), world.members.end(), mesh.rank()) != world.members.end(),
                   "rank {} was left out of the new world", mesh.rank());
     return world;

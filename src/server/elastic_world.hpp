@@ -36,12 +36,13 @@ NewWorld decode_new_world(std::span<const std::byte> bytes);
 // The one-line error for a layout elastic EP does not support ("" when it does).
 std::string why_elastic_ep_cannot_run(const engine::ParallelFlags& flags, bool prefix_cache, const std::string& device);
 
-// The survivors' KV groups: each group whose host is not in `members` moves to the member hosting the fewest
-// groups (the lowest mesh rank on ties); the others stay where they are.
+// The survivors' KV groups: group g was launched on mesh rank g and goes back there whenever g is in
+// `members` (a rank that rejoined); each other group whose host is not in `members` moves to the member
+// hosting the fewest groups (the lowest mesh rank on ties); the others stay where they are.
 std::vector<int> rehome_groups(std::vector<int> group_hosts, const std::vector<int>& members);
-// Slots per MoE layer over `num_ranks` EP ranks: as many per rank as before, or more where needed so every
-// expert fits once.
-int surviving_physical_experts(int num_experts, int old_slots_per_rank, int num_ranks);
+// Slots per MoE layer over `num_ranks` EP ranks: as many per rank as at launch (`launch_slots_per_rank`), or
+// more where needed so every expert fits once (so a world that grows back has the launch layout's slots).
+int surviving_physical_experts(int num_experts, int launch_slots_per_rank, int num_ranks);
 
 // The flags of the world over `num_ranks` survivors (dp = tp = ep = num_ranks, the redundant slots that fill
 // `num_physical_experts`).
@@ -57,14 +58,17 @@ std::vector<int> experts_without_surviving_replica(const eplb::Placement& placem
 // logical expert has at least one slot (checked).
 eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical_experts, int num_ranks);
 
-// Step 2 on world rank 0: aborts the epoch, then each of `members` (mesh ranks, 0 first) answers or is
-// dropped; returns those that answered (0 included), ascending.
-std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members);
+// Step 2 on world rank 0: aborts the epoch, then each of `members` (mesh ranks, ascending, 0 first) answers
+// or is dropped; returns those that answered (0 included), ascending. `newcomers` (among `members`): ranks
+// that rejoined (PeerMesh::take_rejoined), in no epoch's world yet, whose answer carries no epoch to check.
+std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members,
+                               const std::vector<int>& newcomers = {});
 // Step 3 on world rank 0: sends `world` to every member but itself (one that fails meanwhile is found by the
 // new world's first wait).
 void announce_new_world(comm::PeerMesh& mesh, const NewWorld& world);
 // Steps 2 and 3 on a worker rank: aborts the epoch, answers the roll call, returns the new world. Throws when
-// world rank 0 is gone (the front end's own failure is out of scope) or this rank was left out.
+// world rank 0 is gone (the front end's own failure is out of scope) or this rank was left out. A rank that
+// rejoined (PeerMesh::joined_late, epoch 0) aborts nothing: it waits for rank 0's next roll call.
 NewWorld answer_the_roll(comm::PeerMesh& mesh);
 
 }  // namespace fulcrum::server

@@ -18,6 +18,14 @@ void EngineStepExecutor::on_world(Attempt&& attempt) {
   const int max_reforms = options_.elastic_mesh != nullptr ? options_.elastic_mesh->size() + 1 : 0;
   for (int reforms = 0;; ++reforms) {
     try {
+      if (options_.elastic_mesh != nullptr) {
+        for (const int r : options_.elastic_mesh->take_rejoined()) {
+          elastic_log(fmt::format("rank {} rejoins: it comes into the next world", r));
+          newcomers_.push_back(r);
+          if (!rejoin_at_) rejoin_at_ = std::chrono::steady_clock::now();
+        }
+        if (!newcomers_.empty()) needs_reform_ = true;
+      }
       if (needs_reform_) {
         reform_world();
         needs_reform_ = false;
@@ -79,6 +87,11 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
       FULCRUM_CHECK(why.empty(), "{}", why);
       for (int r = 0; r < world_size; ++r) members_.push_back(r);
       group_hosts_ = members_;  // one KV group per rank
+      launch_slots_per_rank_ = layout_->num_physical_experts() / layout_->ep();
+      if (options_.elastic_mesh->joined_late()) {
+        ranks_.resize(1);  // built by the rebuild of the world it is brought into (serve_as_worker)
+        return;
+      }
     }
     if (options_.metrics != nullptr) options_.metrics->set_live_ranks(world_size);
     run.on_layer_loaded = [&](int, int done, int total) {
@@ -292,6 +305,12 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
                             members_.size()));
     if (options_.metrics != nullptr) options_.metrics->add_elastic_recovery(seconds);
   }
+  if (rejoin_at_) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - *rejoin_at_).count();
+    rejoin_at_.reset();
+    elastic_log(fmt::format("rejoin done in {:.3f} s (newcomer taken -> first completed step), {} live rank(s)", seconds,
+                            members_.size()));
+  }
   FULCRUM_CHECK(logits.size() == batch.size(), "step: {} logit rows for {} entries", logits.size(), batch.size());
   model::StepOutput out = model::make_step_output(batch.size());
   const size_t vocab = static_cast<size_t>(config_.vocab_size);
@@ -371,6 +390,7 @@ void EngineStepExecutor::apply_pass(engine::InProcessRank& me, int rank, comm::C
 
 void EngineStepExecutor::serve_as_worker() {
   FULCRUM_CHECK(threads_ == nullptr && world_->rank() != 0, "serve_as_worker: only a worker rank process runs it");
+  if (options_.elastic_mesh != nullptr && options_.elastic_mesh->joined_late()) join_next_world();
   for (;;) {
     try {
       RankCommand command;
@@ -394,17 +414,21 @@ void EngineStepExecutor::serve_as_worker() {
       }
     } catch (const std::exception& e) {
       if (options_.elastic_mesh == nullptr) throw;
-      // Answer rank 0's roll call and rebuild, until a rebuild completes (a failure during one: again).
-      for (;;) {
-        const NewWorld next = answer_the_roll(*options_.elastic_mesh);  // throws when rank 0 is gone
-        try {
-          rebuild(next);
-          break;
-        } catch (const std::exception& again) {
-          elastic_log(fmt::format("mesh rank {}: the rebuild of epoch {} failed: {}", options_.elastic_mesh->rank(),
-                                  next.epoch, again.what()));
-        }
-      }
+      join_next_world();
+    }
+  }
+}
+
+void EngineStepExecutor::join_next_world() {
+  // Answer rank 0's roll call and rebuild, until a rebuild completes (a failure during one: again).
+  for (;;) {
+    const NewWorld next = answer_the_roll(*options_.elastic_mesh);  // throws when rank 0 is gone
+    try {
+      rebuild(next);
+      return;
+    } catch (const std::exception& again) {
+      elastic_log(fmt::format("mesh rank {}: the rebuild of epoch {} failed: {}", options_.elastic_mesh->rank(),
+                              next.epoch, again.what()));
     }
   }
 }
@@ -427,19 +451,28 @@ void EngineStepExecutor::elastic_log(const std::string& line) const {
 
 void EngineStepExecutor::reform_world() {
   comm::PeerMesh& mesh = *options_.elastic_mesh;
-  const std::vector<int> answered = call_the_roll(mesh, members_);
-  std::vector<int> lost;
+  std::vector<int> called = members_;
+  called.insert(called.end(), newcomers_.begin(), newcomers_.end());
+  std::sort(called.begin(), called.end());
+  called.erase(std::unique(called.begin(), called.end()), called.end());
+  const std::vector<int> answered = call_the_roll(mesh, called, newcomers_);
+  std::vector<int> lost, rejoined;
   for (const int m : members_) {
     if (std::find(answered.begin(), answered.end(), m) == answered.end()) lost.push_back(m);
   }
+  for (const int m : newcomers_) {
+    if (std::find(answered.begin(), answered.end(), m) != answered.end()) rejoined.push_back(m);
+  }
+  newcomers_.clear();  // one that did not answer has failed again: it may rejoin again
+  if (rejoined.empty()) rejoin_at_.reset();
   NewWorld next{.epoch = mesh.epoch() + 1, .members = answered, .group_hosts = rehome_groups(group_hosts_, answered)};
-  const int slots_per_rank = layout_->num_physical_experts() / layout_->ep();
   next.num_physical_experts = layout_->num_physical_experts() > 0
-                                  ? surviving_physical_experts(config_.num_experts, slots_per_rank,
+                                  ? surviving_physical_experts(config_.num_experts, launch_slots_per_rank_,
                                                                static_cast<int>(answered.size()))
                                   : 0;
-  elastic_log(fmt::format("new world (epoch {}): ranks {} of the {} launched{}", next.epoch, fmt::join(answered, ", "),
-                          mesh.size(), lost.empty() ? "" : fmt::format(", without rank(s) {}", fmt::join(lost, ", "))));
+  elastic_log(fmt::format("new world (epoch {}): ranks {} of the {} launched{}{}", next.epoch, fmt::join(answered, ", "),
+                          mesh.size(), lost.empty() ? "" : fmt::format(", without rank(s) {}", fmt::join(lost, ", ")),
+                          rejoined.empty() ? "" : fmt::format(", rank(s) {} rejoined", fmt::join(rejoined, ", "))));
   announce_new_world(mesh, next);
   const std::string last_replicas = describe_lost_last_replicas(answered, lost);
   rebuild(next);

@@ -28,6 +28,10 @@
 // lost are re-homed on survivors (its group count never changes), every live sequence is added again and
 // re-prefilled with the tokens it has had so far (kept here), and the call runs again. Greedy outputs do not
 // change: a sequence's logits depend only on its own tokens, whatever the layout.
+// A rank that rejoins (PeerMesh::take_rejoined) is brought in the same way at rank 0's next call: the roll
+// over the members and the newcomer, the world of them all (its KV group home again, the launch layout's
+// slots per rank), every live sequence re-prefilled. The newcomer's process builds no rank of its own until
+// then (a joined-late mesh): serve_as_worker answers that roll call first.
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -106,6 +110,8 @@ class EngineStepExecutor final : public StepExecutor {
   void rebuild(const NewWorld& world);
   // Elastic, rank 0: the roll call and the rebuild; then every live sequence added again and re-prefilled.
   void reform_world();
+  // Elastic, a worker: answers roll calls until a rebuild completes (throws when rank 0 is gone).
+  void join_next_world();
   void restore_sequences();
   // Elastic, rank 0, before the rebuild: the line counting the logical experts whose every replica was on a
   // rank not among `answered` ("" without MoE layers or without a lost rank).
@@ -141,8 +147,11 @@ class EngineStepExecutor final : public StepExecutor {
   std::unique_ptr<comm::Communicator> elastic_world_;
   std::vector<int> members_;
   std::vector<int> group_hosts_;
+  std::vector<int> newcomers_;  // rejoined ranks the next roll call brings in
+  int launch_slots_per_rank_ = 0;
   bool needs_reform_ = false;
   std::optional<std::chrono::steady_clock::time_point> fault_at_;  // detected, not yet recovered
+  std::optional<std::chrono::steady_clock::time_point> rejoin_at_;  // a newcomer taken, no step completed since
 };
 
 }  // namespace fulcrum::server

@@ -81,10 +81,12 @@ class SignalsDuringLoad {
 std::shared_ptr<comm::PeerMesh> join_world(const ServeOptions& options) {
   comm::DistInit init = options.rank->dist_init();
   init.liveness_timeout = std::chrono::milliseconds(static_cast<int64_t>(options.elastic_ep_timeout_s * 1000));
+  init.elastic = options.enable_elastic_ep;  // a failed rank restarted later can rejoin
   std::shared_ptr<comm::PeerMesh> mesh = comm::PeerMesh::connect(init);
   mesh->set_elastic(options.enable_elastic_ep);
-  log(fmt::format("rank {} (pid {}) joined the world of {} at {}", options.rank->world_rank, ::getpid(),
-                  options.rank->world_size, options.rank->dist_init_addr));
+  log(fmt::format("rank {} (pid {}) {} the world of {} at {}{}", options.rank->world_rank, ::getpid(),
+                  mesh->joined_late() ? "rejoined" : "joined", options.rank->world_size, options.rank->dist_init_addr,
+                  mesh->joined_late() ? " (world rank 0 brings it in at its next step)" : ""));
   return mesh;
 }
 
