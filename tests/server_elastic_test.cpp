@@ -177,6 +177,8 @@ TEST(ElasticServe, AKilledRankWithThePrefixCacheOnDropsItAndItRefills) {
     ASSERT_TRUE(std::regex_search(log, match, dropped)) << log;
     EXPECT_EQ(count_of(log, "elastic: dropped the prefix cache"), 1) << log;
     EXPECT_GT(match.position(0), static_cast<std::ptrdiff_t>(log.find("elastic: fault detected"))) << log;
+    std::cout << "[ elastic ] " << match[0] << "; cache hit tokens " << at_fault["fulcrum_prefix_cache_hit_tokens_total"]
+              << " at the fault\n";
     EXPECT_GE(std::stoi(match[1]), 1) << log;
     EXPECT_GE(std::stoi(match[2]), 3) << log;
     std::map<std::string, double> m = metrics(server.port());
@@ -190,6 +192,8 @@ TEST(ElasticServe, AKilledRankWithThePrefixCacheOnDropsItAndItRefills) {
     EXPECT_GE(after.at("fulcrum_prefix_cache_hit_tokens_total") - m["fulcrum_prefix_cache_hit_tokens_total"],
               24.0 * (kClients - 4));  // every request but maybe the first of each group
     EXPECT_EQ(after.at("fulcrum_prefix_cache_dropped_pages_total"), std::stoi(match[2]));
+    std::cout << "[ elastic ] cache hit tokens " << m["fulcrum_prefix_cache_hit_tokens_total"] << " after the clients across "
+              << "the fault, " << after.at("fulcrum_prefix_cache_hit_tokens_total") << " after 32 more\n";
     EXPECT_EQ(server.terminate(), 0) << server.log();
   }
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
