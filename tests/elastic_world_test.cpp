@@ -73,16 +73,15 @@ TEST(ElasticWorld, LastReplicasLostAreTheExpertsWithNoSurvivingSlot) {
   EXPECT_THROW(experts_without_surviving_replica(placement, {true, false}), Error);
 }
 
-TEST(ElasticWorld, OnlyOneRankPerGroupAndEpRankWithoutThePrefixCache) {
+TEST(ElasticWorld, OnlyOneRankPerGroupAndEpRank) {
   const engine::ParallelFlags good{.tp = 4, .dp = 4, .ep = 4, .enable_dp_attention = true};
-  EXPECT_EQ(why_elastic_ep_cannot_run(good, false, "cpu"), "");
-  EXPECT_NE(why_elastic_ep_cannot_run(good, true, "cpu").find("--disable-radix-cache"), std::string::npos);
-  EXPECT_NE(why_elastic_ep_cannot_run(good, false, "cuda").find("--device cpu"), std::string::npos);
+  EXPECT_EQ(why_elastic_ep_cannot_run(good, "cpu"), "");
+  EXPECT_NE(why_elastic_ep_cannot_run(good, "cuda").find("--device cpu"), std::string::npos);
   for (const engine::ParallelFlags& bad : {engine::ParallelFlags{.tp = 4, .dp = 2, .ep = 4, .enable_dp_attention = true},
                                            engine::ParallelFlags{.tp = 4, .ep = 4},
                                            engine::ParallelFlags{.tp = 4, .dp = 4, .ep = 2, .enable_dp_attention = true},
                                            engine::ParallelFlags{.tp = 1, .dp = 1, .ep = 1}}) {
-    EXPECT_NE(why_elastic_ep_cannot_run(bad, false, "cpu").find("--dp = --tp = --ep >= 2"), std::string::npos);
+    EXPECT_NE(why_elastic_ep_cannot_run(bad, "cpu").find("--dp = --tp = --ep >= 2"), std::string::npos);
   }
 }
 

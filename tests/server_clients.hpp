@@ -2,6 +2,7 @@
 // Concurrent greedy clients of the server tests (half streaming, half not) whose prompts are a pure
 // function of (client, request), so one server's answers can be compared with another's or with generate.
 // Include only from files compiled with cpp-httplib's flags (tests/CMakeLists.txt).
+#include <functional>
 #include <regex>
 #include <string>
 #include <thread>
@@ -20,15 +21,18 @@ inline std::vector<int32_t> prompt_of(int c, int r) {
 }
 
 // Runs `requests_per_client` sequential greedy requests on each of `clients` threads, even clients
-// streaming, odd ones not; returns the tokens of request (c, r) at c * requests_per_client + r.
-inline std::vector<std::vector<int32_t>> run_clients(int port, int clients, int requests_per_client, int max_tokens) {
+// streaming, odd ones not; returns the tokens of request (c, r) at c * requests_per_client + r. Request
+// (c, r) sends prompt(c, r).
+inline std::vector<std::vector<int32_t>> run_clients(
+    int port, int clients, int requests_per_client, int max_tokens,
+    const std::function<std::vector<int32_t>(int, int)>& prompt = prompt_of) {
   std::vector<std::vector<int32_t>> got(static_cast<size_t>(clients * requests_per_client));
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
       for (int r = 0; r < requests_per_client; ++r) {
         const bool stream = c % 2 == 0;
-        const json body = {{"prompt", prompt_of(c, r)}, {"max_tokens", max_tokens}, {"ignore_eos", true}, {"stream", stream}};
+        const json body = {{"prompt", prompt(c, r)}, {"max_tokens", max_tokens}, {"ignore_eos", true}, {"stream", stream}};
         std::vector<int32_t>& tokens = got[static_cast<size_t>(c * requests_per_client + r)];
         if (stream) {
           const Streamed s = stream_post(port, "/v1/completions", body);

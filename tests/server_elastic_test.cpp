@@ -2,7 +2,8 @@
 // them streaming). A rank killed (SIGKILL) or stopped (SIGSTOP, found by --elastic-ep-timeout) while every
 // request is mid-decode, or two ranks killed one after the other: no request fails, every greedy response
 // equals the fault-free (threaded) server's on the same layout, the survivors form a new world and say so,
-// and the metrics count the recovery. Layouts elastic EP does not support are refused in one line.
+// and the metrics count the recovery. With the prefix cache on (prompts sharing a prefix), the recovery
+// drops the cache whole and it refills. Layouts elastic EP does not support are refused in one line.
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -26,13 +27,16 @@ namespace {
 
 constexpr int kClients = 32, kNew = 48;
 
-std::vector<std::string> layout_flags(const TempDir& dir) {
-  return {"--tp", "4", "--dp", "4", "--enable-dp-attention", "--ep", "4", "--disable-radix-cache",
-          "--max-running-requests", "32", "--kv-pages", "128", "--page-size", "8", "--expert-distribution-dir", dir.path()};
+std::vector<std::string> layout_flags(const TempDir& dir, bool prefix_cache = false) {
+  std::vector<std::string> flags = {"--tp", "4", "--dp", "4", "--enable-dp-attention", "--ep", "4",
+                                    "--max-running-requests", "32", "--kv-pages", "128", "--page-size", "8",
+                                    "--expert-distribution-dir", dir.path()};
+  if (!prefix_cache) flags.push_back("--disable-radix-cache");
+  return flags;
 }
 
-std::vector<std::string> elastic_flags(const TempDir& dir, const std::string& timeout_s = "2") {
-  std::vector<std::string> flags = layout_flags(dir);
+std::vector<std::string> elastic_flags(const TempDir& dir, const std::string& timeout_s = "2", bool prefix_cache = false) {
+  std::vector<std::string> flags = layout_flags(dir, prefix_cache);
   flags.insert(flags.end(), {"--multi-process", "--enable-elastic-ep", "--elastic-ep-timeout", timeout_s});
   return flags;
 }
@@ -49,6 +53,29 @@ const std::vector<std::vector<int32_t>>& fault_free() {
   return tokens;
 }
 
+// Request (c, r) of the prefix-cache cases: 3 whole pages (--page-size 8) every client shares, then its own
+// prompt_of(c, r).
+std::vector<int32_t> shared_prefix_prompt(int c, int r) {
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 24; ++i) prompt.push_back((11 * i + 7) % 256);
+  const std::vector<int32_t> own = prompt_of(c, r);
+  prompt.insert(prompt.end(), own.begin(), own.end());
+  return prompt;
+}
+
+// The fault-free threaded runs of shared_prefix_prompt, with the prefix cache on and off.
+const std::vector<std::vector<int32_t>>& fault_free_shared_prefix(bool prefix_cache) {
+  const auto run = [](bool cache) {
+    TempDir dir("serve_elastic_reference_prefix");
+    ServerProcess server(skewed_served_model(), layout_flags(dir, cache), dir.file("threaded.log"));
+    auto got = run_clients(server.port(), kClients, 1, kNew, shared_prefix_prompt);
+    if (cache) EXPECT_GT(metrics(server.port())["fulcrum_prefix_cache_hit_tokens_total"], 0);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+    return got;
+  };
+  static const std::vector<std::vector<int32_t>> on = run(true), off = run(false);
+  return prefix_cache ? on : off;
+}
 
 // Waits (bounded) until the server has generated more than `tokens` tokens in all: every client's request is
 // then running, mid-decode (each asks kNew tokens).
@@ -61,10 +88,12 @@ bool wait_generated(int port, double tokens) {
 }
 
 // Clients run while `fault` strikes once every request is mid-decode; returns their tokens.
-std::vector<std::vector<int32_t>> clients_across(const ServerProcess& server, const std::function<void()>& fault) {
+std::vector<std::vector<int32_t>> clients_across(
+    const ServerProcess& server, const std::function<void()>& fault,
+    const std::function<std::vector<int32_t>(int, int)>& prompt = prompt_of) {
   const double before = metrics(server.port())["fulcrum_generation_tokens_total"];
   std::vector<std::vector<int32_t>> got;
-  std::thread clients([&] { got = run_clients(server.port(), kClients, 1, kNew); });
+  std::thread clients([&] { got = run_clients(server.port(), kClients, 1, kNew, prompt); });
   EXPECT_TRUE(wait_generated(server.port(), before + 4 * kClients));
   fault();
   clients.join();
@@ -91,7 +120,7 @@ void expect_recovered(const ServerProcess& server, int recoveries, int live_rank
                                  live_ranks, live_ranks)),
             std::string::npos)
       << log;
-  EXPECT_GE(count_of(log, "elastic: re-prefilled "), recoveries) << log;
+  EXPECT_GE(count_of(log, "elastic: re-prefilling "), recoveries) << log;
   EXPECT_EQ(count_of(log, "fulcrum: error: "), 0) << log;
   const std::vector<double> seconds = recovery_seconds(log);
   ASSERT_EQ(seconds.size(), static_cast<size_t>(recoveries)) << log;
@@ -118,6 +147,57 @@ TEST(ElasticServe, AKilledRankUnderConcurrentClientsLosesNoRequestAndChangesNoOu
         << server.log();
     expect_recovered(server, 1, 3, "2");
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);  // and the smaller world goes on
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+// The prefix cache on, every client's prompt beginning with the same 3 pages: when the rank dies the cache
+// holds those shared pages (in use by the running requests) and whatever finished requests left. The
+// recovery drops it whole, every request is re-prefilled (sharing the prefix again), and the cache refills.
+TEST(ElasticServe, AKilledRankWithThePrefixCacheOnDropsItAndItRefills) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free_shared_prefix(true);
+  ASSERT_EQ(reference.size(), static_cast<size_t>(kClients));
+  // The prefix cache shares K/V bitwise: the same tokens without it.
+  EXPECT_EQ(reference, fault_free_shared_prefix(false));
+  TempDir dir("serve_elastic_prefix");
+  {
+    ServerProcess server(skewed_served_model(), elastic_flags(dir, "2", /*prefix_cache=*/true), dir.file("serve.log"));
+    const pid_t rank2 = server.wait_rank_pid(2);
+    ASSERT_GT(rank2, 0) << server.log();
+    std::map<std::string, double> at_fault;
+    const auto kill = [&] {
+      at_fault = metrics(server.port());
+      ASSERT_EQ(::kill(rank2, SIGKILL), 0);
+    };
+    EXPECT_EQ(clients_across(server, kill, shared_prefix_prompt), reference);
+    expect_recovered(server, 1, 3, "2");
+    const std::string log = server.log();
+    EXPECT_GE(at_fault["fulcrum_prefix_cache_pages"], 3) << "the shared prefix is cached when the rank dies";
+    const std::regex dropped("elastic: dropped the prefix cache with the old KV pools: ([0-9]+) cached prefix\\(es\\), "
+                             "([0-9]+) page\\(s\\) over 4 group\\(s\\)");
+    std::smatch match;
+    ASSERT_TRUE(std::regex_search(log, match, dropped)) << log;
+    EXPECT_EQ(count_of(log, "elastic: dropped the prefix cache"), 1) << log;
+    EXPECT_GT(match.position(0), static_cast<std::ptrdiff_t>(log.find("elastic: fault detected"))) << log;
+    std::cout << "[ elastic ] " << match[0] << "; cache hit tokens " << at_fault["fulcrum_prefix_cache_hit_tokens_total"]
+              << " at the fault\n";
+    EXPECT_GE(std::stoi(match[1]), 1) << log;
+    EXPECT_GE(std::stoi(match[2]), 3) << log;
+    std::map<std::string, double> m = metrics(server.port());
+    EXPECT_EQ(m["fulcrum_prefix_cache_dropped_pages_total"], std::stoi(match[2]));
+    EXPECT_EQ(m["fulcrum_requests_total{finish_reason=\"error\"}"], 0);
+    // Refilled: the re-prefilled requests shared the prefix again, and the next clients find it.
+    EXPECT_GT(m["fulcrum_prefix_cache_hit_tokens_total"], at_fault["fulcrum_prefix_cache_hit_tokens_total"]);
+    EXPECT_GT(m["fulcrum_prefix_cache_pages"], 0);
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew, shared_prefix_prompt), reference);
+    const std::map<std::string, double> after = metrics(server.port());
+    EXPECT_GE(after.at("fulcrum_prefix_cache_hit_tokens_total") - m["fulcrum_prefix_cache_hit_tokens_total"],
+              24.0 * (kClients - 4));  // every request but maybe the first of each group
+    EXPECT_EQ(after.at("fulcrum_prefix_cache_dropped_pages_total"), std::stoi(match[2]));
+    std::cout << "[ elastic ] cache hit tokens " << m["fulcrum_prefix_cache_hit_tokens_total"] << " after the clients across "
+              << "the fault, " << after.at("fulcrum_prefix_cache_hit_tokens_total") << " after 32 more\n";
     EXPECT_EQ(server.terminate(), 0) << server.log();
   }
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
@@ -387,7 +467,7 @@ TEST(ElasticServe, AKilledRankRestartedWithItsCommandRejoins) {
     const std::regex done("elastic: rejoin done in ([0-9.]+) s \\(newcomer taken -> first completed step\\), 4 live rank");
     ASSERT_TRUE(std::regex_search(after, m, done)) << log;
     const std::string seconds = m[1];
-    ASSERT_TRUE(std::regex_search(after, m, std::regex("re-prefilled ([0-9]+) request"))) << log;
+    ASSERT_TRUE(std::regex_search(after, m, std::regex("re-prefilling ([0-9]+) request"))) << log;
     std::cout << "[ elastic ] rejoin done in " << seconds << " s, " << m[1] << " live request(s) re-prefilled\n";
     std::map<std::string, double> metric = metrics(server.port());
     EXPECT_EQ(metric["fulcrum_live_ranks"], 4);
@@ -404,8 +484,6 @@ TEST(ElasticServe, UnsupportedLayoutsAreRefusedInOneLine) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {" --multi-process --enable-elastic-ep --tp 2 --ep 2 --disable-radix-cache",
        "--enable-elastic-ep needs one rank per attention-DP group and per EP rank"},
-      {" --multi-process --enable-elastic-ep --tp 2 --dp 2 --enable-dp-attention --ep 2",
-       "--enable-elastic-ep needs --disable-radix-cache"},
       {" --enable-elastic-ep --tp 2 --dp 2 --enable-dp-attention --ep 2 --disable-radix-cache",
        "--enable-elastic-ep needs ranks as processes"},
   };

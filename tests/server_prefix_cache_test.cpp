@@ -353,6 +353,91 @@ TEST(ServerPrefixCache, SchedulerOutputsEqualWithAndWithoutTheCache) {
   }
 }
 
+// Elastic EP's recovery (the executor's pools rebuilt empty: WorldReformed) during a step and during an
+// admission, in a shared-prefix workload over two groups, some requests sampling: every group's cache is
+// dropped whole, every running request runs again from its tokens (the fake refuses a cached page not
+// written since), and each output is the one of the run without a recovery; the cache refills.
+TEST(ServerPrefixCache, AWorldReformedDropsTheCacheAndEveryRequestRunsAgain) {
+  for (const uint64_t seed : {1, 2, 3}) {
+    Workload w = shared_prefix_workload(seed, 40);
+    for (size_t i = 0; i < w.requests.size(); i += 3) {
+      w.requests[i].sampling.temperature = 0.8f;
+      w.requests[i].seed = 100 + i;
+    }
+    const SchedulerOptions options{.max_running_requests = 6, .kv_pages = 40, .page_size = 4, .max_prefill_tokens = 7};
+    const auto run = [&](bool reform, QueueGauges& after_reform) {
+      FakeExecutor exec;
+      exec.num_groups = 2;
+      Scheduler s(exec, options);
+      std::vector<std::shared_ptr<RequestHandle>> handles;
+      size_t next = 0;
+      for (int step = 0; next < w.requests.size() || !s.idle(); ++step) {
+        while (next < w.requests.size() && w.arrival_step[next] <= step) handles.push_back(s.submit(w.requests[next++]));
+        if (reform && step == 15) exec.reform_next_step = true;
+        if (reform && step == 30) exec.reform_next_allocate = true;
+        if (step > 10000) {  // a cache that kept references to lost pages admits nothing again
+          ADD_FAILURE() << "seed " << seed << ": no progress after " << step << " steps";
+          break;
+        }
+        const int reforms = exec.num_reforms;
+        s.step();
+        if (exec.num_reforms != reforms && reforms == 0) {
+          after_reform = s.gauges();
+          EXPECT_EQ(after_reform.prefix_cache_pages, 0);
+          EXPECT_EQ(after_reform.kv_pages_used, 0);
+          EXPECT_EQ(after_reform.running, 0);
+          EXPECT_GT(after_reform.waiting, 0);
+        }
+      }
+      EXPECT_EQ(exec.num_reforms, reform ? 2 : 0);
+      std::vector<std::vector<int32_t>> outputs;
+      for (auto& h : handles) {
+        EXPECT_EQ(h->finish_reason(), FinishReason::kLength);
+        outputs.push_back(h->wait_finished());
+      }
+      const QueueGauges end = s.gauges();
+      if (reform) {
+        EXPECT_GT(end.prefix_cache_dropped_pages, 0);
+        EXPECT_GT(end.prefix_cache_hit_tokens, after_reform.prefix_cache_hit_tokens);  // refilled
+        EXPECT_GT(end.prefix_cache_pages, 0);
+      } else {
+        EXPECT_EQ(end.prefix_cache_dropped_pages, 0);
+      }
+      return outputs;
+    };
+    QueueGauges unused, after;
+    const std::vector<std::vector<int32_t>> without = run(false, unused), with = run(true, after);
+    EXPECT_EQ(with, without) << "seed " << seed;
+    for (size_t i = 1; i < w.requests.size(); i += 3) {
+      EXPECT_EQ(with[i], FakeExecutor::expected(w.requests[i].prompt, w.requests[i].max_tokens, 50)) << "seed " << seed;
+    }
+  }
+}
+
+TEST(ServerPrefixCache, DropAllFreesEveryPageAndVoidsLeases) {
+  PrefixCache cache(16, 4, true);
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, b = {1, 2, 3, 4, 9, 9, 9, 9, 9};
+  PrefixCache::Lease la = cache.acquire(a, 4);
+  cache.on_written(la, 10);
+  PrefixCache::Lease lb = cache.acquire(b, 3);  // shares page 0
+  cache.release(la, a, 10);                   // its pages join the index; lb still holds page 0
+  EXPECT_GT(cache.num_cached_pages(), 2);
+  const int64_t evicted = cache.num_evicted_pages();
+  const PrefixCache::Dropped dropped = cache.drop_all();
+  EXPECT_EQ(dropped.num_pages, 4);     // a's 2 whole pages and partial leaf, b's pending page 1
+  EXPECT_EQ(dropped.num_prefixes, 2);  // leaves: a's partial page, b's page 1
+  lb = PrefixCache::Lease{};
+  EXPECT_EQ(cache.num_free_pages(), 16);
+  EXPECT_EQ(cache.num_cached_pages(), 0);
+  EXPECT_EQ(cache.num_used_pages(), 0);
+  EXPECT_EQ(cache.num_evicted_pages(), evicted);  // a counter: not reset
+  cache.check();
+  EXPECT_EQ(cache.probe(a, 4).num_cached_tokens, 0);
+  PrefixCache::Lease again = cache.acquire(a, 4);
+  EXPECT_EQ(again.num_cached_tokens, 0);
+  cache.check();
+}
+
 // The gsm8k pattern at a small scale: a 42-token prefix (10 pages of 4 and 2 tokens) and 4-token questions,
 // eight at once. The first computes the prefix; each other one shares its 10 whole pages, copies the 2 rows
 // of the prefix's partial page out of the first request's page 10 and computes its question only.

@@ -51,6 +51,10 @@ class FakeExecutor final : public server::StepExecutor {
     capacity_[id] = capacity;
   }
   void allocate_on_pages(server::SequenceId id, const model::SequencePages& p) override {
+    if (reform_next_allocate) {
+      reform_next_allocate = false;
+      reform();
+    }
     FULCRUM_CHECK(!live.contains(id), "double allocate {}", id);
     const auto num_pages = static_cast<size_t>((p.capacity + page_size_ - 1) / page_size_);
     FULCRUM_CHECK(p.page_ids.size() == num_pages, "sequence {}: {} pages for capacity {}", id, p.page_ids.size(), p.capacity);
@@ -103,6 +107,10 @@ class FakeExecutor final : public server::StepExecutor {
       throw Error("injected step failure");
     }
     if (failed_for_good) throw server::ExecutorFailure("injected executor failure");
+    if (reform_next_step) {
+      reform_next_step = false;
+      reform();
+    }
     model::StepOutput out = model::make_step_output(batch.size());
     std::vector<SeenEntry>& seen = steps_seen.emplace_back();
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -166,9 +174,22 @@ class FakeExecutor final : public server::StepExecutor {
   bool fail_next_step = false;
   bool failed_for_good = false;  // every step throws ExecutorFailure
   std::function<void(server::SequenceId)> on_release;  // called before a sequence's KV is dropped
+  // Elastic EP's recovery: every sequence and page is gone (pages read -1 until written again), the call
+  // throws WorldReformed.
+  bool reform_next_step = false;
+  bool reform_next_allocate = false;
+  int num_reforms = 0;
 
  private:
   using PageKey = std::pair<int, int32_t>;  // (attention-DP group, page id)
+  [[noreturn]] void reform() {
+    ++num_reforms;
+    live.clear();
+    capacity_.clear();
+    tables_.clear();
+    pages_.clear();
+    throw server::WorldReformed("injected world re-formed");
+  }
   std::vector<int32_t> read_positions(const std::vector<PageKey>& table, int64_t n) const {
     std::vector<int32_t> out;
     for (int64_t pos = 0; pos < n; ++pos) {

@@ -101,10 +101,11 @@ void register_serve_command(CLI::App& app) {
       ->capture_default_str()->check(kPositive);
   cmd->add_flag("--enable-elastic-ep", o->enable_elastic_ep,
                 "Ranks as processes: survive a lost rank other than world rank 0 (killed, stopped or cut off): the "
-                "others form a new world without it, re-plan the experts over the survivors and re-prefill its "
-                "requests. Needs --enable-dp-attention with --dp = --tp = --ep, --pp 1 and --disable-radix-cache. A lost "
-                "rank R restarted with the same flags plus --nnodes N --node-rank R --dist-init-addr HOST:PORT (N "
-                "ranks, the address its log line 'joined the world of N at HOST:PORT' names) rejoins");
+                "others form a new world without it, re-plan the experts over the survivors and re-prefill every live "
+                "request (the prefix cache, whose pages went with the old KV pools, is dropped and refills). Needs "
+                "--enable-dp-attention with --dp = --tp = --ep and --pp 1. A lost rank R restarted with the same flags "
+                "plus --nnodes N --node-rank R --dist-init-addr HOST:PORT (N ranks, the address its log line 'joined "
+                "the world of N at HOST:PORT' names) rejoins");
   cmd->callback([o, engine_flags, dist] {
     const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(o->model_dir);
     o->parallel = engine_flags->resolved_parallel();
@@ -114,7 +115,7 @@ void register_serve_command(CLI::App& app) {
     if (o->enable_elastic_ep) {
       FULCRUM_CHECK(engine::runs_as_processes(*dist, o->run.device, layout.world_size()),
                     "--enable-elastic-ep needs ranks as processes (--multi-process with --device cpu)");
-      const std::string why = server::why_elastic_ep_cannot_run(o->parallel, o->scheduler.prefix_cache, o->run.device);
+      const std::string why = server::why_elastic_ep_cannot_run(o->parallel, o->run.device);
       FULCRUM_CHECK(why.empty(), "{}", why);
     }
     // Ranks as processes on cpu (cuda ranks of the parallel engine are not served yet: serve says so).

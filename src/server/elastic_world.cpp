@@ -61,17 +61,13 @@ NewWorld decode_new_world(std::span<const std::byte> bytes) {
   return world;
 }
 
-std::string why_elastic_ep_cannot_run(const engine::ParallelFlags& flags, bool prefix_cache, const std::string& device) {
+std::string why_elastic_ep_cannot_run(const engine::ParallelFlags& flags, const std::string& device) {
   if (device != "cpu") return "--enable-elastic-ep runs on --device cpu rank processes only";
   if (!flags.enable_dp_attention || flags.dp != flags.tp || flags.ep != flags.tp || flags.pp != 1 || flags.tp < 2) {
     return fmt::format(
         "--enable-elastic-ep needs one rank per attention-DP group and per EP rank: --enable-dp-attention with "
         "--dp = --tp = --ep >= 2 and --pp 1 (got --tp {} --dp {} --ep {} --pp {}{})",
         flags.tp, flags.dp, flags.ep, flags.pp, flags.enable_dp_attention ? "" : ", no --enable-dp-attention");
-  }
-  if (prefix_cache) {
-    return "--enable-elastic-ep needs --disable-radix-cache (a lost group's requests are re-prefilled from their "
-           "tokens, which the prefix cache's shared pages do not record)";
   }
   return "";
 }

@@ -33,8 +33,9 @@ struct NewWorld {
 std::vector<std::byte> encode(const NewWorld& world);
 NewWorld decode_new_world(std::span<const std::byte> bytes);
 
-// The one-line error for a layout elastic EP does not support ("" when it does).
-std::string why_elastic_ep_cannot_run(const engine::ParallelFlags& flags, bool prefix_cache, const std::string& device);
+// The one-line error for a layout elastic EP does not support ("" when it does). The prefix cache may be on:
+// a recovery drops it whole (Scheduler, on WorldReformed) and it refills.
+std::string why_elastic_ep_cannot_run(const engine::ParallelFlags& flags, const std::string& device);
 
 // The survivors' KV groups: group g was launched on mesh rank g and goes back there whenever g is in
 // `members` (a rank that rejoined); each other group whose host is not in `members` moves to the member

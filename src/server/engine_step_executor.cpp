@@ -29,7 +29,7 @@ void EngineStepExecutor::on_world(Attempt&& attempt) {
       if (needs_reform_) {
         reform_world();
         needs_reform_ = false;
-        restore_sequences();
+        break;
       }
       attempt();
       return;
@@ -48,6 +48,12 @@ void EngineStepExecutor::on_world(Attempt&& attempt) {
       needs_reform_ = true;
     }
   }
+  // The new world's ranks hold no sequence: the caller runs each again on pages of the new pools.
+  const size_t dropped = live_.size();
+  live_.clear();
+  pending_releases_.clear();
+  throw WorldReformed(fmt::format("elastic EP: a new world of {} rank(s) with empty KV pools; {} sequence(s) to run again",
+                                  members_.size(), dropped));
 }
 
 EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
@@ -83,7 +89,7 @@ EngineStepExecutor::EngineStepExecutor(EngineExecutorOptions options)
                   process_world->size());
     world_ = process_world;
     if (options_.elastic_mesh != nullptr) {
-      const std::string why = why_elastic_ep_cannot_run(options_.parallel, false, run.device);
+      const std::string why = why_elastic_ep_cannot_run(options_.parallel, run.device);
       FULCRUM_CHECK(why.empty(), "{}", why);
       for (int r = 0; r < world_size; ++r) members_.push_back(r);
       group_hosts_ = members_;  // one KV group per rank
@@ -177,8 +183,6 @@ void EngineStepExecutor::allocate_on_pages(SequenceId id, const model::SequenceP
                 id, pages.dp_group, num_kv_groups());
   FULCRUM_CHECK(pages.num_cached_tokens >= 0 && pages.num_cached_tokens < pages.capacity,
                 "sequence {}: {} cached positions of {}", id, pages.num_cached_tokens, pages.capacity);
-  FULCRUM_CHECK(options_.elastic_mesh == nullptr || pages.num_cached_tokens == 0,
-                "sequence {}: elastic EP re-prefills from tokens it saw; {} cached positions", id, pages.num_cached_tokens);
   add_on_ranks({.kind = RankCommand::Kind::kAddOnPages, .id = id, .capacity = pages.capacity, .dp_group = pages.dp_group,
                 .page_ids = {pages.page_ids.begin(), pages.page_ids.end()}, .num_cached_tokens = pages.num_cached_tokens,
                 .copy_source_page = pages.copy_source_page});
@@ -229,10 +233,14 @@ void EngineStepExecutor::add_on_ranks(RankCommand add) {
     std::optional<Error> refused;  // the sequence's own error (e.g. no room), not the world's
     on_world([&] {
       RankCommand sent = add;
-      if (options_.elastic_mesh != nullptr) {  // pages from the host's pool (no prefix cache: nothing cached)
-        sent.kind = RankCommand::Kind::kAdd;
-        sent.dp_group = physical_group(kv_group >= 0 ? kv_group : static_cast<int>(id % num_kv_groups_));
-        sent.page_ids.clear();
+      if (options_.elastic_mesh != nullptr) {  // the KV group's host, and its pages within the host's pool
+        const int group = kv_group >= 0 ? kv_group : static_cast<int>(id % num_kv_groups_);
+        sent.dp_group = physical_group(group);
+        if (sent.kind == RankCommand::Kind::kAddOnPages) {
+          const int32_t offset = page_offset(group);
+          for (int32_t& page : sent.page_ids) page += offset;
+          if (sent.copy_source_page >= 0) sent.copy_source_page += offset;
+        }
       }
       broadcast_command(*world_, sent);
       try {
@@ -244,7 +252,7 @@ void EngineStepExecutor::add_on_ranks(RankCommand add) {
       }
     });
     if (refused) throw *refused;
-    live_.emplace(id, Capacity{add.capacity, 0, kv_group >= 0 ? kv_group : static_cast<int>(id % num_kv_groups_), {}});
+    live_.emplace(id, Capacity{add.capacity, 0, kv_group >= 0 ? kv_group : static_cast<int>(id % num_kv_groups_)});
     return;
   }
   const std::vector<std::exception_ptr> errors =
@@ -254,7 +262,7 @@ void EngineStepExecutor::add_on_ranks(RankCommand add) {
     threads_->run_local([&](int rank, comm::Communicator&) { ranks_[static_cast<size_t>(rank)].engine->drop_sequence(id); });
     std::rethrow_exception(error);
   }
-  live_.emplace(id, Capacity{add.capacity, 0, add.dp_group, {}});
+  live_.emplace(id, Capacity{add.capacity, 0, add.dp_group});
 }
 
 void EngineStepExecutor::release(SequenceId id) {
@@ -296,7 +304,6 @@ model::StepOutput EngineStepExecutor::step(std::span<const model::StepSequence> 
   for (const model::StepSequence& in : batch) {
     Capacity& c = live_.at(in.id);
     c.num_tokens += static_cast<int64_t>(in.token_ids.size());
-    if (options_.elastic_mesh != nullptr) c.tokens.insert(c.tokens.end(), in.token_ids.begin(), in.token_ids.end());
   }
   if (fault_at_) {  // the first completed step since the fault
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - *fault_at_).count();
@@ -439,6 +446,13 @@ int EngineStepExecutor::physical_group(int kv_group) const {
   return static_cast<int>(std::find(members_.begin(), members_.end(), host) - members_.begin());
 }
 
+int32_t EngineStepExecutor::page_offset(int kv_group) const {
+  FULCRUM_CHECK(options_.kv_pages > 0, "elastic EP needs a fixed KV pool (--kv-pages)");
+  const int host = group_hosts_.at(static_cast<size_t>(kv_group));
+  const auto before = std::count(group_hosts_.begin(), group_hosts_.begin() + kv_group, host);
+  return static_cast<int32_t>(before * options_.kv_pages);
+}
+
 void EngineStepExecutor::elastic_log(const std::string& line) const {
   const std::string text = "elastic: " + line;
   if (options_.log) {
@@ -540,30 +554,6 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   old = engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, *world_);
   const int64_t hosted = std::count(group_hosts_.begin(), group_hosts_.end(), mesh->rank());
   if (options_.kv_pages > 0) old.engine->model().reserve_kv_pool(options_.kv_pages * std::max<int64_t>(hosted, 1), options_.page_size);
-}
-
-void EngineStepExecutor::restore_sequences() {
-  // Every live sequence again, in its KV group's new host, then one pass over what each has had so far.
-  RankCommand prefill{.kind = RankCommand::Kind::kPass};
-  int64_t tokens = 0;
-  for (const auto& [id, c] : live_) {
-    RankCommand add{.kind = RankCommand::Kind::kAdd, .id = id, .capacity = c.capacity, .dp_group = physical_group(c.kv_group)};
-    broadcast_command(*world_, add);
-    add_collectively(add);
-    if (c.tokens.empty()) continue;
-    prefill.batch_ids.push_back(id);
-    prefill.batch_tokens.push_back(c.tokens);
-    prefill.batch_last_rows.push_back(1);
-    tokens += static_cast<int64_t>(c.tokens.size());
-  }
-  if (!prefill.batch_ids.empty()) {
-    prefill.pass_idx = num_passes_++;
-    std::vector<std::vector<float>> ignored;
-    run_pass(prefill, ignored);
-  }
-  elastic_log(fmt::format("re-prefilled {} request(s) ({} tokens: prompt and generated so far)", prefill.batch_ids.size(),
-                          tokens));
-  if (options_.metrics != nullptr) options_.metrics->add_reprefilled_requests(static_cast<int64_t>(prefill.batch_ids.size()));
 }
 
 }  // namespace fulcrum::server

@@ -25,13 +25,14 @@
 // protocol): a call whose world fails is not an ExecutorFailure. Rank 0 calls the roll, the survivors form
 // the next epoch's world and each rebuilds its rank of the smaller layout (a placement re-planned on their
 // recorded loads; every weight read again from the checkpoint), the scheduler's KV groups whose rank was
-// lost are re-homed on survivors (its group count never changes), every live sequence is added again and
-// re-prefilled with the tokens it has had so far (kept here), and the call runs again. Greedy outputs do not
-// change: a sequence's logits depend only on its own tokens, whatever the layout.
+// lost are re-homed on survivors (its group count never changes; a rank hosting several keeps each one's
+// pages at its own offset of its pool, page_offset), every live sequence is dropped and the call throws
+// WorldReformed: the scheduler drops its prefix cache and runs every live request again from its tokens so
+// far. Greedy outputs do not change: a sequence's logits depend only on its own tokens, whatever the layout.
 // A rank that rejoins (PeerMesh::take_rejoined) is brought in the same way at rank 0's next call: the roll
 // over the members and the newcomer, the world of them all (its KV group home again, the launch layout's
-// slots per rank), every live sequence re-prefilled. The newcomer's process builds no rank of its own until
-// then (a joined-late mesh): serve_as_worker answers that roll call first.
+// slots per rank), WorldReformed. The newcomer's process builds no rank of its own until then (a joined-late
+// mesh): serve_as_worker answers that roll call first.
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -99,25 +100,26 @@ class EngineStepExecutor final : public StepExecutor {
   struct Capacity {
     int64_t capacity = 0;
     int64_t num_tokens = 0;
-    int kv_group = 0;             // the scheduler's (elastic: its host may change)
-    std::vector<int32_t> tokens;  // elastic: every token fed so far (what a re-prefill runs)
+    int kv_group = 0;  // the scheduler's (elastic: its host may change)
   };
   // Rank 0, ranks as processes: runs `attempt` on the world; with elastic EP, after a failure, forms the new
-  // world, re-prefills, and tries again until it succeeds (without: ExecutorFailure).
+  // world (again while forming it fails) and throws WorldReformed (without: ExecutorFailure).
   template <class Attempt>
   void on_world(Attempt&& attempt);
   // Elastic, every rank: the new world's communicator and this rank of the smaller layout.
   void rebuild(const NewWorld& world);
-  // Elastic, rank 0: the roll call and the rebuild; then every live sequence added again and re-prefilled.
+  // Elastic, rank 0: the roll call and the rebuild.
   void reform_world();
   // Elastic, a worker: answers roll calls until a rebuild completes (throws when rank 0 is gone).
   void join_next_world();
-  void restore_sequences();
   // Elastic, rank 0, before the rebuild: the line counting the logical experts whose every replica was on a
   // rank not among `answered` ("" without MoE layers or without a lost rank).
   std::string describe_lost_last_replicas(const std::vector<int>& answered, const std::vector<int>& lost) const;
   // The attention-DP group of the current world that holds the scheduler's KV group `kv_group`.
   int physical_group(int kv_group) const;
+  // Elastic: where the scheduler's KV group `kv_group` has its pages in its host's pool (which holds
+  // kv_pages for each group it hosts, in group order).
+  int32_t page_offset(int kv_group) const;
   void elastic_log(const std::string& line) const;
   // Runs `add` (kAdd or kAddOnPages) on every rank after the pending releases; undoes it on a failure.
   void add_on_ranks(RankCommand add);

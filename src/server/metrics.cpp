@@ -106,6 +106,9 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   out += fmt::format("fulcrum_prefix_cache_pages {}\n", g.prefix_cache_pages);
   header(out, "fulcrum_prefix_cache_evicted_pages_total", "counter", "Cached KV pages evicted to make room.");
   out += fmt::format("fulcrum_prefix_cache_evicted_pages_total {}\n", g.prefix_cache_evicted_pages);
+  header(out, "fulcrum_prefix_cache_dropped_pages_total", "counter",
+         "Cached KV pages dropped, index and all, with the KV pools an elastic EP recovery rebuilt.");
+  out += fmt::format("fulcrum_prefix_cache_dropped_pages_total {}\n", g.prefix_cache_dropped_pages);
   header(out, "fulcrum_prefix_cache_hit_tokens_total", "counter", "Prompt tokens read from the prefix cache.");
   out += fmt::format("fulcrum_prefix_cache_hit_tokens_total {}\n", g.prefix_cache_hit_tokens);
   header(out, "fulcrum_prefix_cache_hit_ratio", "gauge",

@@ -23,6 +23,7 @@ struct QueueGauges {
   int64_t prefix_cache_pages = 0;          // pages in the index (in use or evictable)
   int64_t prefix_cache_evicted_pages = 0;  // evicted to make room, since start (a counter)
   int64_t prefix_cache_hit_tokens = 0;     // prompt tokens read from the cache, since start (a counter)
+  int64_t prefix_cache_dropped_pages = 0;  // dropped with KV pools an elastic EP recovery rebuilt (a counter)
   int64_t admitted_prompt_tokens = 0;      // prompt tokens of admitted requests, since start (a counter)
 };
 

@@ -167,6 +167,23 @@ int64_t PrefixCache::flush() {
   return n;
 }
 
+PrefixCache::Dropped PrefixCache::drop_all() {
+  Dropped out{.num_prefixes = 0, .num_pages = num_nodes_};
+  const std::function<void(const Node&)> count_leaves = [&](const Node& n) {
+    for (const auto& [key, child] : n.children) {
+      if (child->children.empty()) ++out.num_prefixes;
+      count_leaves(*child);
+    }
+  };
+  count_leaves(*root_);
+  root_->children.clear();
+  evictable_.clear();
+  free_.clear();
+  for (int64_t p = num_pages_; p-- > 0;) free_.push_back(static_cast<int32_t>(p));
+  num_nodes_ = num_unreferenced_ = 0;
+  return out;
+}
+
 int32_t PrefixCache::take_page() {
   if (free_.empty()) {
     FULCRUM_CHECK(!evictable_.empty(), "prefix cache: no free or evictable page left");

@@ -82,6 +82,14 @@ class PrefixCache {
   void release(Lease& lease, std::span<const int32_t> tokens, int64_t num_written);
   // Evicts every unreferenced page; returns how many. Pages of live leases stay.
   int64_t flush();
+  // What drop_all() dropped.
+  struct Dropped {
+    int64_t num_prefixes = 0;  // leaves of the index: distinct cached prefixes
+    int64_t num_pages = 0;     // pages in the index, in use or not
+  };
+  // The pool's pages were lost (elastic EP rebuilt it): the whole index goes, referenced or not, and every
+  // page is free. Every lease taken before is void: its holder forgets it (Lease{}), never releases it.
+  Dropped drop_all();
 
   bool enabled() const { return enabled_; }
   int page_size() const { return page_size_; }

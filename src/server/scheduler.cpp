@@ -123,9 +123,13 @@ void Scheduler::drop_cancelled() {
   num_running_ = static_cast<int64_t>(running_.size());
 }
 
+std::span<const int32_t> Scheduler::Sequence::prefill_tokens() const {
+  return resumed.empty() ? std::span<const int32_t>(params.prompt) : std::span<const int32_t>(resumed);
+}
+
 std::span<const int32_t> Scheduler::Sequence::match_prompt() const {
-  const std::span<const int32_t> prompt(params.prompt);
-  return wants_prompt_rows(params) ? prompt.first(1) : prompt;  // one token matches no page
+  const std::span<const int32_t> tokens = prefill_tokens();
+  return wants_prompt_rows(params) && generated.empty() ? tokens.first(1) : tokens;  // one token matches no page
 }
 
 int Scheduler::pick_group(const Sequence& seq) const {
@@ -166,6 +170,11 @@ void Scheduler::admit() {
       cache.release(seq->lease, {}, 0);
       finish(*seq, FinishReason::kError);
       throw;
+    } catch (const WorldReformed&) {  // its lease goes with the cache; it is admitted again after the others
+      seq->lease = PrefixCache::Lease{};
+      waiting_.push_front(std::move(seq));
+      run_again_after_reform();
+      break;
     } catch (const std::exception& e) {
       cache.release(seq->lease, {}, 0);
       fmt::print(stderr, "fulcrum serve: request {} could not get its KV cache: {}\n", seq->handle->id(), e.what());
@@ -176,7 +185,7 @@ void Scheduler::admit() {
     seq->prefilled = seq->kv_written = cached;
     ++group_running_[static_cast<size_t>(group)];
     hit_tokens_ += cached;
-    admitted_prompt_tokens_ += static_cast<int64_t>(seq->params.prompt.size());
+    admitted_prompt_tokens_ += static_cast<int64_t>(seq->prefill_tokens().size());
     if (metrics_) metrics_->add_prompt_tokens(cached);  // the rest is counted as it is prefilled
     running_.push_back(std::move(seq));
   }
@@ -199,6 +208,41 @@ FlushResult Scheduler::flush_cache() {
     out.in_use_pages += cache->num_cached_pages();
   }
   return out;
+}
+
+void Scheduler::run_again_after_reform() {
+  PrefixCache::Dropped dropped;
+  for (const auto& cache : caches_) {
+    const PrefixCache::Dropped d = cache->drop_all();
+    dropped.num_prefixes += d.num_prefixes;
+    dropped.num_pages += d.num_pages;
+  }
+  dropped_cache_pages_ += dropped.num_pages;
+  if (options_.prefix_cache) {
+    fmt::print(stderr, "fulcrum serve: elastic: dropped the prefix cache with the old KV pools: {} cached prefix(es), "
+               "{} page(s) over {} group(s)\n", dropped.num_prefixes, dropped.num_pages, caches_.size());
+  }
+  int64_t tokens = 0;
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {  // ahead of every request not yet admitted
+    Sequence& seq = **it;
+    executor_.release(seq.handle->id());  // a no-op: the executor dropped it
+    seq.resumed = seq.params.prompt;
+    seq.resumed.insert(seq.resumed.end(), seq.generated.begin(), seq.generated.end());
+    tokens += static_cast<int64_t>(seq.resumed.size());
+    seq.lease = PrefixCache::Lease{};  // void: its cache was dropped
+    seq.dp_group = -1;
+    seq.prefilled = seq.kv_written = 0;
+    if (seq.generated.empty()) seq.prompt_logprobs.clear();  // gathered again
+    waiting_.push_front(std::move(*it));
+  }
+  fmt::print(stderr, "fulcrum serve: elastic: re-prefilling {} request(s) ({} tokens: prompt and generated so far), "
+             "queued again ahead of the rest\n", running_.size(), tokens);
+  std::fflush(stderr);
+  if (metrics_) metrics_->add_reprefilled_requests(static_cast<int64_t>(running_.size()));
+  running_.clear();
+  num_running_ = 0;
+  std::fill(group_running_.begin(), group_running_.end(), 0);
+  work_pending_ = true;
 }
 
 std::optional<Scheduler::Ending> Scheduler::after_token(Sequence& seq, int32_t token, model::TokenLogprob logprob) {
@@ -228,18 +272,20 @@ bool Scheduler::step() {
   StepRecord record;
   std::vector<model::StepSequence> batch;
   std::vector<Sequence*> members;
+  std::vector<model::Rng> rngs_before;  // members' generators before this step's draws (WorldReformed: again)
   const auto add = [&](Sequence& seq, std::span<const int32_t> tokens, bool prefill) {
     model::StepSequence& in = batch.emplace_back();
     in.id = seq.handle->id();
     in.token_ids = tokens;
     in.sample = !prefill || seq.prefilled + static_cast<int64_t>(tokens.size()) ==
-                                static_cast<int64_t>(seq.params.prompt.size());
+                                static_cast<int64_t>(seq.prefill_tokens().size());
     in.sampling = seq.params.sampling;
+    rngs_before.push_back(seq.rng);
     // The draws model::sample_token makes: one per sampled token, none when greedy.
     if (in.sample && in.sampling.temperature > 0.0f) in.uniform = seq.rng.uniform();
     in.want_logprob = seq.params.logprobs;
     in.top_logprobs = seq.params.top_logprobs;
-    if (prefill && seq.params.prompt_logprobs_from >= 0) {
+    if (prefill && seq.params.prompt_logprobs_from >= 0 && seq.generated.empty()) {
       // Row r of the chunk at prefilled predicts prompt position prefilled + r + 1: the targets are the
       // positions in [max(from, prefilled + 1), min(prefilled + n, prompt - 1)].
       const int64_t first = std::max(seq.params.prompt_logprobs_from, seq.prefilled + 1);
@@ -251,16 +297,16 @@ bool Scheduler::step() {
     record.entries.push_back({in.id, static_cast<int>(tokens.size()), prefill});
   };
   for (const auto& seq : running_) {
-    if (seq->prefilled < static_cast<int64_t>(seq->params.prompt.size())) continue;
+    if (seq->prefilled < static_cast<int64_t>(seq->prefill_tokens().size())) continue;
     add(*seq, std::span<const int32_t>(&seq->generated.back(), 1), false);
   }
   int budget = options_.max_prefill_tokens;
   for (const auto& seq : running_) {
-    const int64_t left = static_cast<int64_t>(seq->params.prompt.size()) - seq->prefilled;
+    const int64_t left = static_cast<int64_t>(seq->prefill_tokens().size()) - seq->prefilled;
     if (left == 0 || budget == 0) continue;
     const int n = static_cast<int>(std::min<int64_t>(left, budget));
     budget -= n;
-    add(*seq, std::span<const int32_t>(seq->params.prompt).subspan(seq->prefilled, n), true);
+    add(*seq, seq->prefill_tokens().subspan(seq->prefilled, n), true);
     record.prefill_tokens += n;
   }
   last_step_ = record;
@@ -277,6 +323,11 @@ bool Scheduler::step() {
     fmt::print(stderr, "fulcrum serve: {}; ending every request\n", e.what());
     fail_all();
     throw;
+  } catch (const WorldReformed&) {
+    for (size_t i = 0; i < members.size(); ++i) members[i]->rng = rngs_before[i];
+    std::lock_guard lock(mutex_);
+    run_again_after_reform();
+    return true;
   } catch (const std::exception& e) {
     fmt::print(stderr, "fulcrum serve: step failed, ending its {} request(s): {}\n", members.size(), e.what());
     std::vector<Ending> failed;
@@ -420,6 +471,7 @@ QueueGauges Scheduler::gauges() const {
   }
   g.prefix_cache_enabled = options_.prefix_cache;
   g.prefix_cache_hit_tokens = hit_tokens_;
+  g.prefix_cache_dropped_pages = dropped_cache_pages_;
   g.admitted_prompt_tokens = admitted_prompt_tokens_;
   return g;
 }

@@ -22,6 +22,11 @@
 // length exceeds the model's, is refused at submit() with an ApiError (400). A step that fails ends its
 // batch's requests with reason "error" and the scheduler goes on; an ExecutorFailure (the executor can run
 // no further step) ends every request, refuses new ones, and step() / run() rethrow it.
+// A WorldReformed (elastic EP rebuilt every KV pool empty) fails nothing: every group's prefix cache is
+// dropped whole (index and leases: its pages are gone), and every running request goes back to the head of
+// the queue, in admission order, to be admitted again and prefill its prompt and the tokens it generated so
+// far (sharing prefixes again as the cache refills); its next token is sampled from that prefill's last row,
+// as its decode would have, with the uniform the failed step drew.
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -107,8 +112,12 @@ class Scheduler {
     PrefixCache::Lease lease;  // its pages, once admitted
     int64_t kv_written = 0;   // positions in its KV cache (cached prefix, prefilled, decoded)
     std::vector<model::TokenLogprob> prompt_logprobs;  // gathered over its prefill chunks (when asked)
-    // The prompt the prefix cache matches: none of it for a request that wants prompt logprobs (its every
-    // prompt row must run).
+    // After a WorldReformed: its prompt, then what it had generated then. Empty: the prompt alone.
+    std::vector<int32_t> resumed;
+    // The tokens it prefills before it decodes: resumed, or the prompt.
+    std::span<const int32_t> prefill_tokens() const;
+    // What the prefix cache matches: none of it for a request that wants prompt logprobs still to come (its
+    // every prompt row must run).
     std::span<const int32_t> match_prompt() const;
   };
 
@@ -127,6 +136,8 @@ class Scheduler {
   std::optional<Ending> after_token(Sequence& seq, int32_t token, model::TokenLogprob logprob);
   void retire(const std::vector<Ending>& done);  // releases KV and pages, then finishes the handles, leaves the batch
   void fail_all();  // every waiting and running request ends with "error"; no new ones
+  // After WorldReformed, under mutex_: the prefix caches dropped, every running request queued again.
+  void run_again_after_reform();
   void wake();
 
   StepExecutor& executor_;
@@ -141,6 +152,7 @@ class Scheduler {
   std::vector<std::unique_ptr<PrefixCache>> caches_;  // [executor's KV groups]
   std::vector<int64_t> group_running_;                // [KV groups] running requests in each
   int64_t hit_tokens_ = 0, admitted_prompt_tokens_ = 0;
+  int64_t dropped_cache_pages_ = 0;  // by run_again_after_reform, since start
   int64_t next_id_ = 1;
   bool accepting_ = true;
   bool stop_ = false;

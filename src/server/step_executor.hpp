@@ -21,4 +21,13 @@ class ExecutorFailure : public Error {
   using Error::Error;
 };
 
+// Thrown by step() or allocate_on_pages() (elastic EP) when the executor re-formed its world without a lost
+// rank: every KV pool was rebuilt empty and every sequence dropped. The call did nothing; the caller drops
+// its page accounting (the prefix cache's index and leases) and runs each live sequence again from its
+// tokens so far (prompt, then generated), on pages it chooses anew.
+class WorldReformed : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace fulcrum::server
