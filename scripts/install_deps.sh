@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Fulcrum builds with, if any is missing. Idempotent; quiet when all present.
 set -euo pipefail
-packages=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev libhttp-parser-dev python3-dev pkg-config unzip xz-utils)
+packages=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libbenchmark-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev libhttp-parser-dev python3-dev pkg-config unzip xz-utils curl)
 # Callers add what only they need (scripts/fuzz.sh: clang and its libFuzzer runtime).
 read -r -a extra <<<"${FULCRUM_EXTRA_PACKAGES:-}"
 packages+=("${extra[@]}")

@@ -357,57 +357,10 @@ TEST(ElasticServe, ExpertsWhoseLastReplicaIsLostAreReloadedFromTheCheckpoint) {
 }
 
 // The restart command of one rank (`fulcrum serve ... --nnodes N --node-rank R --dist-init-addr HOST:PORT`): a
-// process with no HTTP front end, its stderr in `log_file`; killed if it outlives the test.
-class RestartedRank {
- public:
-  RestartedRank(const std::vector<std::string>& flags, const std::string& log_file) : log_file_(log_file) {
-    std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--port", "0", "--model", skewed_served_model()};
-    args.insert(args.end(), flags.begin(), flags.end());
-    pid_ = ::fork();
-    FULCRUM_CHECK(pid_ >= 0, "fork failed");
-    if (pid_ == 0) {
-      const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-  }
-  ~RestartedRank() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-  }
-  std::string log() const { return slurp(log_file_); }
-  // Polls (up to 30 s) until the log holds `text`.
-  bool wait_log(const std::string& text) const {
-    for (int i = 0; i < 3000; ++i) {
-      if (log().find(text) != std::string::npos) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return false;
-  }
-  // Waits (up to 30 s) for the exit; its code (-1: did not exit or crashed).
-  int wait_exit() {
-    for (int i = 0; i < 3000; ++i) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return -1;
-  }
-
- private:
-  std::string log_file_;
-  pid_t pid_ = -1;
-};
+// process with no HTTP front end (so not a ServerProcess), its output in `log_file`.
+std::unique_ptr<CliProcess> restart_rank(const std::vector<std::string>& flags, const std::string& log_file) {
+  return std::make_unique<CliProcess>(serve_args(skewed_served_model(), flags), log_file);
+}
 
 // Rank 2's restart command while rank 2 lives is refused in one line. Rank 2 killed under 32 clients, then
 // started again with its own command (the launch's flags plus --nnodes 4
@@ -429,21 +382,21 @@ TEST(ElasticServe, AKilledRankRestartedWithItsCommandRejoins) {
     std::vector<std::string> restart = elastic_flags(dir);
     restart.insert(restart.end(), {"--nnodes", "4", "--node-rank", "2", "--dist-init-addr", address});
     {
-      RestartedRank too_soon(restart, dir.file("rank2_too_soon.log"));  // rank 2 is alive: refused, in one line
-      EXPECT_EQ(too_soon.wait_exit(), 1) << too_soon.log();
-      EXPECT_EQ(count_of(too_soon.log(), "fulcrum: error: "), 1) << too_soon.log();
-      EXPECT_NE(too_soon.log().find("rank 2 (from 127.0.0.1) is still in the world: rank 0 has not seen it fail"),
+      const auto too_soon = restart_rank(restart, dir.file("rank2_too_soon.log"));  // rank 2 alive: refused, one line
+      EXPECT_EQ(too_soon->wait_exit(), 1) << too_soon->log();
+      EXPECT_EQ(count_of(too_soon->log(), "fulcrum: error: "), 1) << too_soon->log();
+      EXPECT_NE(too_soon->log().find("rank 2 (from 127.0.0.1) is still in the world: rank 0 has not seen it fail"),
                 std::string::npos)
-          << too_soon.log();
+          << too_soon->log();
     }
     EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
     expect_recovered(server, 1, 3, "2");
     EXPECT_NE(server.log().find("129 slots per MoE layer"), std::string::npos) << server.log();
 
-    std::unique_ptr<RestartedRank> rank2_again;
+    std::unique_ptr<CliProcess> rank2_again;
     EXPECT_EQ(clients_across(server,
                              [&] {
-                               rank2_again = std::make_unique<RestartedRank>(restart, dir.file("rank2.log"));
+                               rank2_again = restart_rank(restart, dir.file("rank2.log"));
                                ASSERT_TRUE(rank2_again->wait_log("rank 2 (pid ")) << rank2_again->log();
                              }),
               reference);

@@ -22,14 +22,11 @@
 
 namespace fulcrum::test {
 
-class ServerProcess {
+// A child process of the CLI (`args` from the binary on), stdout and stderr in `log_file`; killed if it outlives
+// the test.
+class CliProcess {
  public:
-  // An empty `model_dir` leaves the model flag to `flags` (e.g. SGLang's --model-path).
-  ServerProcess(const std::string& model_dir, const std::vector<std::string>& flags, const std::string& log_file)
-      : log_file_(log_file) {
-    std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--port", "0"};
-    if (!model_dir.empty()) args.insert(args.end(), {"--model", model_dir});
-    args.insert(args.end(), flags.begin(), flags.end());
+  CliProcess(std::vector<std::string> args, const std::string& log_file) : log_file_(log_file) {
     pid_ = ::fork();
     FULCRUM_CHECK(pid_ >= 0, "fork failed");
     if (pid_ == 0) {
@@ -42,6 +39,59 @@ class ServerProcess {
       ::execv(argv[0], argv.data());
       ::_exit(127);
     }
+  }
+  ~CliProcess() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  CliProcess(const CliProcess&) = delete;
+  CliProcess& operator=(const CliProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  std::string log() const { return slurp(log_file_); }
+  // Polls (up to `timeout_s`) until the log holds `text`.
+  bool wait_log(const std::string& text, double timeout_s = 30) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (log().find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  // Waits (up to `timeout_s`) for the exit; returns the exit code (-1: did not exit or crashed).
+  int wait_exit(double timeout_s = 30) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+ protected:
+  std::string log_file_;
+  pid_t pid_ = -1;
+};
+
+// `fulcrum serve --port 0` with `flags` (and `--model model_dir` unless empty).
+inline std::vector<std::string> serve_args(const std::string& model_dir, const std::vector<std::string>& flags) {
+  std::vector<std::string> args = {FULCRUM_CLI_PATH, "serve", "--port", "0"};
+  if (!model_dir.empty()) args.insert(args.end(), {"--model", model_dir});
+  args.insert(args.end(), flags.begin(), flags.end());
+  return args;
+}
+
+class ServerProcess : public CliProcess {
+ public:
+  // An empty `model_dir` leaves the model flag to `flags` (e.g. SGLang's --model-path).
+  ServerProcess(const std::string& model_dir, const std::vector<std::string>& flags, const std::string& log_file)
+      : CliProcess(serve_args(model_dir, flags), log_file) {
     const std::regex listening("listening on http://[^ ]+:([0-9]+)");  // any --host; tests connect to 127.0.0.1
     for (int i = 0; i < 3000 && port_ == 0; ++i) {
       std::smatch m;
@@ -53,14 +103,7 @@ class ServerProcess {
     }
     FULCRUM_CHECK(port_ > 0, "fulcrum serve did not start: {}", slurp(log_file));
   }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-  }
   int port() const { return port_; }
-  pid_t pid() const { return pid_; }
   // Resident set size of the process (VmRSS of /proc/PID/status), in KiB.
   int64_t rss_kib() const {
     const std::regex vm_rss("VmRSS:\\s+([0-9]+) kB");
@@ -85,30 +128,14 @@ class ServerProcess {
     return -1;
   }
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
-  std::string log() const { return slurp(log_file_); }
 
   // SIGTERM, then waits (up to `timeout_s`) for the exit; returns the exit code (-1: did not exit or crashed).
   int terminate(double timeout_s = 30) {
     ::kill(pid_, SIGTERM);
     return wait_exit(timeout_s);
   }
-  // Waits (up to `timeout_s`) for the exit; returns the exit code (-1: did not exit or crashed).
-  int wait_exit(double timeout_s) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-    while (std::chrono::steady_clock::now() < deadline) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return -1;
-  }
 
  private:
-  std::string log_file_;
-  pid_t pid_ = -1;
   int port_ = 0;
 };
 

@@ -31,7 +31,8 @@ namespace fulcrum::gpu {
 
 enum class Fp8GroupedGemmConfig : int { kPingpong64x128x128 = 0, kCooperative128x128x128 = 1 };
 constexpr int kNumFp8GroupedGemmConfigs = 2;
-// Total rows from which the cooperative config is used (set from a measurement: bench moe's FP8 rows).
+// Total rows from which the cooperative config is used: the bf16 crossover (grouped_gemm.hpp), not measured for
+// FP8 yet; a sweep of both configs over T * k is what should set it.
 constexpr int64_t kFp8GroupedGemmCooperativeMinRows = 16384;
 
 inline Fp8GroupedGemmConfig fp8_grouped_gemm_config_for_rows(int64_t total_rows) {
