@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
 #include "gpu/cutlass/grouped_gemm_fp8.hpp"
@@ -32,8 +34,15 @@ DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity
                 fp8_.max_k, fp8_.max_n);
   fp8_limits_ = std::make_unique<Fp8GroupedGemmLimits>();
   const GroupedGemmStatus status = prepare_fp8_grouped_gemm(device_idx, /*max_groups=*/1, fp8_limits_.get());
-  FULCRUM_CHECK(status.ok(), "FP8 dense GEMM: CUTLASS preparation failed: {} ({})", status.failed,
-                cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
+  if (!status.ok()) {
+    // Not an sm_90a device (the CUTLASS kernels are built for it only): the skinny path still runs, the first
+    // quantized call fails with this reason (as the FP8 MoE layer does).
+    fp8_unavailable_ = fmt::format("CUTLASS FP8 GEMM unavailable: {} ({})", status.failed,
+                                   cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
+    (void)cudaGetLastError();
+    fp8_limits_.reset();
+    return;
+  }
   const size_t rows = static_cast<size_t>(fp8_.max_rows);
   fp8_workspace_ = fp8_alloc(fp8_limits_->workspace_bytes);
   fp8_x_ = static_cast<uint8_t*>(fp8_alloc(rows * static_cast<size_t>(fp8_.max_k)));
@@ -51,6 +60,9 @@ DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity
   FULCRUM_CUDA_CHECK(cudaMemcpy(row_pairs_, pairs.data(), sizeof(int32_t) * pairs.size(), cudaMemcpyHostToDevice));
   FULCRUM_CUDA_CHECK(cudaMemcpy(row_ids_, ids.data(), sizeof(int32_t) * rows, cudaMemcpyHostToDevice));
   FULCRUM_CUDA_CHECK(cudaMemcpy(row_ones_, ones.data(), sizeof(float) * rows, cudaMemcpyHostToDevice));
+  // A copy from pageable memory may return before its DMA lands, and the engine's non-blocking stream does not
+  // wait for the legacy one.
+  FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 DenseGemm::~DenseGemm() {
@@ -106,6 +118,7 @@ void DenseGemm::run_fp8(const uint16_t* x, const Fp8Weight& w, int64_t m, int64_
     FULCRUM_CHECK(status == cudaSuccess, "FP8 skinny GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, cudaGetErrorString(status));
     return;
   }
+  FULCRUM_CHECK(fp8_unavailable_.empty(), "FP8 dense GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, fp8_unavailable_);
   const char* shape_problem = fp8_grouped_gemm_shape_problem(static_cast<int>(n), static_cast<int>(k));
   FULCRUM_CHECK(shape_problem == nullptr, "FP8 dense GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, shape_problem);
   FULCRUM_CHECK(m <= fp8_.max_rows && k <= fp8_.max_k && (out_f32 == nullptr || n <= fp8_.max_n),

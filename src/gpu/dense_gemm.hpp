@@ -12,6 +12,7 @@
 // No CUDA header here.
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gpu/fp8_weight.hpp"
@@ -68,6 +69,7 @@ class DenseGemm {
   std::vector<void*> fp8_owned_;
   int64_t fp8_scratch_bytes_ = 0;
   std::unique_ptr<Fp8GroupedGemmLimits> fp8_limits_;  // one group
+  std::string fp8_unavailable_;  // why the quantized path cannot run here (empty: it can)
   void* fp8_workspace_ = nullptr;
   uint8_t* fp8_x_ = nullptr;          // [max_rows, max_k] e4m3
   float* fp8_x_scales_ = nullptr;     // [max_k / 128][m] for the call's m

@@ -217,6 +217,7 @@ DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Pl
       table[n + k] = v.scales;
     }
     FULCRUM_CUDA_CHECK(cudaMemcpy(fp8_base_, table.data(), sizeof(void*) * table.size(), cudaMemcpyHostToDevice));
+    FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());  // a pageable copy may return before its DMA lands
   }
   if (num_slots > 0) {
     slots_ = std::make_unique<backend::GpuSlotPool>(
@@ -449,6 +450,8 @@ void DeviceWeights::upload_in_order(const EntryBits& entry_bits, const Fp8Bits& 
     }
     if (on_layer) on_layer(l + 1, config_.num_hidden_layers);
   }
+  // Pageable copies may return before their DMA lands; the engine's non-blocking stream does not wait for them.
+  FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void DeviceWeights::fill_random(uint64_t seed) {

@@ -83,7 +83,8 @@ class DeviceWeights {
   // total)` after each decoder layer.
   void load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer = {});
   // Pseudo-random weights on the device: projections uniform in +-1/sqrt(fan_in), norms 1, experts the slot
-  // pool's generated weights (model::expert_weights_reference) of their logical expert.
+  // pool's generated weights (model::expert_weights_reference) of their logical expert. FP8 projections: codes
+  // uniform over e4m3's [-448, 448] (cuda::moe::launch_fill_random_e4m3), every block scale 1/sqrt(fan_in) / 448.
   void fill_random(uint64_t seed);
 
   // The weight cache (`--weight-cache DIR`): every tensor as it lies on the device, in one safetensors file
@@ -124,9 +125,9 @@ class DeviceWeights {
   std::string weights_identity() const;
   std::vector<model::TensorSpec> cache_specs() const;  // the cache's tensors, in file order
   // The upload order both loaders share: the embedding / head entries, then each layer's entries and, for a MoE
-  // layer, its slot blobs (GpuSlotPool::upload_layer_blobs: bf16 [P, 2I, H] / [P, H, I], or FP8 blobs); the
-  // callbacks give the bf16 values and the blobs.
-  // After a layer's bf16 entries come its FP8 entries (fp8_bits: codes [rows, cols], scales [cols/128][rows/128]).
+  // layer, its slot blobs (GpuSlotPool::upload_layer_blobs: bf16 [P, 2I, H] / [P, H, I], or FP8 blobs); a
+  // layer's FP8 entries follow its bf16 ones. The callbacks give the bf16 values, the FP8 codes [rows, cols] and
+  // scales [cols / 128][rows / 128], and the blobs. Returns when the device holds everything.
   using EntryBits = std::function<void(const Entry&, std::vector<uint16_t>&)>;
   using Fp8Bits = std::function<void(const Fp8Entry&, std::vector<uint8_t>& codes, std::vector<float>& scales)>;
   using SlotBits = std::function<void(int layer_idx, int moe_layer, std::vector<std::byte>& gate_up, std::vector<std::byte>& down)>;
