@@ -18,9 +18,15 @@
 // activations to e4m3 per 1x128 block: 3 mantissa bits, a relative rounding error of at most 2^-4 and about
 // 2^-4 / sqrt(3) = 3.6% RMS per element; a dot product of many such independently rounded terms keeps that
 // relative RMS, and the two quantized GEMMs of an expert add in quadrature to ~5% of the expert output. The
-// expert output is one branch of the residual stream, so logits move by at most that fraction of it:
-// kFp8LogitRelTolerance = 0.08 (the bf16 roundings on top, and room for a router flip). Decode steps take the
-// skinny path (FP8 weights, bf16 activations): the bf16 argument holds for them.
+// expert output is one branch of the residual stream, so logits move by at most that fraction of it. Its
+// attention projections run in FP8 too (DenseGemm::run_fp8; the dense layer's MLP, intermediate 320, is off the
+// 128 grid and stays bf16): the same steps quantize the inputs of the qkv and o GEMMs the same way, so the
+// attention branch carries an error of the same order (~5%: two quantized GEMMs in quadrature; q and k off by
+// ~3.6% each move the scores by ~5% of their size, which the softmax passes on scaled by the scores' spread).
+// The two branches' errors are independent and add in quadrature: ~7% of the residual stream where both are
+// of similar size, so kFp8LogitRelTolerance = 0.1 (the bf16 roundings on top, and room for a router flip; it
+// was 0.08 with FP8 experts only). The test prints the measured rel. Decode steps
+// take the skinny paths (FP8 weights, bf16 activations): the bf16 argument holds for them.
 #include <algorithm>
 #include <cmath>
 #include <iostream>
@@ -40,7 +46,7 @@ namespace fulcrum::test {
 namespace {
 
 constexpr double kBf16LogitRelTolerance = 0.03;
-constexpr double kFp8LogitRelTolerance = 0.08;
+constexpr double kFp8LogitRelTolerance = 0.1;
 constexpr double kBatchRelTolerance = 0.01;
 
 double rel_error(std::span<const float> a, std::span<const float> ref) {

@@ -73,10 +73,23 @@ double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock:
 // routers, LM head), the experts its tokens touch, the embedding rows, and the KV of every sequence.
 double decode_bytes(const model::Qwen3MoeConfig& c, int batch, int64_t context, int64_t distinct_experts) {
   const double h = c.hidden_size, d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
-  double elems = 0;
+  // Dense projections kept FP8 (DeviceWeights::fp8_dense_for) read 1 byte per weight plus a 4-byte scale per
+  // 128 x 128 block; everything else is bf16 (2 bytes, counted in elems).
+  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(c);
+  const auto fp8_bytes = [](double rows, double cols) { return rows * cols * (1.0 + 4.0 / (128.0 * 128.0)); };
+  double elems = 0, fp8_dense_bytes = 0;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    elems += 2 * h + (hq + 2 * hkv) * d * h + h * hq * d + 2 * d;
-    elems += c.is_moe_layer(l) ? double(c.num_experts) * h : 3.0 * c.intermediate_size * h;
+    elems += 2 * h + 2 * d;
+    const double qkv = (hq + 2 * hkv) * d, o = hq * d;
+    if (fp8.qkv) fp8_dense_bytes += fp8_bytes(qkv, h); else elems += qkv * h;
+    if (fp8.o) fp8_dense_bytes += fp8_bytes(h, o); else elems += h * o;
+    if (c.is_moe_layer(l)) {
+      elems += double(c.num_experts) * h;
+    } else if (fp8.mlp) {
+      fp8_dense_bytes += fp8_bytes(3.0 * c.intermediate_size, h);
+    } else {
+      elems += 3.0 * c.intermediate_size * h;
+    }
   }
   elems += double(c.vocab_size) * h + h + batch * h;                    // LM head, final norm, embedding rows
   elems += double(batch) * double(context + 1) * c.num_hidden_layers * 2 * hkv * d;  // KV read
@@ -85,7 +98,7 @@ double decode_bytes(const model::Qwen3MoeConfig& c, int batch, int64_t context, 
   const double expert_bytes = gpu::DeviceWeights::fp8_experts_for(c)
                                   ? double(backend::fp8_blob_bytes(2 * i, c.hidden_size) + backend::fp8_blob_bytes(c.hidden_size, i))
                                   : 2.0 * 3.0 * double(i) * h;
-  return 2 * elems + double(distinct_experts) * expert_bytes;
+  return 2 * elems + fp8_dense_bytes + double(distinct_experts) * expert_bytes;
 }
 
 // FLOPs of a prefill of `seqs` x `len` tokens: every token through the projections, router, its k experts or

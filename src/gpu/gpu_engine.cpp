@@ -100,7 +100,26 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
     options_.placement.validate();
   }
   weights_ = std::make_unique<DeviceWeights>(config, options_.placement, options_.device);
-  gemm_ = std::make_unique<DenseGemm>(stream_, options_.device);
+  {
+    // FP8 projections (an FP8 checkpoint's): the quantized GEMM path's scratch, sized for a whole step's tokens
+    // and the widest FP8 projection (every one runs with fp32 output).
+    const DeviceWeights::Fp8Dense fp8 = DeviceWeights::fp8_dense_for(config);
+    const int64_t h = config.hidden_size, q = int64_t{config.num_attention_heads} * config.head_dim;
+    const int64_t qkv = q + 2 * int64_t{config.num_key_value_heads} * config.head_dim, i = config.intermediate_size;
+    DenseFp8Capacity capacity;
+    const auto fits = [&](bool on, int64_t n, int64_t k) {
+      if (!on) return;
+      capacity.max_rows = options_.max_batch_tokens;
+      capacity.max_n = std::max(capacity.max_n, n);
+      capacity.max_k = std::max(capacity.max_k, k);
+    };
+    fits(fp8.qkv, qkv, h);
+    fits(fp8.o, h, q);
+    fits(fp8.mlp, 2 * i, h);
+    fits(fp8.mlp, h, i);
+    gemm_ = std::make_unique<DenseGemm>(stream_, options_.device, capacity);
+    workspace_bytes_ += gemm_->fp8_scratch_bytes();
+  }
 
   // Workspace.
   ws_ = std::make_unique<Workspace>();
@@ -321,17 +340,25 @@ void GpuEngine::forward_layers(const StepShape& shape) {
   batch.page_size = kv_->page_size();
   batch.sm_scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t qkv_width = int64_t{hq + 2 * hkv} * hd;
+  // A projection's GEMM: FP8 where the layer holds it in FP8 (DeviceWeights::fp8_dense_for), else bf16.
+  const auto project = [&](const uint16_t* x, const uint16_t* bf16, const Fp8Weight& fp8, int64_t n, int64_t k, float* out) {
+    if (fp8.present()) {
+      gemm_->run_fp8(x, fp8, t, n, k, out, GemmOut::kF32);
+    } else {
+      gemm_->run(x, bf16, t, n, k, out, GemmOut::kF32);
+    }
+  };
   for (int l = 0; l < config_.num_hidden_layers; ++l) {
     const LayerWeights& lw = weights_->layer(l);
     add_norm(l > 0, lw.input_norm, nullptr, t, w.x, "input RMSNorm");
-    gemm_->run(w.x, lw.qkv, t, qkv_width, h, w.qkv, GemmOut::kF32);
+    project(w.x, lw.qkv, lw.qkv_fp8, qkv_width, h, w.qkv);
     check_launch(launch_qk_norm_rope_kv_append(w.qkv, lw.q_norm, lw.k_norm, eps, d.positions, w.inv_freq, d.kv_rows, t, hq,
                                                hkv, hd, w.q, kv_->k(l), kv_->v(l), stream_),
                  "q/k norm + RoPE + KV append");
     batch.k_pool = kv_->k(l);
     batch.v_pool = kv_->v(l);
     attention_->run(batch, stream_);
-    gemm_->run(w.attn, lw.o, t, h, int64_t{hq} * hd, w.delta, GemmOut::kF32);
+    project(w.attn, lw.o, lw.o_fp8, h, int64_t{hq} * hd, w.delta);
     add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
     if (lw.moe_layer_idx >= 0) {
       backend::GpuMoeLayer& moe = *moe_[static_cast<size_t>(lw.moe_layer_idx)];
@@ -343,9 +370,9 @@ void GpuEngine::forward_layers(const StepShape& shape) {
       }
     } else {
       const int64_t i = config_.intermediate_size;
-      gemm_->run(w.x, lw.mlp_gate_up, t, 2 * i, h, w.mlp, GemmOut::kF32);
+      project(w.x, lw.mlp_gate_up, lw.mlp_gate_up_fp8, 2 * i, h, w.mlp);
       check_launch(launch_silu_mul(w.mlp, t, static_cast<int>(i), w.act, stream_), "SwiGLU");
-      gemm_->run(w.act, lw.mlp_down, t, h, i, w.delta, GemmOut::kF32);
+      project(w.act, lw.mlp_down, lw.mlp_down_fp8, h, i, w.delta);
     }
   }
 }

@@ -11,7 +11,8 @@
 //   host: one copy of the sampled tokens (and logprobs; top logprobs, sampler_top_logprobs.hpp, when a row
 //         asks) back, the only wait of the step.
 // Decode steps (every sequence one new token) replay a CUDA graph captured per (batch size, KV-length bucket);
-// prefill and mixed steps run eagerly. Weights are bf16, the residual stream fp32, KV pages bf16.
+// prefill and mixed steps run eagerly. Weights are bf16 (FP8 checkpoints: experts and, where their shapes allow,
+// dense projections e4m3 with 128x128 scales), the residual stream fp32, KV pages bf16.
 // No CUDA header here.
 #include <cstdint>
 #include <functional>
