@@ -13,7 +13,8 @@
 //         asks) back, the only wait of the step; prompt rows' logits come back too and model::prompt_entry
 //         takes their log-softmax on the host.
 // Decode steps (every sequence one new token) replay a CUDA graph captured per (batch size, KV-length bucket);
-// prefill and mixed steps, and every step with prompt rows, run eagerly. Weights are bf16, the residual stream fp32, KV pages bf16.
+// prefill and mixed steps, and every step with prompt rows, run eagerly. Weights are bf16, the residual stream
+// fp32, KV pages bf16.
 // No CUDA header here.
 #include <cstdint>
 #include <functional>
