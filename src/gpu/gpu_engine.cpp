@@ -432,7 +432,8 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     FULCRUM_CHECK(seq.top_logprobs >= 0 && seq.top_logprobs <= model::kMaxTopLogprobs,
                   "sequence {}: top logprobs {} outside [0, {}]", seq.id, seq.top_logprobs, model::kMaxTopLogprobs);
     const int64_t n_pred = static_cast<int64_t>(seq.token_ids.size()) - (seq.sample ? 1 : 0);
-    FULCRUM_CHECK(static_cast<int64_t>(seq.prompt_targets.size()) <= n_pred,
+    // Only entries with targets: an empty entry is pack()'s "has no new token" error, not this one.
+    FULCRUM_CHECK(seq.prompt_targets.empty() || static_cast<int64_t>(seq.prompt_targets.size()) <= n_pred,
                   "sequence {}: {} prompt targets for {} predicting rows", seq.id, seq.prompt_targets.size(), n_pred);
     for (const int32_t target : seq.prompt_targets) {
       FULCRUM_CHECK(target >= 0 && target < config_.vocab_size, "sequence {}: prompt target {} outside the vocabulary [0, {})",
