@@ -100,8 +100,9 @@ TEST(ServerScheduler, RunningLimitAndFifoOrder) {
   EXPECT_EQ(b->wait_finished().size(), 1u);
 }
 
-// An executor without prompt logprobs (the GPU engine) gets a 400 naming them for a request that needs prompt
-// rows; SGLang's default logprob_start_len (the last prompt token: no prompt rows) still runs there.
+// An executor without prompt logprobs (an engine that does not implement them) gets a 400 naming them for a
+// request that needs prompt rows; SGLang's default logprob_start_len (the last prompt token: no prompt rows) still
+// runs there.
 TEST(ServerScheduler, PromptLogprobsAreRefusedWhereTheExecutorHasNone) {
   FakeExecutor exec(50, 100);
   exec.prompt_logprobs = false;

@@ -44,7 +44,7 @@ class FakeExecutor final : public server::StepExecutor {
   int vocab_size() const override { return vocab_; }
   int64_t max_sequence_length() const override { return max_len_; }
   bool supports_prompt_logprobs() const override { return prompt_logprobs; }
-  bool prompt_logprobs = true;  // false: as the GPU engine, prompt logprobs are refused at submit
+  bool prompt_logprobs = true;  // false: as an engine without them, prompt logprobs are refused at submit
   void allocate(server::SequenceId id, int64_t capacity) override {
     FULCRUM_CHECK(!live.contains(id), "double allocate {}", id);
     live[id] = {};

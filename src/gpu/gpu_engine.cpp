@@ -22,6 +22,9 @@ namespace fulcrum::gpu {
 
 namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// Rows of one LM-head call over rows that do not sample (prompt logprobs, forward_logits): the head's buffers hold
+// max(sampling rows, this) rows, so a long prompt's rows take few GEMMs of a useful M.
+constexpr int64_t kHeadChunkRows = 256;
 
 template <typename T>
 T* device_alloc(int64_t n, int64_t& total) {
@@ -50,6 +53,9 @@ struct GpuEngine::Workspace {
   uint16_t* act = nullptr;     // [T, I]
   uint16_t* head_x = nullptr;  // [logit_rows, H]
   float* logits = nullptr;     // [logit_rows, V]
+  int32_t* head_rows = nullptr;       // [T] token rows through the LM head that do not sample (prompt rows of a
+                                      // step; every row in forward_logits), filled per step from its host twin
+  int32_t* head_rows_host = nullptr;  // pinned [T]
   int32_t* tokens = nullptr;   // [S]
   float* logprobs = nullptr;   // [S]
   int32_t* top_ids = nullptr;  // [S, kMaxTopLogprobs] (row stride: the step's top count)
@@ -61,12 +67,13 @@ struct GpuEngine::Workspace {
   void* step_dev = nullptr;    // StepLayout buffer on the device
   void* step_host = nullptr;   // and its pinned host twin
   int32_t* out_host = nullptr; // pinned [S] tokens, [S] logprob bits, [S, kMaxTopLogprobs] top ids, top logprob bits
-  int logit_rows = 0;
+  int logit_rows = 0;          // max(S, min(T, kHeadChunkRows))
 
   ~Workspace() {
     for (void* p : owned) cudaFree(p);
     if (step_host != nullptr) cudaFreeHost(step_host);
     if (out_host != nullptr) cudaFreeHost(out_host);
+    if (head_rows_host != nullptr) cudaFreeHost(head_rows_host);
   }
 };
 
@@ -140,9 +147,14 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
     w.mlp = static_cast<float*>(keep(device_alloc<float>(t * 2 * config.intermediate_size, bytes)));
     w.act = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(t * config.intermediate_size, bytes)));
   }
-  w.logit_rows = s;
-  w.head_x = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(int64_t{s} * h, bytes)));
-  w.logits = static_cast<float*>(keep(device_alloc<float>(int64_t{s} * config.vocab_size, bytes)));
+  // The head's buffers serve the sampling rows and, in eager steps, chunks of prompt rows: allocated here (at
+  // most kHeadChunkRows rows beyond the S sampling rows: 156 MB of logits at a 152k vocabulary), so the prompt
+  // path allocates nothing per step and the KV pool is sized after it.
+  w.logit_rows = static_cast<int>(std::max<int64_t>(s, std::min(t, kHeadChunkRows)));
+  w.head_x = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(int64_t{w.logit_rows} * h, bytes)));
+  w.logits = static_cast<float*>(keep(device_alloc<float>(int64_t{w.logit_rows} * config.vocab_size, bytes)));
+  w.head_rows = static_cast<int32_t*>(keep(device_alloc<int32_t>(t, bytes)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.head_rows_host, sizeof(int32_t) * static_cast<size_t>(t)));
   w.tokens = static_cast<int32_t*>(keep(device_alloc<int32_t>(s, bytes)));
   w.logprobs = static_cast<float*>(keep(device_alloc<float>(s, bytes)));
   w.top_ids = static_cast<int32_t*>(keep(device_alloc<int32_t>(int64_t{s} * model::kMaxTopLogprobs, bytes)));
@@ -414,6 +426,22 @@ void GpuEngine::sample(const StepShape& shape) {
                "sampler");
 }
 
+void GpuEngine::upload_head_rows(int64_t num_rows) {
+  if (num_rows == 0) return;
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->head_rows, ws_->head_rows_host, 4 * static_cast<size_t>(num_rows),
+                                     cudaMemcpyHostToDevice, stream_));
+}
+
+void GpuEngine::head_rows_to_host(int64_t num_rows, float* host_logits) {
+  const int64_t v = config_.vocab_size;
+  for (int64_t first = 0; first < num_rows; first += ws_->logit_rows) {
+    const int n = static_cast<int>(std::min<int64_t>(ws_->logit_rows, num_rows - first));
+    head(ws_->head_rows + first, n, ws_->logits);
+    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_logits + first * v, ws_->logits, 4 * static_cast<size_t>(n * v),
+                                       cudaMemcpyDeviceToHost, stream_));
+  }
+}
+
 void GpuEngine::plan_attention(const StepShape& shape) {
   const int64_t epoch = attention_->epoch();
   attention_->plan(layout_.at(ws_->step_host), shape, /*for_graph=*/shape.decode_only, stream_);
@@ -426,16 +454,35 @@ void GpuEngine::advance(std::span<const model::StepSequence> batch) {
 
 model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  int64_t num_prompt_rows = 0;
   for (const model::StepSequence& seq : batch) {
-    FULCRUM_CHECK(seq.prompt_targets.empty(), "GPU engine: sequence {} asks for prompt logprobs, which it does not compute",
-                  seq.id);
     FULCRUM_CHECK(seq.top_logprobs >= 0 && seq.top_logprobs <= model::kMaxTopLogprobs,
                   "sequence {}: top logprobs {} outside [0, {}]", seq.id, seq.top_logprobs, model::kMaxTopLogprobs);
+    const int64_t n_pred = static_cast<int64_t>(seq.token_ids.size()) - (seq.sample ? 1 : 0);
+    // Only entries with targets: an empty entry is pack()'s "has no new token" error, not this one.
+    FULCRUM_CHECK(seq.prompt_targets.empty() || static_cast<int64_t>(seq.prompt_targets.size()) <= n_pred,
+                  "sequence {}: {} prompt targets for {} predicting rows", seq.id, seq.prompt_targets.size(), n_pred);
+    for (const int32_t target : seq.prompt_targets) {
+      FULCRUM_CHECK(target >= 0 && target < config_.vocab_size, "sequence {}: prompt target {} outside the vocabulary [0, {})",
+                    seq.id, target, config_.vocab_size);
+    }
+    num_prompt_rows += static_cast<int64_t>(seq.prompt_targets.size());
   }
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
+  if (num_prompt_rows > 0) {  // each entry's last prompt_targets.size() rows before its sampling row
+    int64_t first_row = 0, k = 0;
+    for (const model::StepSequence& seq : batch) {
+      const auto n = static_cast<int64_t>(seq.token_ids.size()), size = static_cast<int64_t>(seq.prompt_targets.size());
+      const int64_t from = first_row + n - (seq.sample ? 1 : 0) - size;
+      for (int64_t j = 0; j < size; ++j) ws_->head_rows_host[k++] = static_cast<int32_t>(from + j);
+      first_row += n;
+    }
+    upload_head_rows(num_prompt_rows);
+  }
   plan_attention(shape);
-  // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice.
-  const bool graphs = options_.cuda_graphs && shape.decode_only && attention_->graph_safe() &&
+  // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice. A step
+  // with prompt rows runs eagerly (a decode-only step has none: its entries' single row samples, n_pred = 0).
+  const bool graphs = options_.cuda_graphs && shape.decode_only && num_prompt_rows == 0 && attention_->graph_safe() &&
                       options_.dispatch != eplb::DispatchAlgorithm::kBalanced &&
                       std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->uses_cutlass(); });
   if (graphs) {
@@ -469,17 +516,39 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_top_ids, ws_->top_ids, n, cudaMemcpyDeviceToHost, stream_));
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_top_bits, ws_->top_logprobs, n, cudaMemcpyDeviceToHost, stream_));
   }
+  // Prompt rows: the LM head over them into ws_->logits, after the sampler and the top logprobs have read the
+  // sampled rows' logits (stream order), and their logits to the host, where model::prompt_entry takes the
+  // log-softmax (the sampled rows' formula; a device kernel could take it instead, as launch_top_logprobs does
+  // for sampled rows, and copy back only the values).
+  const int64_t v = config_.vocab_size;
+  std::vector<float> prompt_logits(static_cast<size_t>(num_prompt_rows * v));
+  head_rows_to_host(num_prompt_rows, prompt_logits.data());
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   advance(batch);
 
   model::StepOutput out = model::make_step_output(batch.size());
   size_t k = 0;
+  int64_t prompt_row = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
+    const auto num_prompt = static_cast<int64_t>(batch[i].prompt_targets.size());
+    bool prompt_failed = false;
+    if (num_prompt > 0) {  // as the CPU engine: a row without a finite maximum fails this entry only
+      try {
+        model::prompt_entry(std::span<const float>(prompt_logits).subspan(static_cast<size_t>(prompt_row * v),
+                                                                          static_cast<size_t>(num_prompt * v)),
+                            batch[i], out, i);
+      } catch (const std::exception& e) {
+        out.errors[i] = e.what();
+        prompt_failed = true;
+      }
+      prompt_row += num_prompt;
+    }
     if (!batch[i].sample) continue;
     const int32_t token = ws_->out_host[k];
     float logprob = 0.0f;
     std::memcpy(&logprob, ws_->out_host + r + k, 4);
     const size_t row = k++;
+    if (prompt_failed) continue;
     if (token < 0) {
       out.errors[i] = "sampling: the logits hold a NaN or +inf, or are all -inf";
       continue;
@@ -528,20 +597,13 @@ std::vector<model::HostTensor> GpuEngine::forward_logits(std::span<const model::
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   const StepShape shape = pack(batch, /*sample_every_row=*/true);
   plan_attention(shape);
+  // Every row through the head, a chunk of logit_rows rows at a time.
+  for (int64_t row = 0; row < shape.num_tokens; ++row) ws_->head_rows_host[row] = static_cast<int32_t>(row);
+  upload_head_rows(shape.num_tokens);
   forward_layers(shape);
-  // Every row through the head, a chunk of logit_rows rows at a time (row ids uploaded per chunk).
   const int64_t v = config_.vocab_size;
   std::vector<float> all(static_cast<size_t>(shape.num_tokens * v));
-  const StepArrays host = layout_.at(ws_->step_host), dev = layout_.at(ws_->step_dev);
-  for (int64_t first = 0; first < shape.num_tokens; first += ws_->logit_rows) {
-    const int n = static_cast<int>(std::min<int64_t>(ws_->logit_rows, shape.num_tokens - first));
-    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host rows buffer is rewritten below
-    for (int i = 0; i < n; ++i) host.sample_rows[i] = static_cast<int32_t>(first + i);
-    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(dev.sample_rows, host.sample_rows, 4 * static_cast<size_t>(n), cudaMemcpyHostToDevice, stream_));
-    head(dev.sample_rows, n, ws_->logits);
-    FULCRUM_CUDA_CHECK(cudaMemcpyAsync(all.data() + first * v, ws_->logits, 4 * static_cast<size_t>(n * v),
-                                       cudaMemcpyDeviceToHost, stream_));
-  }
+  head_rows_to_host(shape.num_tokens, all.data());
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   advance(batch);
   std::vector<model::HostTensor> out;

@@ -7,12 +7,14 @@
 //   device, no host synchronization inside: embedding -> per layer [add + RMSNorm -> QKV GEMM -> q/k RMSNorm +
 //         RoPE + paged KV append -> paged attention over the whole batch -> O GEMM -> add + RMSNorm -> MoE layer
 //         (router, recorder, replica choice, permutation, expert GEMMs, combine) or dense SwiGLU MLP] -> final
-//         add + RMSNorm of the rows that sample -> LM head -> sampler
+//         add + RMSNorm of the rows that sample -> LM head -> sampler; then, in a step whose entries ask for
+//         prompt logprobs (StepSequence::prompt_targets), final add + RMSNorm + LM head of those prompt rows
 //   host: one copy of the sampled tokens (and logprobs; top logprobs, sampler_top_logprobs.hpp, when a row
-//         asks) back, the only wait of the step.
+//         asks) back, the only wait of the step; prompt rows' logits come back too and model::prompt_entry
+//         takes their log-softmax on the host.
 // Decode steps (every sequence one new token) replay a CUDA graph captured per (batch size, KV-length bucket);
-// prefill and mixed steps run eagerly. Weights are bf16 (FP8 checkpoints: experts and, where their shapes allow,
-// dense projections e4m3 with 128x128 scales), the residual stream fp32, KV pages bf16.
+// prefill and mixed steps, and every step with prompt rows, run eagerly. Weights are bf16 (FP8 checkpoints: experts
+// and, where their shapes allow, dense projections e4m3 with 128x128 scales), the residual stream fp32, KV pages bf16.
 // No CUDA header here.
 #include <cstdint>
 #include <functional>
@@ -83,8 +85,9 @@ class GpuEngine final : public model::StepModel {
   void allocate_on_pages(model::SequenceId id, const model::SequencePages& pages) override;
   void release(model::SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
-  // The LM head runs on sampled rows only: no prompt logprobs (the scheduler refuses them with a 400).
-  bool supports_prompt_logprobs() const override { return false; }
+  // Prompt logprobs: the LM head also runs over each entry's prompt rows (eager steps; the head's buffers are
+  // allocated at construction, so nothing is allocated per step).
+  bool supports_prompt_logprobs() const override { return true; }
 
   // Logits [new tokens, vocab] of every new token of every entry, fp32 on the host: an eager forward that
   // samples nothing (tests, --dump-logits). Advances the caches like step().
@@ -122,6 +125,12 @@ class GpuEngine final : public model::StepModel {
   void add_norm(bool with_delta, const uint16_t* weight, const int32_t* rows, int64_t num_rows, uint16_t* out,
                 const char* what, bool keep_pending = false);
   void sample(const StepShape& shape);
+  // ws_->head_rows [0, num_rows) <- its pinned host twin (filled by the caller since the last wait).
+  void upload_head_rows(int64_t num_rows);
+  // The LM head over the token rows ws_->head_rows [0, num_rows), logit_rows at a time through ws_->logits,
+  // into host_logits [num_rows, V] (enqueued; valid after the stream's next wait). Eager only: it rewrites
+  // ws_->logits, so it follows whatever reads the sampled rows' logits.
+  void head_rows_to_host(int64_t num_rows, float* host_logits);
   void run_decode_graph(const StepShape& shape);
   void advance(std::span<const model::StepSequence> batch);
 

@@ -88,6 +88,7 @@ GpuStepExecutor::~GpuStepExecutor() = default;
 ExpertDistributionRecorder* GpuStepExecutor::recorder() { return recorder_.get(); }
 
 int GpuStepExecutor::vocab_size() const { return engine_->vocab_size(); }
+bool GpuStepExecutor::supports_prompt_logprobs() const { return engine_->supports_prompt_logprobs(); }
 int64_t GpuStepExecutor::max_sequence_length() const { return engine_->max_sequence_length(); }
 const model::Qwen3MoeConfig& GpuStepExecutor::config() const { return engine_->config(); }
 

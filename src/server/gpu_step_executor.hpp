@@ -38,7 +38,7 @@ class GpuStepExecutor final : public StepExecutor {
   void allocate_on_pages(SequenceId id, const model::SequencePages& pages) override;
   void release(SequenceId id) override;
   model::StepOutput step(std::span<const model::StepSequence> batch) override;
-  bool supports_prompt_logprobs() const override { return false; }  // gpu::GpuEngine's
+  bool supports_prompt_logprobs() const override;  // gpu::GpuEngine's
 
   const model::Qwen3MoeConfig& config() const;
   std::string describe() const;  // for the server's start line
