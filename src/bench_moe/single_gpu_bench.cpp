@@ -113,8 +113,9 @@ json run_scenario(const LayerScenario& sc, int64_t tokens, const MoeBenchOptions
 }
 
 // The FP8-expert layer (e4m3 weights, 128x128 block scales; MoeLayerShape::fp8_experts) on the uniform routing:
-// layer forward (recorder on) and the expert stage (CUTLASS FP8 grouped GEMMs with the 1x128 activation
-// quantizations), against the bf16 row `bf16` of the same model and tokens.
+// layer forward (recorder on) with the 1x128 quantization fused into the permutation and as its own pass, and
+// the expert stage (the activation quantizations and CUTLASS FP8 grouped GEMMs) under each GEMM config, side by
+// side, against the bf16 row `bf16` of the same model and tokens. The headline figures are the layer's defaults.
 json run_fp8(GpuMoeLayer& layer, const std::vector<double>& uniform, int64_t tokens, const MoeBenchOptions& opt,
              const DeviceBuffer& x, DeviceBuffer& out, unsigned long long* histogram, const json& bf16, double peak_flops,
              double peak_bytes) {
@@ -126,17 +127,40 @@ json run_fp8(GpuMoeLayer& layer, const std::vector<double>& uniform, int64_t tok
                                                            {shape.num_slots, 1, 1}, tokens, {}));
   const DeviceBuffer logits = upload(logits_for(uniform, tokens, shape.num_experts_per_tok, 77 + tokens));
   layer.set_recorder(histogram);
-  const double layer_ms = median_ms(stream, opt.warmup, opt.reps, [&] {
-    layer.forward_from_logits(x.as<uint16_t>(), logits.as<float>(), tokens, out.as<float>());
-  });
+  const bool default_fused = layer.fp8_fused_permute();
+  json layer_by_permute;
+  for (const bool fused : {false, true}) {
+    layer.set_fp8_fused_permute(fused);
+    layer_by_permute[fused ? "fused_quantize" : "separate_quantize"] = median_ms(stream, opt.warmup, opt.reps, [&] {
+      layer.forward_from_logits(x.as<uint16_t>(), logits.as<float>(), tokens, out.as<float>());
+    });
+  }
+  const double layer_ms = layer_by_permute[default_fused ? "fused_quantize" : "separate_quantize"].get<double>();
+  layer.set_fp8_fused_permute(false);  // bf16 permuted rows: run_experts times its quantization too
   layer.route(logits.as<float>(), tokens);
   layer.permute(x.as<uint16_t>(), tokens);
   layer.fetch_slot_counts();
-  const double experts_ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, shape.num_slots); });
+  const gpu::Fp8GroupedGemmConfig default_config = gpu::fp8_grouped_gemm_config_for_rows(tokens * shape.num_experts_per_tok);
+  json experts_by_config;
+  double experts_ms = 0;
+  for (const auto config : {gpu::Fp8GroupedGemmConfig::kPingpong64x128x128, gpu::Fp8GroupedGemmConfig::kCooperative128x128x128}) {
+    layer.set_fp8_gemm_config(config);
+    const double ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, shape.num_slots); });
+    experts_by_config[config == gpu::Fp8GroupedGemmConfig::kPingpong64x128x128 ? "pingpong_64x128x128"
+                                                                                : "cooperative_128x128x128"] = ms;
+    if (config == default_config) experts_ms = ms;
+  }
+  layer.set_fp8_gemm_config(std::nullopt);
+  layer.set_fp8_fused_permute(default_fused);
   const double flops = layer.expert_flops(0, shape.num_slots), bytes = layer.expert_min_bytes(0, shape.num_slots);
   // FP8 tensor-core peak is twice bf16's on Hopper (dense e4m3 wgmma): the ceiling the FP8 GEMMs are held to.
   const double floor_ms = std::max(flops / (2 * peak_flops), bytes / peak_bytes) * 1e3;
-  return {{"layer_ms_recorder_on", layer_ms}, {"experts_ms", experts_ms}, {"experts_tflops", flops / (experts_ms * 1e-3) / 1e12},
+  return {{"layer_ms_recorder_on", layer_ms}, {"layer_ms_by_permute", layer_by_permute},
+          {"fused_permute_default", default_fused}, {"experts_ms", experts_ms},
+          {"experts_ms_by_config", experts_by_config},
+          {"default_config", default_config == gpu::Fp8GroupedGemmConfig::kPingpong64x128x128 ? "pingpong_64x128x128"
+                                                                                             : "cooperative_128x128x128"},
+          {"experts_tflops", flops / (experts_ms * 1e-3) / 1e12},
           {"experts_roofline_fraction", floor_ms / experts_ms},
           {"experts_bound", flops / (2 * peak_flops) > bytes / peak_bytes ? "tensor-core (2x bf16 peak)" : "HBM"},
           {"layer_speedup_over_bf16", bf16["layer_ms_recorder_on"].get<double>() / layer_ms},
@@ -264,11 +288,15 @@ void run_single_gpu(const MoeBenchOptions& opt) {
                              peak_flops, peak_bytes);
         const json& f = row["fp8"];
         fmt::print("{:16} T={:6} uniform FP8 experts: layer {:8.3f} ms ({:.2f}x bf16) | experts {:.3f} ms ({:.2f}x bf16 "
-                   "cutlass), {:.0f} TFLOP/s, {:.2f} of {} roofline\n",
+                   "cutlass), {:.0f} TFLOP/s, {:.2f} of {} roofline | layer quantize fused {:.3f} / separate {:.3f} ms | "
+                   "experts pingpong {:.3f} / cooperative {:.3f} ms\n",
                    m.name, tokens, f["layer_ms_recorder_on"].get<double>(), f["layer_speedup_over_bf16"].get<double>(),
                    f["experts_ms"].get<double>(), f["experts_speedup_over_bf16_cutlass"].get<double>(),
                    f["experts_tflops"].get<double>(), f["experts_roofline_fraction"].get<double>(),
-                   f["experts_bound"].get<std::string>());
+                   f["experts_bound"].get<std::string>(), f["layer_ms_by_permute"]["fused_quantize"].get<double>(),
+                   f["layer_ms_by_permute"]["separate_quantize"].get<double>(),
+                   f["experts_ms_by_config"]["pingpong_64x128x128"].get<double>(),
+                   f["experts_ms_by_config"]["cooperative_128x128x128"].get<double>());
       }
     }
   }

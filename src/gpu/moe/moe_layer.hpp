@@ -249,6 +249,9 @@ class GpuMoeLayer {
   // benchmarks compare both ways; the outputs are bitwise equal). bf16 layers ignore it.
   void set_fp8_fused_permute(bool on) { fp8_fused_permute_ = on; }
   bool fp8_fused_permute() const;
+  // The FP8 grouped GEMM config of the CUTLASS path; empty (the default): gpu::fp8_grouped_gemm_config_for_rows of
+  // the total rows. `bench moe` times each config at each size with it, which is how the crossover is set.
+  void set_fp8_gemm_config(std::optional<gpu::Fp8GroupedGemmConfig> config) { fp8_gemm_config_ = config; }
 
   // x: device bf16 [T, H] -> out: device fp32 [T, H]; T <= max_tokens.
   void forward(const uint16_t* x, int64_t num_tokens, float* out);
@@ -355,6 +358,7 @@ class GpuMoeLayer {
   unsigned long long* histogram_row_ = nullptr;
   int64_t num_tokens_ = 0;  // of the last route/permute
   std::optional<bool> fp8_fused_permute_;  // set_fp8_fused_permute; empty: FULCRUM_FP8_FUSED_PERMUTE
+  std::optional<gpu::Fp8GroupedGemmConfig> fp8_gemm_config_;  // set_fp8_gemm_config; empty: by total rows
   bool fp8_rows_quantized_ = false;        // the last permute wrote fp8_x / fp8_x_scales, not permuted
 
   DeviceBuffer router_w_, gate_up_w_, down_w_;  // own weights [E, H], [L, 2I, H], [L, H, I] (none if external)

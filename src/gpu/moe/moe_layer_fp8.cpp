@@ -100,7 +100,8 @@ void GpuMoeLayer::cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets
   FULCRUM_CHECK(max_rows <= w.expert_rows() && max_rows <= shape_.max_tokens * shape_.num_experts_per_tok,
                 "FP8 experts: {} rows, scratch for {}", max_rows, w.expert_rows());
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
-  const gpu::Fp8GroupedGemmConfig config = gpu::fp8_grouped_gemm_config_for_rows(total_rows);  // placement-free
+  const gpu::Fp8GroupedGemmConfig config =  // placement-free: by total rows
+      fp8_gemm_config_.value_or(gpu::fp8_grouped_gemm_config_for_rows(total_rows));
   const auto check = [](const gpu::GroupedGemmStatus& status, const char* which) {
     FULCRUM_CHECK(status.ok(), "CUTLASS FP8 grouped GEMM ({}): {} ({})", which, status.failed,
                   cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
