@@ -1,6 +1,6 @@
 // The FP8 layer's permutation fused with the 1x128 activation quantization (cuda::moe::launch_permute_rows_fp8,
 // src/gpu/moe/moe_kernels.hpp, fp8_permute.cu) and its use in GpuMoeLayer (set_fp8_fused_permute,
-// FULCRUM_FP8_FUSED_PERMUTE).
+// FULCRUM_FP8_FUSED_PERMUTE, on by default).
 //  - kernel vs its CPU reference, the composition of the existing ones: the permutation (offsets as
 //    moe::slot_layout_reference; rows permuted[entry_row[e]] = x[e / k], entry_row checked to give every entry
 //    its own row inside its slot) followed by gpu::reference::quantize_rows_fp8 with the slots as groups. Exact:

@@ -244,8 +244,8 @@ class GpuMoeLayer {
   std::string cutlass_fallback_reason() const;
   // FP8 experts on the CUTLASS path of a layer holding all its slots: permute writes the e4m3 rows and scales the
   // FP8 grouped GEMM reads straight from x (cuda::moe::launch_permute_rows_fp8; no bf16 permuted copy, so
-  // permuted() is not written) and run_experts skips its quantization of x. Off unless FULCRUM_FP8_FUSED_PERMUTE=1
-  // (read once per process; opt-in until it has run on a GPU); set_fp8_fused_permute overrides that for this layer from its next permute (tests and
+  // permuted() is not written) and run_experts skips its quantization of x. On unless FULCRUM_FP8_FUSED_PERMUTE=0
+  // (read once per process); set_fp8_fused_permute overrides that for this layer from its next permute (tests and
   // benchmarks compare both ways; the outputs are bitwise equal). bf16 layers ignore it.
   void set_fp8_fused_permute(bool on) { fp8_fused_permute_ = on; }
   bool fp8_fused_permute() const;
