@@ -5,8 +5,10 @@
 // QKV (5120 x 2048) and O (2048 x 4096) at m = 1, 8, 9, and 1024 x 2048, 256 x 384 at m = 1, 8, 9, 300; fp32 and
 // bf16 output. m <= 8 takes the FP8 skinny GEMM, m > 8 the quantized path (1x128 e4m3 activations, the CUTLASS
 // FP8 grouped GEMM with one group, bf16 out, widened to fp32). Outputs are poisoned (all bits set) before each
-// run with a guard past m x n that must stay poisoned. Also: one capture replays to the eager bits, shapes off the
-// 128 grid and calls beyond the scratch are refused with one line.
+// run with a guard past m x n that must stay poisoned. Also: the skinny path over more than 8 rows (one launch per
+// 8 rows, set_fp8_skinny_max_rows) within the skinny bound and bitwise per launch; one capture replays to the eager
+// bits, shapes off the 128 grid and calls beyond the scratch are refused with one line. PrintsTimings times both
+// paths beside the bf16 engine's GEMM (no assertion on time).
 //
 // References: `exact` = the dequantized weights times the bf16 x, summed in double (what a bf16 engine with
 // these weights computes, before its own roundings); `quantized` = gpu::reference::quantize_rows_fp8 (bitwise
@@ -44,6 +46,7 @@
 #include "gpu/dense_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"  // kSkinnyGemmMaxRows
 #include "gpu/reference/fp8_reference.hpp"
+#include "skinny_test_util.hpp"  // median_us
 
 namespace fulcrum::test {
 namespace {
@@ -298,6 +301,85 @@ TEST_F(DenseGemmFp8Test, CapturedQuantizedPathReplaysToEagerBits) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
   }
+}
+
+// set_fp8_skinny_max_rows(64): m = 20 runs the skinny GEMM in launches of 8, 8 and 4 rows. Every row within the
+// skinny bound, and each launch's rows bitwise those of a call with just those rows.
+TEST_F(DenseGemmFp8Test, SkinnyPathOverMoreThanEightRowsLaunchesPerEightRows) {
+  const Fp8DenseWeight w = make_weight(5120, 2048, 41);
+  constexpr int kRows = 20;
+  const std::vector<uint16_t> x = random_x(int64_t{kRows} * w.k, 42);
+  const DeviceBuffer d_x = to_device(x);
+  gemm_->set_fp8_skinny_max_rows(64);
+  const std::vector<float> out = run<float>(d_x, w, kRows);
+  EXPECT_EQ(guard_lost(out), 0);
+  const ExactReference exact = exact_reference(x, kRows, w);
+  int64_t bad = 0;
+  for (size_t q = 0; q < static_cast<size_t>(kRows) * w.n; ++q) {
+    bad += !(std::abs(out[q] - exact.out[q]) <= kSkinnyRelTolerance * exact.abs_sum[q]);
+  }
+  EXPECT_EQ(bad, 0) << "elements outside the skinny bound";
+  for (const auto& [first, rows] : {std::pair{0, 8}, std::pair{8, 8}, std::pair{16, 4}}) {
+    const DeviceBuffer part = to_device(std::vector<uint16_t>(x.begin() + int64_t{first} * w.k,
+                                                             x.begin() + int64_t{first + rows} * w.k));
+    const std::vector<float> alone = run<float>(part, w, rows);
+    EXPECT_EQ(std::memcmp(alone.data(), out.data() + static_cast<size_t>(first) * w.n, sizeof(float) * rows * w.n), 0)
+        << "rows " << first << ".." << first + rows;
+  }
+}
+
+// run_fp8's skinny path (launches of 8 rows) and quantized path at the attention projections of both presets,
+// beside the bf16 engine's GEMM on a bf16 weight of the same shape (DenseGemm::run: skinny up to 8 rows, cuBLAS
+// beyond), fp32 out as the engine asks. Each launch reads another copy of the weight (copies >= 5x the L2), as a
+// step reads every layer's own. What kDefaultFp8SkinnyMaxRows is chosen from.
+TEST_F(DenseGemmFp8Test, PrintsTimings) {
+  constexpr size_t kPoolBytes = size_t{256} << 20;
+  struct Shape {
+    int n, k;
+    const char* name;
+  };
+  const Shape shapes[] = {{5120, 2048, "30B qkv"}, {2048, 4096, "30B o"}, {9216, 4096, "235B qkv"}, {4096, 8192, "235B o"}};
+  constexpr int kTimedMaxRows = 256;
+  gpu::DenseGemm gemm(stream_, 0, gpu::DenseFp8Capacity{kTimedMaxRows, 8192, 9216});
+  const DeviceBuffer x = to_device(random_x(int64_t{kTimedMaxRows} * 8192, 5));
+  DeviceBuffer out(sizeof(float) * kTimedMaxRows * 9216);
+  std::printf("%-9s %5s %5s %4s %12s %12s %10s\n", "shape", "n", "k", "m", "fp8 skinny", "fp8 cutlass", "bf16");
+  for (const Shape& s : shapes) {
+    const size_t fp8_bytes = size_t{static_cast<size_t>(s.n)} * s.k, bf16_bytes = 2 * fp8_bytes;
+    const int copies = static_cast<int>(std::max<size_t>(2, kPoolBytes / fp8_bytes));
+    DeviceBuffer codes(fp8_bytes * copies), bf16(bf16_bytes * std::max(2, copies / 2));
+    const int bf16_copies = std::max(2, copies / 2);
+    ASSERT_EQ(cudaMemset(codes.as<uint8_t>(), 0x38, codes.bytes()), cudaSuccess);  // e4m3 1.0
+    ASSERT_EQ(cudaMemset(bf16.as<uint8_t>(), 0x3c, bf16.bytes()), cudaSuccess);
+    const DeviceBuffer scales = to_device(random_scales(int64_t{s.k / kFp8Block} * (s.n / kFp8Block), 6, -12, -8));
+    std::vector<const uint8_t*> code_ptrs(static_cast<size_t>(copies));
+    for (int c = 0; c < copies; ++c) code_ptrs[c] = codes.as<uint8_t>() + c * fp8_bytes;
+    const DeviceBuffer d_code_ptrs = to_device(code_ptrs);
+    const DeviceBuffer d_scale_ptrs = to_device(std::vector<const float*>{scales.as<float>()});
+    const auto weight = [&](int copy) {
+      gpu::Fp8Weight v;
+      v.codes = code_ptrs[copy];
+      v.scales = scales.as<float>();
+      v.device_codes_ptr = d_code_ptrs.as<const uint8_t*>() + copy;
+      v.device_scales_ptr = d_scale_ptrs.as<const float*>();
+      return v;
+    };
+    for (const int m : {8, 9, 12, 16, 24, 32, 48, 64, 96, 128, 256}) {
+      gemm.set_fp8_skinny_max_rows(kTimedMaxRows);
+      const double skinny_us = skinny_test::median_us(stream_, copies, [&](int copy) {
+        gemm.run_fp8(x.as<uint16_t>(), weight(copy), m, s.n, s.k, out.as<void>(), gpu::GemmOut::kF32);
+      });
+      gemm.set_fp8_skinny_max_rows(0);
+      const double cutlass_us = skinny_test::median_us(stream_, copies, [&](int copy) {
+        gemm.run_fp8(x.as<uint16_t>(), weight(copy), m, s.n, s.k, out.as<void>(), gpu::GemmOut::kF32);
+      });
+      const double bf16_us = skinny_test::median_us(stream_, bf16_copies, [&](int copy) {
+        gemm.run(x.as<uint16_t>(), bf16.as<uint16_t>() + copy * fp8_bytes, m, s.n, s.k, out.as<void>(), gpu::GemmOut::kF32);
+      });
+      std::printf("%-9s %5d %5d %4d %9.2f us %9.2f us %7.2f us\n", s.name, s.n, s.k, m, skinny_us, cutlass_us, bf16_us);
+    }
+  }
+  gemm.set_fp8_skinny_max_rows(gpu::DenseGemm::kDefaultFp8SkinnyMaxRows);
 }
 
 // Refused with one line: N off the 128 grid beyond the skinny rows (the skinny path takes partial blocks), more

@@ -111,11 +111,17 @@ void DenseGemm::run_fp8(const uint16_t* x, const Fp8Weight& w, int64_t m, int64_
                 "FP8 dense GEMM [{}, {}] x [{}, {}]^T: no FP8 weight or a bad shape", m, k, n, k);
   float* const out_f32 = out_type == GemmOut::kF32 ? static_cast<float*>(out) : nullptr;
   uint16_t* const out_bf16 = out_type == GemmOut::kBf16 ? static_cast<uint16_t*>(out) : nullptr;
-  if (use_skinny_ && m <= kSkinnyGemmMaxRows) {
+  if (use_skinny_ && m <= fp8_skinny_max_rows_) {
     // Decode rows: the weights' bytes dominate, and the skinny kernel reads half of the bf16 ones; x stays bf16.
-    const cudaError_t status = launch_skinny_gemm_fp8(x, w.codes, w.scales, static_cast<int>(m), static_cast<int>(n),
-                                                      static_cast<int>(k), out_f32, out_bf16, stream_);
-    FULCRUM_CHECK(status == cudaSuccess, "FP8 skinny GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, cudaGetErrorString(status));
+    // Up to 8 rows a launch: each launch computes its rows as a call with that many rows would.
+    for (int64_t r = 0; r < m; r += kSkinnyGemmMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kSkinnyGemmMaxRows, m - r));
+      const cudaError_t status = launch_skinny_gemm_fp8(x + r * k, w.codes, w.scales, rows, static_cast<int>(n),
+                                                        static_cast<int>(k), out_f32 != nullptr ? out_f32 + r * n : nullptr,
+                                                        out_bf16 != nullptr ? out_bf16 + r * n : nullptr, stream_);
+      FULCRUM_CHECK(status == cudaSuccess, "FP8 skinny GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k,
+                    cudaGetErrorString(status));
+    }
     return;
   }
   FULCRUM_CHECK(fp8_unavailable_.empty(), "FP8 dense GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, fp8_unavailable_);

@@ -3,8 +3,9 @@
 // fp32 accumulation, fp32 or bf16 output, on the engine's stream with fixed workspaces (so calls can be captured
 // in a CUDA graph).
 //   run:     bf16 W, through the skinny GEMM or cuBLAS.
-//   run_fp8: FP8 W (an FP8 checkpoint's projections, gpu/fp8_weight.hpp), x still bf16. Up to 8 rows the FP8
-//            skinny GEMM (bf16 activations, no quantization); more rows: x quantized per 1x128 block to e4m3
+//   run_fp8: FP8 W (an FP8 checkpoint's projections, gpu/fp8_weight.hpp), x still bf16. Up to
+//            fp8_skinny_max_rows() rows the FP8 skinny GEMM (bf16 activations, no quantization; one launch per 8
+//            rows, the later ones reading the weight mostly from L2); more rows: x quantized per 1x128 block to e4m3
 //            (launch_quantize_rows_fp8), then the CUTLASS FP8 blockwise grouped GEMM with one group (the whole
 //            batch) into bf16, widened to fp32 where the caller wants fp32 (exact). So prefill rows see two
 //            extra roundings against the bf16 engine: e4m3 activations (relative 2^-4 at most) and the bf16
@@ -46,6 +47,11 @@ class DenseGemm {
   // The skinny GEMMs for m <= 8 (default), or cuBLAS (bf16) / the quantized CUTLASS path (FP8) for every m
   // (comparisons).
   void set_skinny(bool on) { use_skinny_ = on; }
+  // Rows up to which run_fp8 takes the skinny path (kDefaultFp8SkinnyMaxRows; timed against the quantized path
+  // by DenseGemmFp8Test.PrintsTimings). Above it, the quantized CUTLASS path.
+  static constexpr int64_t kDefaultFp8SkinnyMaxRows = 8;
+  void set_fp8_skinny_max_rows(int64_t rows) { fp8_skinny_max_rows_ = rows; }
+  int64_t fp8_skinny_max_rows() const { return fp8_skinny_max_rows_; }
   // out [m, n] = x [m, k] @ w [n, k]^T; m may be 0.
   void run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, int64_t k, void* out, GemmOut out_type);
   // The same with FP8 weights. Skinny path: k % 16 == 0, x and w 16-byte aligned. Quantized path: n and k
@@ -64,6 +70,7 @@ class DenseGemm {
   cublasContext* handle_ = nullptr;
   void* workspace_ = nullptr;
   bool use_skinny_ = true;
+  int64_t fp8_skinny_max_rows_ = kDefaultFp8SkinnyMaxRows;
 
   DenseFp8Capacity fp8_;
   std::vector<void*> fp8_owned_;
