@@ -1,13 +1,14 @@
-// The GPU engine with an FP8 checkpoint's dense projections kept in FP8 (DeviceWeights::fp8_dense_for,
-// DenseGemm::run_fp8), on the qwen3moe-tiny-fp8 fixture (hidden 256, q 4 x 64, kv 2 x 64: qkv and o in FP8; its
-// dense layer's intermediate 320 is off the 128 grid, so that MLP stays bf16) and a small random FP8 config whose
-// dense MLP is FP8 too:
+// The GPU engine with an FP8 checkpoint's dense projections kept in FP8 (GpuEngineOptions::fp8_dense_gemms,
+// DeviceWeights::fp8_dense_for, DenseGemm::run_fp8), on the qwen3moe-tiny-fp8 fixture (hidden 256, q 4 x 64,
+// kv 2 x 64: qkv and o in FP8; its dense layer's intermediate 320 is off the 128 grid, so that MLP stays bf16)
+// and a small random FP8 config whose dense MLP is FP8 too:
 // - the device holds the checkpoint's values: each FP8 view's codes x scales (scales transposed, q / k / v stacked)
 //   is bitwise the checkpoint's dequantized weight (both are one fp32 multiply of the same two values), and the
 //   pointer table the grouped GEMM reads holds the view's pointers;
 // - the weight cache holds FP8 models: an engine loaded from the cache gives the checkpoint-loaded engine's logits
 //   bit for bit (a 40-token prompt through the quantized path, a 5-token one through the skinny one), the file
-//   stores e4m3 codes and fp32 scales, and a cache of the other dtype is refused with one line, both ways;
+//   stores e4m3 codes and fp32 scales, and a cache of the other dtype is refused with one line, both ways, as is
+//   an FP8 cache with FP8 projections met by an engine that keeps them bf16 (the default);
 // - fill_random fills FP8 projections (benchmarks): scales the fan-in bound / 448, codes over e4m3 without NaN;
 //   decode steps of 10 sequences (the quantized path inside a captured graph) replay to the eager tokens and
 //   logprobs bit for bit.
@@ -54,6 +55,7 @@ gpu::GpuEngineOptions fp8_options() {
   o.max_batch_tokens = 512;
   o.max_batch_seqs = 16;
   o.kv_pages = 256;
+  o.fp8_dense_gemms = true;
   return o;
 }
 
@@ -101,7 +103,7 @@ uint32_t bits_of(float v) {
 TEST_F(GpuEngineFp8Test, DenseFp8WeightsHoldTheCheckpointValues) {
   const std::string dir = golden_model_dir(kFixture);
   const model::Qwen3MoeConfig config = model::load_qwen3_moe_config(dir);
-  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(config);
+  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(config, true);
   EXPECT_TRUE(fp8.qkv);
   EXPECT_TRUE(fp8.o);
   EXPECT_FALSE(fp8.mlp) << "intermediate " << config.intermediate_size << " is off the 128 grid: bf16";
@@ -222,6 +224,17 @@ TEST_F(GpuEngineFp8Test, WeightCacheOfTheOtherDtypeIsRefused) {
   };
   expect_refused(config, bf16_cache.path(), "bf16");
   expect_refused(bf16_config, fp8_cache.path(), "fp8");
+  gpu::GpuEngineOptions bf16_dense = fp8_options();
+  bf16_dense.fp8_dense_gemms = false;
+  gpu::GpuEngine engine(config, bf16_dense);
+  EXPECT_FALSE(engine.weights().fp8_dense().any());
+  try {
+    engine.load_weights(dir, fp8_cache.path());
+    ADD_FAILURE() << "a cache with FP8 projections was loaded by an engine holding them in bf16";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qkv o"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
 }
 
 // A small FP8 config whose every dense projection is FP8 (q 8 x 64, kv 2 x 64, intermediate 384).
@@ -248,7 +261,7 @@ model::Qwen3MoeConfig small_fp8_config() {
 
 TEST_F(GpuEngineFp8Test, FillRandomFillsFp8Projections) {
   const model::Qwen3MoeConfig config = small_fp8_config();
-  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(config);
+  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(config, true);
   ASSERT_TRUE(fp8.qkv && fp8.o && fp8.mlp);
   gpu::GpuEngine engine(config, fp8_options());
   engine.fill_random(9);

@@ -21,6 +21,9 @@ void EngineFlags::add_to(CLI::App* cmd, const std::shared_ptr<EngineFlags>& flag
   cmd->add_option("--device", flags->device, "Backend: cpu | cuda (cuda: one rank)")->capture_default_str();
   cmd->add_option("--weight-cache", flags->weight_cache_dir,
                   "Folder of per-rank weight caches: loaded when present (skipping the checkpoint), else written");
+  cmd->add_flag("--fp8-dense-gemms", flags->fp8_dense_gemms,
+                "--device cuda, FP8 checkpoints: keep qkv / o / dense MLP FP8 on the GPU (half their memory; slower "
+                "than the default bf16 copies beyond 4 rows a step)");
   cmd->add_option("--tp", flags->parallel.tp,
                   "Ranks per pipeline stage, every attention-DP group included (SGLang's --tp)")
       ->capture_default_str();
@@ -109,6 +112,8 @@ engine::InProcessRun EngineFlags::make_run(const engine::ParallelLayout& layout,
   engine::InProcessRun run;
   run.device = device;
   run.weight_cache_dir = weight_cache_dir;
+  run.fp8_dense_gemms = fp8_dense_gemms;
+  if (fp8_dense_gemms && device != "cuda") warn("--fp8-dense-gemms has no effect without --device cuda");
   run.init_expert_location = init_expert_location;
   run.engine.moe_a2a_backend = a2a_backend().dispatcher;
   run.engine.dispatch_algorithm = eplb::parse_dispatch_algorithm(dispatch_algorithm);

@@ -15,6 +15,7 @@ namespace fulcrum::cli {
 struct EngineFlags {
   std::string device = "cpu";
   std::string weight_cache_dir;
+  bool fp8_dense_gemms = false;
   engine::ParallelFlags parallel;
   std::string moe_a2a_backend = "allgather";  // any name of engine/moe_a2a_backend.hpp
   bool a2a_given = false, ep_given = false;

@@ -32,6 +32,7 @@ struct BenchGenerateOptions {
   std::string preset = "qwen3-30b-a3b";
   int layers = 0;  // 0: the preset's
   bool fp8 = false;  // the preset as its FP8 checkpoint: experts FP8 on the device
+  bool fp8_dense_gemms = false;  // and the dense projections too (GpuEngineOptions::fp8_dense_gemms)
   std::vector<int> batches = {1, 4, 16, 64, 256};
   std::vector<int> contexts = {512, 2048};
   std::vector<std::string> prefills = {"1x2048", "8x2048", "1x16384"};
@@ -71,11 +72,12 @@ double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock:
 
 // Bytes a decode step of `batch` sequences at `context` must read: every non-expert weight (attention, norms,
 // routers, LM head), the experts its tokens touch, the embedding rows, and the KV of every sequence.
-double decode_bytes(const model::Qwen3MoeConfig& c, int batch, int64_t context, int64_t distinct_experts) {
+double decode_bytes(const model::Qwen3MoeConfig& c, bool fp8_dense_gemms, int batch, int64_t context,
+                    int64_t distinct_experts) {
   const double h = c.hidden_size, d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   // Dense projections kept FP8 (DeviceWeights::fp8_dense_for) read 1 byte per weight plus a 4-byte scale per
   // 128 x 128 block; everything else is bf16 (2 bytes, counted in elems).
-  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(c);
+  const gpu::DeviceWeights::Fp8Dense fp8 = gpu::DeviceWeights::fp8_dense_for(c, fp8_dense_gemms);
   const auto fp8_bytes = [](double rows, double cols) { return rows * cols * (1.0 + 4.0 / (128.0 * 128.0)); };
   double elems = 0, fp8_dense_bytes = 0;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
@@ -131,6 +133,8 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   eo.attention = o.attention;
   eo.cuda_graphs = o.cuda_graphs;
   eo.skinny_max_entries = o.skinny_max_entries;
+  eo.fp8_dense_gemms = o.fp8_dense_gemms;
+  FULCRUM_CHECK(o.fp8 || !o.fp8_dense_gemms, "--fp8-dense-gemms needs --fp8 (a bf16 model has no FP8 projections)");
   int max_seqs = 1;
   int64_t max_tokens = 1, positions = 1;
   for (const int b : o.batches) {
@@ -200,7 +204,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
         const int64_t replays = engine.counters().graph_replays - before.graph_replays;
         for (int i = 0; i < batch; ++i) engine.release(i);
         const double ms = median(times);
-        const double roofline_ms = 1e3 * decode_bytes(config, batch, context, distinct) / copy_bytes;
+        const double roofline_ms = 1e3 * decode_bytes(config, o.fp8_dense_gemms, batch, context, distinct) / copy_bytes;
         fmt::print("decode batch {:4} context {:5}: {:8.3f} ms/step {:10.0f} tok/s | roofline {:.3f} ms ({:.1f}%), {} experts "
                    "touched, {} of {} steps graph replays\n",
                    batch, context, ms, batch / ms * 1e3, roofline_ms, 100 * roofline_ms / ms, distinct, replays, o.steps);
@@ -273,7 +277,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   if (!o.json_path.empty()) {
     nlohmann::json doc{{"command", command_line()}, {"git_commit", o.git_commit}, {"gpu", machine["gpu"]},
                        {"machine", machine}, {"copy_bandwidth_gbs", copy_bytes / 1e9}, {"gemm_tflops", gemm_flops / 1e12},
-                       {"layers", config.num_hidden_layers}, {"fp8_experts", gpu::DeviceWeights::fp8_experts_for(config)}, {"runs", runs}, {"peer", peer}};
+                       {"layers", config.num_hidden_layers}, {"fp8_experts", gpu::DeviceWeights::fp8_experts_for(config)}, {"fp8_dense_gemms", o.fp8_dense_gemms}, {"runs", runs}, {"peer", peer}};
     write_file_atomically(o.json_path, doc.dump(2) + "\n");
   }
 }
@@ -286,6 +290,7 @@ void register_bench_generate_command(CLI::App& bench) {
   cmd->add_option("--preset", o->preset, "qwen3-30b-a3b | qwen3-235b-a22b")->capture_default_str();
   cmd->add_option("--layers", o->layers, "Decoder layers (0: the preset's)")->capture_default_str()->check(CLI::Range(0, 1000));
   cmd->add_flag("--fp8", o->fp8, "The preset's FP8 checkpoint layout: experts e4m3 with 128x128 block scales on the device");
+  cmd->add_flag("--fp8-dense-gemms", o->fp8_dense_gemms, "With --fp8: the dense projections stay FP8 too (default: bf16 copies)");
   cmd->add_option("--batch", o->batches, "Decode batch sizes")->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--context", o->contexts, "Decode context lengths")->capture_default_str()->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--prefill", o->prefills, "Prefills SEQSxTOKENS (none: no prefill runs)")->capture_default_str();

@@ -21,6 +21,7 @@ void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& 
   options.placement = engine::prepare_in_process_run(config, layout, run);
   options.dispatch = run.engine.dispatch_algorithm;
   options.dispatch_seed = run.engine.dispatch_seed;
+  options.fp8_dense_gemms = run.fp8_dense_gemms;
   int64_t longest = 1;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()) + run.decode.max_new_tokens);
   // Pages for exactly this run: the pool then takes what the prompts need, not most of the GPU.

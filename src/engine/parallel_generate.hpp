@@ -34,6 +34,7 @@ struct InProcessRun {
   // loads the checkpoint and writes that file (Qwen3MoeModel::save_weight_cache).
   std::string weight_cache_dir;
   std::string init_expert_location = "trivial";  // --init-expert-location (eplb_runtime/initial_placement.hpp)
+  bool fp8_dense_gemms = false;  // --fp8-dense-gemms: the GPU engine's gpu::GpuEngineOptions::fp8_dense_gemms
   EngineOptions engine;
   bool record = false;        // count routing (implied by EPLB and by a dump)
   EplbSettings eplb;          // used when record; eplb.enabled: rebalance

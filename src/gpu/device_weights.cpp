@@ -62,8 +62,7 @@ int64_t layer_elems(const model::Qwen3MoeConfig& c, const DeviceWeights::Fp8Dens
   return n;
 }
 
-int64_t non_expert_elems(const model::Qwen3MoeConfig& c) {
-  const DeviceWeights::Fp8Dense fp8 = DeviceWeights::fp8_dense_for(c);
+int64_t non_expert_elems(const model::Qwen3MoeConfig& c, const DeviceWeights::Fp8Dense& fp8) {
   int64_t n = int64_t{c.vocab_size} * c.hidden_size * (c.tie_word_embeddings ? 1 : 2) + c.hidden_size;
   for (int l = 0; l < c.num_hidden_layers; ++l) n += layer_elems(c, fp8, l);
   return n;
@@ -77,8 +76,7 @@ struct Fp8Shape {
   int64_t rows, cols;  // out, in
 };
 
-std::vector<Fp8Shape> fp8_dense_shapes(const model::Qwen3MoeConfig& c) {
-  const DeviceWeights::Fp8Dense fp8 = DeviceWeights::fp8_dense_for(c);
+std::vector<Fp8Shape> fp8_dense_shapes(const model::Qwen3MoeConfig& c, const DeviceWeights::Fp8Dense& fp8) {
   const int64_t h = c.hidden_size, q = int64_t{c.num_attention_heads} * c.head_dim, i = c.intermediate_size;
   std::vector<Fp8Shape> out;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
@@ -99,8 +97,8 @@ int64_t fp8_scales_bytes(const Fp8Shape& s) { return fp8_align(s.rows / kFp8Bloc
 int64_t fp8_table_bytes(size_t n) { return fp8_align(static_cast<int64_t>(2 * sizeof(void*) * n)); }
 
 // Bytes of the FP8 allocation: [pointer table][codes | scales of each projection in fp8_dense_shapes order].
-int64_t fp8_dense_bytes(const model::Qwen3MoeConfig& c) {
-  const std::vector<Fp8Shape> shapes = fp8_dense_shapes(c);
+int64_t fp8_dense_bytes(const model::Qwen3MoeConfig& c, const DeviceWeights::Fp8Dense& fp8) {
+  const std::vector<Fp8Shape> shapes = fp8_dense_shapes(c, fp8);
   if (shapes.empty()) return 0;
   int64_t n = fp8_table_bytes(shapes.size());
   for (const Fp8Shape& s : shapes) n += fp8_codes_bytes(s) + fp8_scales_bytes(s);
@@ -138,9 +136,9 @@ int DeviceWeights::expert_intermediate_for(const model::Qwen3MoeConfig& config) 
   return fp8_experts_for(config) ? (i + kFp8Block - 1) / kFp8Block * kFp8Block : i;
 }
 
-DeviceWeights::Fp8Dense DeviceWeights::fp8_dense_for(const model::Qwen3MoeConfig& config) {
+DeviceWeights::Fp8Dense DeviceWeights::fp8_dense_for(const model::Qwen3MoeConfig& config, bool fp8_dense_gemms) {
   Fp8Dense fp8;
-  if (!config.quantization.has_value() || config.hidden_size % kFp8Block != 0) return fp8;
+  if (!fp8_dense_gemms || !config.quantization.has_value() || config.hidden_size % kFp8Block != 0) return fp8;
   const int64_t q = int64_t{config.num_attention_heads} * config.head_dim;
   const int64_t kv = int64_t{config.num_key_value_heads} * config.head_dim;
   // q and kv rows on 128 boundaries: qkv's scale blocks then never straddle two checkpoint weights.
@@ -151,30 +149,32 @@ DeviceWeights::Fp8Dense DeviceWeights::fp8_dense_for(const model::Qwen3MoeConfig
   return fp8;
 }
 
-int64_t DeviceWeights::bytes_needed(const model::Qwen3MoeConfig& config, int num_slots) {
+int64_t DeviceWeights::bytes_needed(const model::Qwen3MoeConfig& config, int num_slots, bool fp8_dense_gemms) {
+  const Fp8Dense fp8 = fp8_dense_for(config, fp8_dense_gemms);
   const int64_t moe_layers = static_cast<int64_t>(config.moe_layer_indices().size());
   const int64_t h = config.hidden_size, i = expert_intermediate_for(config);
   const int64_t slot_bytes = fp8_experts_for(config) ? backend::fp8_blob_bytes(2 * i, h) + backend::fp8_blob_bytes(h, i)
                                                      : 2 * 3 * i * h;
   // The slot pool keeps one layer of spare buffers for migration staging.
-  return 2 * non_expert_elems(config) + fp8_dense_bytes(config) +
+  return 2 * non_expert_elems(config, fp8) + fp8_dense_bytes(config, fp8) +
          (moe_layers + (moe_layers > 0 ? 1 : 0)) * num_slots * slot_bytes;
 }
 
-DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx)
-    : config_(config), placement_(placement), device_idx_(device_idx) {
+DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx,
+                             bool fp8_dense_gemms)
+    : config_(config), placement_(placement), device_idx_(device_idx), fp8_dense_(fp8_dense_for(config, fp8_dense_gemms)) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
   const int num_slots = config.moe_layer_indices().empty() ? 0 : placement.num_physical_experts();
-  const int64_t needed = bytes_needed(config, num_slots);
+  const int64_t needed = bytes_needed(config, num_slots, fp8_dense_gemms);
   size_t free_bytes = 0, total_bytes = 0;
   FULCRUM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   FULCRUM_CHECK(needed <= static_cast<int64_t>(free_bytes),
                 "the model's {} weights need {:.2f} GiB on GPU {}, which has {:.2f} GiB free of {:.2f} GiB",
-                fp8_experts_for(config) || fp8_dense_for(config).any() ? "bf16 + FP8" : "bf16", needed / kGiB, device_idx, free_bytes / kGiB, total_bytes / kGiB);
+                fp8_experts_for(config) || fp8_dense_.any() ? "bf16 + FP8" : "bf16", needed / kGiB, device_idx, free_bytes / kGiB, total_bytes / kGiB);
   bytes_ = needed;
-  FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(2 * non_expert_elems(config))));
+  FULCRUM_CUDA_CHECK(cudaMalloc(&base_, static_cast<size_t>(2 * non_expert_elems(config, fp8_dense_))));
 
-  const Fp8Dense fp8 = fp8_dense_for(config);
+  const Fp8Dense& fp8 = fp8_dense_;
   const int64_t h = config.hidden_size, d = config.head_dim, q = int64_t{config.num_attention_heads} * d;
   uint16_t* cursor = base_;
   const auto take = [&](int64_t elems) { uint16_t* p = cursor; cursor += elems; return p; };
@@ -199,9 +199,9 @@ DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Pl
     }
     layers_.push_back(w);
   }
-  const std::vector<Fp8Shape> shapes = fp8_dense_shapes(config);
+  const std::vector<Fp8Shape> shapes = fp8_dense_shapes(config, fp8);
   if (!shapes.empty()) {
-    FULCRUM_CUDA_CHECK(cudaMalloc(&fp8_base_, static_cast<size_t>(fp8_dense_bytes(config))));
+    FULCRUM_CUDA_CHECK(cudaMalloc(&fp8_base_, static_cast<size_t>(fp8_dense_bytes(config, fp8))));
     const size_t n = shapes.size();
     std::vector<const void*> table(2 * n);  // codes pointers, then scales pointers
     std::byte* at = fp8_base_ + fp8_table_bytes(n);
@@ -496,7 +496,7 @@ std::string scales_tensor(const std::string& stem) { return stem + ".scales"; }
 std::string DeviceWeights::cache_file(const std::string& dir) { return dir + "/gpu-rank0/model.safetensors"; }
 
 std::string DeviceWeights::weights_identity() const {
-  const Fp8Dense fp8 = fp8_dense_for(config_);
+  const Fp8Dense& fp8 = fp8_dense_;
   if (!fp8_experts() && !fp8.any()) return kBf16Weights;
   std::string parts;
   if (fp8_experts()) parts += " experts";

@@ -13,7 +13,9 @@
 // - the experts stay FP8 on the device, e4m3 codes and their 128x128 block scales in the slot pool's FP8 blobs,
 //   with the intermediate size padded to a multiple of 128 by zero rows (gate, up) and columns (down), so every
 //   scale block is whole: the padded model computes exactly the same function.
-// - the dense projections qkv, o and a dense layer's gate_up / down stay FP8 too (fp8_dense_for), in the layouts
+// - with fp8_dense_gemms (GpuEngineOptions::fp8_dense_gemms, off by default: on one H200 the FP8 dense GEMMs are
+//   slower than the bf16 ones beyond 4 rows, docs/benchmarks.md "FP8 dense projections"), the dense projections
+//   qkv, o and a dense layer's gate_up / down stay FP8 too (fp8_dense_for), in the layouts
 //   above as e4m3 codes with fp32 scales [in / 128][out / 128] (the checkpoint's weight_scale_inv transposed:
 //   gpu/fp8_weight.hpp), in LayerWeights' *_fp8 views (their bf16 pointers null). Only where every dimension
 //   and every concatenation seam falls on a 128 boundary: the FP8 grouped GEMM of prefill steps takes whole
@@ -59,21 +61,22 @@ struct LayerWeights {
 class DeviceWeights {
  public:
   // Bytes the weights of `config` with `num_slots` expert slots per MoE layer take on the device.
-  static int64_t bytes_needed(const model::Qwen3MoeConfig& config, int num_slots);
+  static int64_t bytes_needed(const model::Qwen3MoeConfig& config, int num_slots, bool fp8_dense_gemms);
   // Whether `config`'s experts stay FP8 on the device, and the intermediate size the slots hold (padded).
   static bool fp8_experts_for(const model::Qwen3MoeConfig& config);
   static int expert_intermediate_for(const model::Qwen3MoeConfig& config);
-  // Which dense projections of `config` stay FP8 on the device (all false for a bf16 config; see the file
-  // comment for the 128 rule). mlp: only when the model has dense MLP layers.
+  // Which dense projections of `config` stay FP8 on the device (all false for a bf16 config or without
+  // fp8_dense_gemms; see the file comment for the 128 rule). mlp: only when the model has dense MLP layers.
   struct Fp8Dense {
     bool qkv = false, o = false, mlp = false;
     bool any() const { return qkv || o || mlp; }
   };
-  static Fp8Dense fp8_dense_for(const model::Qwen3MoeConfig& config);
+  static Fp8Dense fp8_dense_for(const model::Qwen3MoeConfig& config, bool fp8_dense_gemms);
 
   // Allocates every tensor (contents undefined until a load or fill) for a placement of the MoE layers
   // (num_physical_experts slots each, all on this GPU). Throws a one-line error when it does not fit.
-  DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx);
+  DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx,
+                bool fp8_dense_gemms = false);
   ~DeviceWeights();
   DeviceWeights(const DeviceWeights&) = delete;
   DeviceWeights& operator=(const DeviceWeights&) = delete;
@@ -113,6 +116,7 @@ class DeviceWeights {
   const uint16_t* lm_head() const { return lm_head_; }   // [V, H] (the embedding when tied)
   backend::GpuSlotPool* slot_pool() { return slots_.get(); }  // null for a model without MoE layers
   bool fp8_experts() const { return fp8_experts_for(config_); }
+  const Fp8Dense& fp8_dense() const { return fp8_dense_; }
   int expert_intermediate_size() const { return expert_intermediate_for(config_); }
   int64_t bytes() const { return bytes_; }  // every weight on the device, the slot pool's spare layer included
 
@@ -142,6 +146,7 @@ class DeviceWeights {
   model::Qwen3MoeConfig config_;
   eplb::Placement placement_;
   int device_idx_ = 0;
+  Fp8Dense fp8_dense_;  // which dense projections this instance holds in FP8
   uint16_t* base_ = nullptr;  // the non-expert bf16 tensors
   std::byte* fp8_base_ = nullptr;  // FP8 dense projections: their device pointer table, then codes and scales
   int64_t bytes_ = 0;

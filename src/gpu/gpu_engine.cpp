@@ -106,11 +106,11 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
                   options_.placement.num_layers, options_.placement.num_logical_experts, num_moe, config.num_experts);
     options_.placement.validate();
   }
-  weights_ = std::make_unique<DeviceWeights>(config, options_.placement, options_.device);
+  weights_ = std::make_unique<DeviceWeights>(config, options_.placement, options_.device, options_.fp8_dense_gemms);
   {
     // FP8 projections (an FP8 checkpoint's): the quantized GEMM path's scratch, sized for a whole step's tokens
     // and the widest FP8 projection (every one runs with fp32 output).
-    const DeviceWeights::Fp8Dense fp8 = DeviceWeights::fp8_dense_for(config);
+    const DeviceWeights::Fp8Dense& fp8 = weights_->fp8_dense();
     const int64_t h = config.hidden_size, q = int64_t{config.num_attention_heads} * config.head_dim;
     const int64_t qkv = q + 2 * int64_t{config.num_key_value_heads} * config.head_dim, i = config.intermediate_size;
     DenseFp8Capacity capacity;

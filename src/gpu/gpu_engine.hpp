@@ -61,6 +61,10 @@ struct GpuEngineOptions {
   // MoE steps of at most this many entries (tokens x top-k) run the skinny expert path (backend::GpuMoeLayer;
   // 0: never), the rest CUTLASS's grouped GEMMs.
   int64_t skinny_max_entries = backend::kDefaultSkinnyMaxEntries;
+  // FP8 checkpoints: keep the dense projections (qkv, o, dense MLP) FP8 on the device too, half their bytes,
+  // where the 128 rule allows (DeviceWeights). Off: they are dequantized to bf16, which measured faster on one
+  // H200 at every step of more than 4 rows (docs/benchmarks.md, "FP8 dense projections"). `--fp8-dense-gemms`.
+  bool fp8_dense_gemms = false;
 };
 
 class GpuEngine final : public model::StepModel {

@@ -69,6 +69,7 @@ GpuStepExecutor::GpuStepExecutor(const GpuExecutorOptions& options) {
   eo.placement = engine::prepare_in_process_run(config, layout, options.run);
   eo.dispatch = options.run.engine.dispatch_algorithm;
   eo.dispatch_seed = options.run.engine.dispatch_seed;
+  eo.fp8_dense_gemms = options.run.fp8_dense_gemms;
   eo.kv_pages = options.scheduler.kv_pages;
   eo.page_size = options.scheduler.page_size;
   eo.max_batch_seqs = options.scheduler.max_running_requests;
