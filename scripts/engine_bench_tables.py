@@ -5,6 +5,8 @@ Usage: scripts/engine_bench_tables.py bench/results/generate_h200.json [bench/re
        scripts/engine_bench_tables.py --compare A.json B.json LABEL_A LABEL_B
        scripts/engine_bench_tables.py --prefix-cache PREFIX_CACHE.json ...
        scripts/engine_bench_tables.py --sweep SWEEP.json ...   (bench/run_gpu_env_sweep.sh runs gathered in one JSON)
+       scripts/engine_bench_tables.py --side-by-side LABEL=RUN.json ...   (runs of one call; ratios to the first)
+       scripts/engine_bench_tables.py --dense-fp8 bench/results/dense_fp8_gemm_h200.json
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
 """
 import json
@@ -100,6 +102,34 @@ def sweep(doc):
     print()
 
 
+def side_by_side(labelled):
+    """ms of every decode and prefill run in several `bench generate` files of one call, and the first / each."""
+    docs = [(label, json.load(open(path))) for label, path in labelled]
+    for label, doc in docs:
+        print(f"- {label}: `{doc['command']}` (commit {doc['git_commit']})")
+    print()
+    labels = [label for label, _ in docs]
+    print(row(["phase", "batch", "context"] + [f"{l} ms" for l in labels] + [f"{labels[0]} / {l}" for l in labels[1:]]))
+    print(row(["---"] + ["---:"] * (2 + 2 * len(labels) - 1)))
+    keyed = [{(r["phase"], r["batch"], r["context"]): r["ms_per_step"] for r in doc["runs"]} for _, doc in docs]
+    for key in keyed[0]:
+        ms = [k.get(key) for k in keyed]
+        print(row(list(key) + [f"{m:.3f}" if m else "" for m in ms] + [f"{ms[0] / m:.2f}x" if m else "" for m in ms[1:]]))
+    print()
+
+
+def dense_fp8(doc):
+    print(f"Run: `{doc['command']}` at commit {doc['git_commit']} on {doc['machine']['gpu']}. {doc['what']}.\n")
+    print(row(["projection", "n x k", "rows", "FP8 skinny us", "FP8 quantized (CUTLASS) us", "bf16 (engine's GEMM) us",
+               "best FP8 / bf16"]))
+    print(row(["---"] + ["---:"] * 6))
+    for r in doc["rows"]:
+        best = min(r["fp8_skinny_us"], r["fp8_quantized_cutlass_us"])
+        print(row([r["shape"], f"{r['n']} x {r['k']}", r["m"], f"{r['fp8_skinny_us']:.2f}", f"{r['fp8_quantized_cutlass_us']:.2f}",
+                   f"{r['bf16_engine_gemm_us']:.2f}", f"{best / r['bf16_engine_gemm_us']:.2f}"]))
+    print()
+
+
 args = sys.argv[1:]
 if args and args[0] == "--sweep":
     for path in args[1:]:
@@ -107,6 +137,13 @@ if args and args[0] == "--sweep":
     args = []
 elif args and args[0] == "--compare":
     compare(json.load(open(args[1])), json.load(open(args[2])), args[3], args[4])
+    args = []
+elif args and args[0] == "--side-by-side":
+    side_by_side([a.split("=", 1) for a in args[1:]])
+    args = []
+elif args and args[0] == "--dense-fp8":
+    for path in args[1:]:
+        dense_fp8(json.load(open(path)))
     args = []
 elif args and args[0] == "--prefix-cache":
     for path in args[1:]:

@@ -3,6 +3,7 @@
 
 Usage: scripts/moe_bench_tables.py bench/results/moe_layer_h200.json bench/results/moe_ep_h200x2.json
 (one-GPU runs with --torch-peer add the PyTorch peer table)
+       scripts/moe_bench_tables.py --fp8 bench/results/moe_fp8_sweep_h200.json   (the FP8 tables only)
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
 """
 import json
@@ -84,6 +85,25 @@ def fp8(doc, keys):
                    f"{f['layer_speedup_over_bf16']:.2f}x", f"{r['expert_gemm']['cutlass']['ms']:.3f} ms",
                    f"{f['experts_ms']:.3f} ms", f"{f['experts_speedup_over_bf16_cutlass']:.2f}x",
                    f"{f['experts_tflops']:.0f}", f"{f['experts_roofline_fraction']:.2f} ({f['experts_bound']})"]))
+    rows = [(m, t, r) for m, t, r in rows if "layer_ms_by_permute" in r["fp8"]]
+    if not rows:
+        return
+    print("\n### FP8 layer: quantization fused into the permutation or its own pass; expert stage by CUTLASS config\n")
+    print(header(["model", "T", "rows (T x 8)", "layer, fused", "layer, separate", "fused / separate", "experts, pingpong 64x128x128",
+                  "experts, cooperative 128x128x128", "cooperative / pingpong", "default config"]))
+    for m, t, r in rows:
+        f = r["fp8"]
+        lp, ec = f["layer_ms_by_permute"], f["experts_ms_by_config"]
+        print(row([m, t, 8 * t, f"{lp['fused_quantize']:.3f} ms", f"{lp['separate_quantize']:.3f} ms",
+                   f"{lp['fused_quantize'] / lp['separate_quantize']:.3f}", f"{ec['pingpong_64x128x128']:.3f} ms",
+                   f"{ec['cooperative_128x128x128']:.3f} ms",
+                   f"{ec['cooperative_128x128x128'] / ec['pingpong_64x128x128']:.3f}", f["default_config"]]))
+
+
+def fp8_only(doc):
+    keys = sorted({(r["model"], r["tokens"]) for r in doc["results"]}, key=lambda k: (k[0] != "qwen3-30b-a3b", k[1]))
+    print(f"<!-- {doc['command']} (commit {doc['git_commit']}, {doc['machine']['gpu']}) -->")
+    fp8(doc, keys)
 
 
 def torch_peer(doc, keys):
@@ -140,6 +160,10 @@ def expert_parallel(doc):
                    f"{g['pass_ms_with_migration']:.1f} ms", f"{100 * g['forward_inflation_fraction']:+.2f}%"]))
 
 
+if sys.argv[1:2] == ["--fp8"]:
+    for path in sys.argv[2:]:
+        fp8_only(json.load(open(path)))
+    sys.exit(0)
 for path in sys.argv[1:]:
     doc = json.load(open(path))
     print(f"<!-- {path}: {doc['command']} (commit {doc['git_commit']}, {doc['machine']['gpu']}) -->\n")

@@ -135,6 +135,13 @@ TEST(EngineCli, SeededSamplingAndEplbOnOneRankIsReported) {
                                          " --max-new-tokens 1 --prompt-tokens 1 --eplb-rebalance-num-iterations 3");
   EXPECT_NE(unused.err.find("--eplb-rebalance-num-iterations has no effect without --enable-eplb"), std::string::npos)
       << unused.err;
+  // A GPU-engine flag on the CPU: said, and the run is the plain one.
+  const CliRun gpu_flag = run_cli(dir, "generate --model " + golden_model_dir(k128e) + " --max-new-tokens 6" + kPrompts +
+                                           " --fp8-dense-gemms");
+  ASSERT_EQ(gpu_flag.exit_code, 0) << gpu_flag.err;
+  EXPECT_NE(gpu_flag.err.find("fulcrum: warning: --fp8-dense-gemms has no effect without --device cuda"), std::string::npos)
+      << gpu_flag.err;
+  EXPECT_EQ(tokens_of(gpu_flag.out), tokens_of(greedy.out));
 }
 
 TEST(EngineCli, BadEplbAndSamplingValuesAreOneLineErrors) {

@@ -23,7 +23,7 @@ void EngineFlags::add_to(CLI::App* cmd, const std::shared_ptr<EngineFlags>& flag
                   "Folder of per-rank weight caches: loaded when present (skipping the checkpoint), else written");
   cmd->add_flag("--fp8-dense-gemms", flags->fp8_dense_gemms,
                 "--device cuda, FP8 checkpoints: keep qkv / o / dense MLP FP8 on the GPU (half their memory; slower "
-                "than the default bf16 copies beyond 4 rows a step)");
+                "than the default bf16 copies at 8 rows a step and more)");
   cmd->add_option("--tp", flags->parallel.tp,
                   "Ranks per pipeline stage, every attention-DP group included (SGLang's --tp)")
       ->capture_default_str();

@@ -14,7 +14,7 @@
 //   with the intermediate size padded to a multiple of 128 by zero rows (gate, up) and columns (down), so every
 //   scale block is whole: the padded model computes exactly the same function.
 // - with fp8_dense_gemms (GpuEngineOptions::fp8_dense_gemms, off by default: on one H200 the FP8 dense GEMMs are
-//   slower than the bf16 ones beyond 4 rows, docs/benchmarks.md "FP8 dense projections"), the dense projections
+//   slower than the bf16 ones from 8 rows, docs/benchmarks.md "FP8 dense projections"), the dense projections
 //   qkv, o and a dense layer's gate_up / down stay FP8 too (fp8_dense_for), in the layouts
 //   above as e4m3 codes with fp32 scales [in / 128][out / 128] (the checkpoint's weight_scale_inv transposed:
 //   gpu/fp8_weight.hpp), in LayerWeights' *_fp8 views (their bf16 pointers null). Only where every dimension

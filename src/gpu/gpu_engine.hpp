@@ -62,8 +62,9 @@ struct GpuEngineOptions {
   // 0: never), the rest CUTLASS's grouped GEMMs.
   int64_t skinny_max_entries = backend::kDefaultSkinnyMaxEntries;
   // FP8 checkpoints: keep the dense projections (qkv, o, dense MLP) FP8 on the device too, half their bytes,
-  // where the 128 rule allows (DeviceWeights). Off: they are dequantized to bf16, which measured faster on one
-  // H200 at every step of more than 4 rows (docs/benchmarks.md, "FP8 dense projections"). `--fp8-dense-gemms`.
+  // where the 128 rule allows (DeviceWeights). Off (the default): dequantized to bf16. On one H200 the FP8 dense
+  // GEMMs win at 1 and 4 rows and lose from 8, so decode of 16+ sequences and prefill are faster with bf16 copies
+  // (docs/benchmarks.md, "FP8 dense projections"). `--fp8-dense-gemms`.
   bool fp8_dense_gemms = false;
 };
 

@@ -33,7 +33,7 @@ enum class Fp8GroupedGemmConfig : int { kPingpong64x128x128 = 0, kCooperative128
 constexpr int kNumFp8GroupedGemmConfigs = 2;
 // Total rows from which the cooperative config is used. Measured on one H200 (`bench moe` times both configs,
 // bench/results/moe_fp8_sweep_h200.json): pingpong wins by 8-12% at 2048 rows, the two are within 2% at 8192,
-// cooperative wins by 3-9% at 16384 and by 7-16% at 65536-262144.
+// cooperative wins by 3-9% at 16384 and by 6-16% at 65536-262144.
 constexpr int64_t kFp8GroupedGemmCooperativeMinRows = 16384;
 
 inline Fp8GroupedGemmConfig fp8_grouped_gemm_config_for_rows(int64_t total_rows) {
