@@ -1,7 +1,8 @@
 // Prompt logprobs on the GPU engine (StepSequence::prompt_targets: OpenAI echo + logprobs, lm-eval's scoring
-// request): the LM head over an entry's prompt rows, their log-softmax by model::prompt_entry on the host.
-// - against the engine's own forward_logits of the same prompt (host log-softmax of those logits, the same
-//   formula) and against Hugging Face transformers' fp32 logits on the golden fixture qwen3moe-tiny-128e,
+// request): the LM head over an entry's prompt rows, their log-softmax on the device (launch_top_logprobs with
+// each row's target for the sampled token), only the values back to the host.
+// - against the engine's own forward_logits of the same prompt (host log-softmax of those logits,
+//   model::token_logprob: the same formula, its exp and log the host's) and against Hugging Face transformers' fp32 logits on the golden fixture qwen3moe-tiny-128e,
 // - a prompt over two chunks against one chunk, a mixed batch (prompt rows of several entries beside decodes
 //   and entries that ask nothing), graphs still replayed after such steps, bad targets refused,
 // - a real `fulcrum serve --device cuda`: echo + logprobs + max_tokens 0 / 1 answers 200 with one entry a
@@ -13,7 +14,8 @@
 // skinny kernel for M <= 8, cuBLAS's kernel choice by M otherwise), i.e. the fp32 sum of the same K bf16 products
 // in another order: at most K 2^-24 sum|x w| per logit (K <= 256 here, sum|x w| of O(10) for these weights: about
 // 1e-4 at worst, ~1e-5 typically), and a logprob moves by at most twice its row's largest logit change
-// (log-sum-exp is 1-Lipschitz in the max norm). A wrong row or target moves values by ~0.1 nats or more.
+// (log-sum-exp is 1-Lipschitz in the max norm). The device's and the host's exp / log (double, a few ulps apart)
+// add ~1e-15. A wrong row or target moves values by ~0.1 nats or more.
 // Against transformers' fp32 logits: with e_j = max_i |forward_logits[j, i] - golden[j, i]| (the engine's bf16
 // error on row j, bounded by gpu_engine_test's kBf16LogitRelTolerance argument), |logprob - golden logprob| <=
 // 2 e_j + kHeadTolerance, by the same Lipschitz argument.

@@ -38,6 +38,41 @@ T* device_alloc(int64_t n, int64_t& total) {
 void check_launch(cudaError_t status, const char* what) {
   FULCRUM_CHECK(status == cudaSuccess, "GPU engine: {} failed: {}", what, cudaGetErrorString(status));
 }
+
+float float_of(int32_t bits) {
+  float v = 0.0f;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// One entry's prompt logprobs from GpuEngine::prompt_logprobs_to_host's copy (`host`: num_rows logprob bits, then
+// ids and logprob bits [num_rows, num_top]), its rows from first_row. A NaN value means the row's logits hold a NaN
+// or +inf or are all -inf (no finite maximum, which model::prompt_entry refuses too): the entry fails, false.
+bool fill_prompt_entry(const int32_t* host, const model::StepSequence& seq, int64_t first_row, int64_t num_rows,
+                       int num_top, int vocab, std::vector<model::TokenLogprob>& dst, std::string& error) {
+  const int32_t* const ids = host + num_rows;
+  const int32_t* const bits = ids + num_rows * num_top;
+  const int wanted = std::min({seq.top_logprobs, num_top, vocab});
+  dst.clear();
+  for (size_t j = 0; j < seq.prompt_targets.size(); ++j) {
+    const int64_t row = first_row + static_cast<int64_t>(j);
+    model::TokenLogprob lp;
+    lp.logprob = float_of(host[row]);
+    if (std::isnan(lp.logprob)) {
+      error = fmt::format("prompt logprobs: the logits of prompt row {} of {} hold a NaN or +inf, or are all -inf", j,
+                          seq.prompt_targets.size());
+      dst.clear();
+      return false;
+    }
+    for (int m = 0; m < wanted; ++m) {
+      const int64_t at = row * num_top + m;
+      lp.top_ids.push_back(ids[at]);
+      lp.top_logprobs.push_back(float_of(bits[at]));
+    }
+    dst.push_back(std::move(lp));
+  }
+  return true;
+}
 }  // namespace
 
 // Device buffers sized for the engine's capacities, allocated once.
@@ -55,7 +90,12 @@ struct GpuEngine::Workspace {
   float* logits = nullptr;     // [logit_rows, V]
   int32_t* head_rows = nullptr;       // [T] token rows through the LM head that do not sample (prompt rows of a
                                       // step; every row in forward_logits), filled per step from its host twin
-  int32_t* head_rows_host = nullptr;  // pinned [T]
+  int32_t* head_rows_host = nullptr;  // pinned [2 T]: head rows, then prompt targets
+  int32_t* prompt_targets = nullptr;  // [T] the token each prompt row's logprob is of (StepSequence::prompt_targets)
+  float* prompt_logprobs = nullptr;   // [T]
+  int32_t* prompt_top_ids = nullptr;  // [T, kMaxTopLogprobs] (row stride: the step's prompt top count)
+  float* prompt_top_logprobs = nullptr;  // [T, kMaxTopLogprobs]
+  int32_t* prompt_out_host = nullptr;    // pinned [T] logprob bits, [T, kMaxTopLogprobs] ids, then logprob bits
   int32_t* tokens = nullptr;   // [S]
   float* logprobs = nullptr;   // [S]
   int32_t* top_ids = nullptr;  // [S, kMaxTopLogprobs] (row stride: the step's top count)
@@ -74,6 +114,7 @@ struct GpuEngine::Workspace {
     if (step_host != nullptr) cudaFreeHost(step_host);
     if (out_host != nullptr) cudaFreeHost(out_host);
     if (head_rows_host != nullptr) cudaFreeHost(head_rows_host);
+    if (prompt_out_host != nullptr) cudaFreeHost(prompt_out_host);
   }
 };
 
@@ -154,7 +195,13 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
   w.head_x = static_cast<uint16_t*>(keep(device_alloc<uint16_t>(int64_t{w.logit_rows} * h, bytes)));
   w.logits = static_cast<float*>(keep(device_alloc<float>(int64_t{w.logit_rows} * config.vocab_size, bytes)));
   w.head_rows = static_cast<int32_t*>(keep(device_alloc<int32_t>(t, bytes)));
-  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.head_rows_host, sizeof(int32_t) * static_cast<size_t>(t)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.head_rows_host, sizeof(int32_t) * 2 * static_cast<size_t>(t)));
+  w.prompt_targets = static_cast<int32_t*>(keep(device_alloc<int32_t>(t, bytes)));
+  w.prompt_logprobs = static_cast<float*>(keep(device_alloc<float>(t, bytes)));
+  w.prompt_top_ids = static_cast<int32_t*>(keep(device_alloc<int32_t>(t * model::kMaxTopLogprobs, bytes)));
+  w.prompt_top_logprobs = static_cast<float*>(keep(device_alloc<float>(t * model::kMaxTopLogprobs, bytes)));
+  FULCRUM_CUDA_CHECK(cudaMallocHost(&w.prompt_out_host,
+                                    sizeof(int32_t) * (1 + 2 * model::kMaxTopLogprobs) * static_cast<size_t>(t)));
   w.tokens = static_cast<int32_t*>(keep(device_alloc<int32_t>(s, bytes)));
   w.logprobs = static_cast<float*>(keep(device_alloc<float>(s, bytes)));
   w.top_ids = static_cast<int32_t*>(keep(device_alloc<int32_t>(int64_t{s} * model::kMaxTopLogprobs, bytes)));
@@ -426,10 +473,32 @@ void GpuEngine::sample(const StepShape& shape) {
                "sampler");
 }
 
-void GpuEngine::upload_head_rows(int64_t num_rows) {
+void GpuEngine::upload_head_rows(int64_t num_rows, bool targets) {
   if (num_rows == 0) return;
   FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->head_rows, ws_->head_rows_host, 4 * static_cast<size_t>(num_rows),
                                      cudaMemcpyHostToDevice, stream_));
+  if (!targets) return;
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(ws_->prompt_targets, ws_->head_rows_host + options_.max_batch_tokens,
+                                     4 * static_cast<size_t>(num_rows), cudaMemcpyHostToDevice, stream_));
+}
+
+void GpuEngine::prompt_logprobs_to_host(int64_t num_rows, int num_top) {
+  if (num_rows == 0) return;
+  const int v = config_.vocab_size;
+  for (int64_t first = 0; first < num_rows; first += ws_->logit_rows) {
+    const int n = static_cast<int>(std::min<int64_t>(ws_->logit_rows, num_rows - first));
+    head(ws_->head_rows + first, n, ws_->logits);
+    check_launch(static_cast<cudaError_t>(launch_top_logprobs(
+                     ws_->logits, v, n, v, num_top, ws_->prompt_targets + first, ws_->prompt_logprobs + first,
+                     ws_->prompt_top_ids + first * num_top, ws_->prompt_top_logprobs + first * num_top, stream_)),
+                 "prompt logprobs");
+  }
+  const size_t rows = static_cast<size_t>(num_rows), tops = rows * static_cast<size_t>(num_top);
+  int32_t* const host = ws_->prompt_out_host;
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host, ws_->prompt_logprobs, 4 * rows, cudaMemcpyDeviceToHost, stream_));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host + rows, ws_->prompt_top_ids, 4 * tops, cudaMemcpyDeviceToHost, stream_));
+  FULCRUM_CUDA_CHECK(
+      cudaMemcpyAsync(host + rows + tops, ws_->prompt_top_logprobs, 4 * tops, cudaMemcpyDeviceToHost, stream_));
 }
 
 void GpuEngine::head_rows_to_host(int64_t num_rows, float* host_logits) {
@@ -469,15 +538,21 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     num_prompt_rows += static_cast<int64_t>(seq.prompt_targets.size());
   }
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
+  int prompt_top = 1;  // the prompt rows' top count: the most any entry with targets asks for (the kernel's least is 1)
   if (num_prompt_rows > 0) {  // each entry's last prompt_targets.size() rows before its sampling row
     int64_t first_row = 0, k = 0;
+    int32_t* const targets = ws_->head_rows_host + options_.max_batch_tokens;
     for (const model::StepSequence& seq : batch) {
       const auto n = static_cast<int64_t>(seq.token_ids.size()), size = static_cast<int64_t>(seq.prompt_targets.size());
       const int64_t from = first_row + n - (seq.sample ? 1 : 0) - size;
-      for (int64_t j = 0; j < size; ++j) ws_->head_rows_host[k++] = static_cast<int32_t>(from + j);
+      for (int64_t j = 0; j < size; ++j, ++k) {
+        ws_->head_rows_host[k] = static_cast<int32_t>(from + j);
+        targets[k] = seq.prompt_targets[static_cast<size_t>(j)];
+      }
+      if (size > 0) prompt_top = std::max(prompt_top, seq.top_logprobs);
       first_row += n;
     }
-    upload_head_rows(num_prompt_rows);
+    upload_head_rows(num_prompt_rows, /*targets=*/true);
   }
   plan_attention(shape);
   // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice. A step
@@ -517,12 +592,9 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(host_top_bits, ws_->top_logprobs, n, cudaMemcpyDeviceToHost, stream_));
   }
   // Prompt rows: the LM head over them into ws_->logits, after the sampler and the top logprobs have read the
-  // sampled rows' logits (stream order), and their logits to the host, where model::prompt_entry takes the
-  // log-softmax (the sampled rows' formula; a device kernel could take it instead, as launch_top_logprobs does
-  // for sampled rows, and copy back only the values).
-  const int64_t v = config_.vocab_size;
-  std::vector<float> prompt_logits(static_cast<size_t>(num_prompt_rows * v));
-  head_rows_to_host(num_prompt_rows, prompt_logits.data());
+  // sampled rows' logits (stream order), their log-softmax values on the device (the sampled rows' kernel and
+  // formula, model::token_logprob_with_top), and only those values to the host.
+  prompt_logprobs_to_host(num_prompt_rows, prompt_top);
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   advance(batch);
 
@@ -533,14 +605,8 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     const auto num_prompt = static_cast<int64_t>(batch[i].prompt_targets.size());
     bool prompt_failed = false;
     if (num_prompt > 0) {  // as the CPU engine: a row without a finite maximum fails this entry only
-      try {
-        model::prompt_entry(std::span<const float>(prompt_logits).subspan(static_cast<size_t>(prompt_row * v),
-                                                                          static_cast<size_t>(num_prompt * v)),
-                            batch[i], out, i);
-      } catch (const std::exception& e) {
-        out.errors[i] = e.what();
-        prompt_failed = true;
-      }
+      prompt_failed = !fill_prompt_entry(ws_->prompt_out_host, batch[i], prompt_row, num_prompt_rows, prompt_top,
+                                         config_.vocab_size, out.prompt_logprobs[i], out.errors[i]);
       prompt_row += num_prompt;
     }
     if (!batch[i].sample) continue;

@@ -10,8 +10,8 @@
 //         add + RMSNorm of the rows that sample -> LM head -> sampler; then, in a step whose entries ask for
 //         prompt logprobs (StepSequence::prompt_targets), final add + RMSNorm + LM head of those prompt rows
 //   host: one copy of the sampled tokens (and logprobs; top logprobs, sampler_top_logprobs.hpp, when a row
-//         asks) back, the only wait of the step; prompt rows' logits come back too and model::prompt_entry
-//         takes their log-softmax on the host.
+//         asks) back, the only wait of the step; prompt rows' log-softmax values are taken on the device by the
+//         same kernel (the target in place of the sampled token) and come back with them.
 // Decode steps (every sequence one new token) replay a CUDA graph captured per (batch size, KV-length bucket);
 // prefill and mixed steps, and every step with prompt rows, run eagerly. Weights are bf16 (FP8 checkpoints: experts
 // and, where their shapes allow, dense projections e4m3 with 128x128 scales), the residual stream fp32, KV pages bf16.
@@ -130,12 +130,18 @@ class GpuEngine final : public model::StepModel {
   void add_norm(bool with_delta, const uint16_t* weight, const int32_t* rows, int64_t num_rows, uint16_t* out,
                 const char* what, bool keep_pending = false);
   void sample(const StepShape& shape);
-  // ws_->head_rows [0, num_rows) <- its pinned host twin (filled by the caller since the last wait).
-  void upload_head_rows(int64_t num_rows);
+  // ws_->head_rows [0, num_rows) <- its pinned host twin (filled by the caller since the last wait), and with
+  // targets, ws_->prompt_targets [0, num_rows) <- theirs.
+  void upload_head_rows(int64_t num_rows, bool targets = false);
   // The LM head over the token rows ws_->head_rows [0, num_rows), logit_rows at a time through ws_->logits,
   // into host_logits [num_rows, V] (enqueued; valid after the stream's next wait). Eager only: it rewrites
   // ws_->logits, so it follows whatever reads the sampled rows' logits.
   void head_rows_to_host(int64_t num_rows, float* host_logits);
+  // The LM head over the prompt rows ws_->head_rows [0, num_rows) the same way, each chunk's log-softmax values
+  // of its targets and num_top best tokens by launch_top_logprobs (the targets standing for sampled tokens), and
+  // those values to ws_->prompt_out_host: [num_rows] logprob bits, [num_rows, num_top] ids, [num_rows, num_top]
+  // logprob bits (enqueued; valid after the stream's next wait). Eager only, as head_rows_to_host.
+  void prompt_logprobs_to_host(int64_t num_rows, int num_top);
   void run_decode_graph(const StepShape& shape);
   void advance(std::span<const model::StepSequence> batch);
 
