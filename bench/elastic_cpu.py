@@ -96,6 +96,8 @@ def main():
                 f"(--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens}) without a fault, "
                 f"then with rank {args.kill_rank} killed (SIGKILL) once a quarter of the requests had completed",
         "command": " ".join(serve),
+        "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip(),
         "host_cpus": os.cpu_count(),
         "host_load_average_at_end": os.getloadavg()[0],
         "fault_free": fault_free,
