@@ -32,6 +32,7 @@
 #include "model/rng.hpp"
 #include "model/safetensors.hpp"
 #include "model_golden_util.hpp"
+#include "gpu_engine_test_util.hpp"
 #include "model_test_util.hpp"
 
 namespace fulcrum::test {
@@ -57,21 +58,6 @@ gpu::GpuEngineOptions fp8_options() {
   o.kv_pages = 256;
   o.fp8_dense_gemms = true;
   return o;
-}
-
-std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
-  model::Rng rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& v : t) v = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(vocab));
-  return t;
-}
-
-model::StepSequence entry(model::SequenceId id, std::span<const int32_t> tokens, bool sample) {
-  model::StepSequence s;
-  s.id = id;
-  s.token_ids = tokens;
-  s.sample = sample;
-  return s;
 }
 
 // Each prompt alone in one step (its length is the GEMMs' m): all its logits.
@@ -239,22 +225,7 @@ TEST_F(GpuEngineFp8Test, WeightCacheOfTheOtherDtypeIsRefused) {
 
 // A small FP8 config whose every dense projection is FP8 (q 8 x 64, kv 2 x 64, intermediate 384).
 model::Qwen3MoeConfig small_fp8_config() {
-  model::Qwen3MoeConfig c;
-  c.vocab_size = 512;
-  c.hidden_size = 256;
-  c.intermediate_size = 384;
-  c.moe_intermediate_size = 128;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.num_experts = 32;
-  c.num_experts_per_tok = 4;
-  c.mlp_only_layers = {1};
-  c.norm_topk_prob = true;
-  c.rms_norm_eps = 1e-6f;
-  c.rope_theta = 1e6;
-  c.max_position_embeddings = 40960;
+  model::Qwen3MoeConfig c = small_config();
   c.quantization = model::Fp8BlockQuantization{};
   return c;
 }
@@ -291,38 +262,11 @@ TEST_F(GpuEngineFp8Test, FillRandomFillsFp8Projections) {
 // Greedy decoding of 10 sequences (m = 10: the quantized FP8 path) eager and through graphs: the same tokens and
 // logprob bits.
 std::vector<std::pair<int32_t, float>> decode_fp8(bool graphs, int steps, gpu::GpuEngine::Counters* counters) {
-  const model::Qwen3MoeConfig config = small_fp8_config();
   gpu::GpuEngineOptions options = fp8_options();
   options.cuda_graphs = graphs;
-  gpu::GpuEngine engine(config, options);
+  gpu::GpuEngine engine(small_fp8_config(), options);
   engine.fill_random(5);
-  const int batch = 10;
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<model::StepSequence> first;
-  for (int i = 0; i < batch; ++i) {
-    prompts.push_back(random_tokens(3 + 7 * i, config.vocab_size, 7 + i));
-    engine.allocate(i, static_cast<int64_t>(prompts.back().size()) + steps + 1);
-  }
-  for (int i = 0; i < batch; ++i) first.push_back(entry(i, prompts[i], true));
-  model::StepOutput out = engine.step(first);
-  std::vector<std::pair<int32_t, float>> seen;
-  std::vector<int32_t> last = out.tokens;
-  for (int s = 0; s < steps; ++s) {
-    std::vector<model::StepSequence> b;
-    for (int i = 0; i < batch; ++i) {
-      b.push_back(entry(i, std::span(&last[i], 1), true));
-      b.back().want_logprob = true;
-    }
-    out = engine.step(b);
-    for (int i = 0; i < batch; ++i) {
-      EXPECT_TRUE(out.errors[i].empty()) << out.errors[i];
-      EXPECT_TRUE(std::isfinite(out.logprobs[i]));
-      seen.emplace_back(out.tokens[i], out.logprobs[i]);
-      last[i] = out.tokens[i];
-    }
-  }
-  if (counters != nullptr) *counters = engine.counters();
-  return seen;
+  return greedy_decode(engine, /*batch=*/10, /*prompt_step=*/7, steps, counters);
 }
 
 TEST_F(GpuEngineFp8Test, Fp8DecodeGraphsReplayToEagerBits) {

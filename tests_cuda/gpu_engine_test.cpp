@@ -41,6 +41,7 @@
 #include "model/synthetic_model.hpp"
 #include "eplb/error.hpp"
 #include "model_golden_util.hpp"
+#include "gpu_engine_test_util.hpp"
 #include "model_test_util.hpp"
 
 namespace fulcrum::test {
@@ -66,42 +67,6 @@ class GpuEngineTest : public ::testing::Test {
     if (backend::CudaBackend::device_count() == 0) GTEST_SKIP() << "no CUDA device: the GPU engine tests need a GPU";
   }
 };
-
-model::StepSequence entry(model::SequenceId id, std::span<const int32_t> tokens, bool sample) {
-  model::StepSequence s;
-  s.id = id;
-  s.token_ids = tokens;
-  s.sample = sample;
-  return s;
-}
-
-// A small MoE config whose shapes suit every kernel path (multiples of 16), with random device weights.
-model::Qwen3MoeConfig small_config(int layers = 3) {
-  model::Qwen3MoeConfig c;
-  c.vocab_size = 512;
-  c.hidden_size = 256;
-  c.intermediate_size = 384;
-  c.moe_intermediate_size = 128;
-  c.num_hidden_layers = layers;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.num_experts = 32;
-  c.num_experts_per_tok = 4;
-  c.mlp_only_layers = {1};
-  c.norm_topk_prob = true;
-  c.rms_norm_eps = 1e-6f;
-  c.rope_theta = 1e6;
-  c.max_position_embeddings = 40960;
-  return c;
-}
-
-std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
-  model::Rng rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& v : t) v = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(vocab));
-  return t;
-}
 
 struct GoldenCase {
   const char* fixture;
@@ -246,35 +211,9 @@ TEST_F(GpuEngineTest, RaggedBatchesAloneTogetherAndChunkedAgree) {
 
 // Greedy decoding of a batch: the tokens and logprobs of graph replays equal those of eager steps, bit for bit.
 std::vector<std::pair<int32_t, float>> decode_run(gpu::GpuEngineOptions options, int steps, gpu::GpuEngine::Counters* counters) {
-  const model::Qwen3MoeConfig config = small_config();
-  gpu::GpuEngine engine(config, options);
+  gpu::GpuEngine engine(small_config(), options);
   engine.fill_random(5);
-  const int batch = 5;
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<model::StepSequence> first;
-  for (int i = 0; i < batch; ++i) {
-    prompts.push_back(random_tokens(3 + 40 * i, config.vocab_size, 7 + i));
-    engine.allocate(i, static_cast<int64_t>(prompts.back().size()) + steps + 1);
-  }
-  for (int i = 0; i < batch; ++i) first.push_back(entry(i, prompts[i], true));
-  model::StepOutput out = engine.step(first);
-  std::vector<std::pair<int32_t, float>> seen;
-  std::vector<int32_t> last = out.tokens;
-  for (int s = 0; s < steps; ++s) {
-    std::vector<model::StepSequence> b;
-    for (int i = 0; i < batch; ++i) {
-      b.push_back(entry(i, std::span(&last[i], 1), true));
-      b.back().want_logprob = true;
-    }
-    out = engine.step(b);
-    for (int i = 0; i < batch; ++i) {
-      EXPECT_TRUE(out.errors[i].empty()) << out.errors[i];
-      seen.emplace_back(out.tokens[i], out.logprobs[i]);
-      last[i] = out.tokens[i];
-    }
-  }
-  if (counters != nullptr) *counters = engine.counters();
-  return seen;
+  return greedy_decode(engine, /*batch=*/5, /*prompt_step=*/40, steps, counters);
 }
 
 TEST_F(GpuEngineTest, GraphReplayEqualsEagerBitwise) {

@@ -35,6 +35,7 @@
 #include "http_raw_client.hpp"
 #include "model/rng.hpp"
 #include "model_golden_util.hpp"
+#include "gpu_engine_test_util.hpp"
 #include "model_test_util.hpp"
 #include "server_process.hpp"
 
@@ -51,48 +52,12 @@ class GpuPromptLogprobsTest : public ::testing::Test {
   }
 };
 
-model::StepSequence entry(model::SequenceId id, std::span<const int32_t> tokens, bool sample) {
-  model::StepSequence s;
-  s.id = id;
-  s.token_ids = tokens;
-  s.sample = sample;
-  return s;
-}
-
-// gpu_engine_test's small MoE config (a dense layer among MoE layers), random device weights.
-model::Qwen3MoeConfig small_config() {
-  model::Qwen3MoeConfig c;
-  c.vocab_size = 512;
-  c.hidden_size = 256;
-  c.intermediate_size = 384;
-  c.moe_intermediate_size = 128;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.num_experts = 32;
-  c.num_experts_per_tok = 4;
-  c.mlp_only_layers = {1};
-  c.norm_topk_prob = true;
-  c.rms_norm_eps = 1e-6f;
-  c.rope_theta = 1e6;
-  c.max_position_embeddings = 40960;
-  return c;
-}
-
 gpu::GpuEngineOptions small_options() {
   gpu::GpuEngineOptions o;
   o.max_batch_tokens = 2048;
   o.max_batch_seqs = 16;  // the head takes 256 rows a call: longer prompts take several
   o.kv_pages = 512;
   return o;
-}
-
-std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
-  model::Rng rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& v : t) v = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(vocab));
-  return t;
 }
 
 std::span<const float> row_of(const model::HostTensor& logits, int64_t row) {
