@@ -126,6 +126,9 @@ std::vector<SlotSources> slot_sources(const std::string& log) {
   for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
     all.push_back({.local = std::stoi((*it)[1]), .received = std::stoi((*it)[2]), .checkpoint = std::stoi((*it)[4]),
                    .experts_from_checkpoint = std::stoi((*it)[5]), .bytes_received = std::stoll((*it)[3])});
+    std::cout << "[ elastic ] expert slots: " << all.back().local << " local, " << all.back().received
+              << " received (" << all.back().bytes_received << " bytes), " << all.back().checkpoint
+              << " from the checkpoint\n";
   }
   return all;
 }
