@@ -97,6 +97,22 @@ TEST(RebuildSlots, ARankThatRejoinedReceivesEverySlotAndNoneIsReadFromTheCheckpo
   EXPECT_EQ(plan.fills[0][6].src_rank, 3);
 }
 
+TEST(RebuildSlots, ThePlacementsBlocksGoToTheRanksHoldingTheirExperts) {
+  // Old ranks held {0, 1}, {2, 3}, {4, 5}, {6, 7}; old rank 3 lost, new rank 1 rejoining (holds nothing), new
+  // rank 3 was old rank 1.
+  const eplb::Placement from = placement_of(4, {{0, 1, 2, 3, 4, 5, 6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}}, 8);
+  const HeldTable held = table_of(from, {0, -1, 2, 1});
+  // Layer 0 planned as blocks [4, 5] [6, 7] [2, 3] [0, 1]; layer 1 already aligned.
+  const eplb::Placement planned = placement_of(4, {{4, 5, 6, 7, 2, 3, 0, 1}, {0, 1, 6, 7, 4, 5, 2, 3}}, 8);
+  const eplb::Placement aligned = align_to_held(planned, held);
+  // Layer 0: [4, 5] -> rank 2 (2 held), [2, 3] -> rank 3 (2), [0, 1] -> rank 0 (2), [6, 7] -> rank 1 (what is left).
+  const std::vector<int32_t> want0 = {0, 1, 6, 7, 4, 5, 2, 3};
+  EXPECT_EQ(std::vector<int32_t>(aligned.layer(0).begin(), aligned.layer(0).end()), want0);
+  EXPECT_EQ(std::vector<int32_t>(aligned.layer(1).begin(), aligned.layer(1).end()), want0);
+  EXPECT_EQ(plan_rebuild_slots(aligned, held).num_local, 2 * 6);
+  EXPECT_LT(plan_rebuild_slots(planned, held).num_local, 2 * 6);
+}
+
 struct RankOutcome {
   RebuildFillStats stats;
   bool every_slot_right = false;

@@ -74,6 +74,42 @@ HeldTable gather_held(const HeldExperts& mine, int num_experts, comm::Communicat
   return table;
 }
 
+eplb::Placement align_to_held(eplb::Placement placement, const HeldTable& held) {
+  const eplb::Topology& topo = placement.topology;
+  const int n = topo.num_gpus, per_rank = topo.slots_per_gpu();
+  FULCRUM_CHECK(n == held.num_ranks && placement.num_layers == held.num_layers,
+                "rebuild: the placement has {} EP ranks and {} layers, the held table {} and {}", n,
+                placement.num_layers, held.num_ranks, held.num_layers);
+  for (int l = 0; l < placement.num_layers; ++l) {
+    const auto row = placement.layer(l);
+    const std::vector<int32_t> planned(row.begin(), row.end());
+    std::vector<int> overlap(static_cast<size_t>(n) * n, 0);  // [block, rank]: slots of the block the rank holds
+    for (int b = 0; b < n; ++b) {
+      for (int s = b * per_rank; s < (b + 1) * per_rank; ++s) {
+        for (int r = 0; r < n; ++r) overlap[static_cast<size_t>(b) * n + r] += held.holds(r, l, planned[s]) ? 1 : 0;
+      }
+    }
+    std::vector<bool> block_taken(static_cast<size_t>(n), false), rank_taken(static_cast<size_t>(n), false);
+    for (int k = 0; k < n; ++k) {
+      int best_b = -1, best_r = -1;
+      for (int b = 0; b < n; ++b) {
+        for (int r = 0; r < n && !block_taken[b]; ++r) {
+          if (rank_taken[r]) continue;
+          if (best_b < 0 || overlap[static_cast<size_t>(b) * n + r] > overlap[static_cast<size_t>(best_b) * n + best_r]) {
+            best_b = b;
+            best_r = r;
+          }
+        }
+      }
+      block_taken[best_b] = rank_taken[best_r] = true;
+      std::copy(planned.begin() + best_b * per_rank, planned.begin() + (best_b + 1) * per_rank,
+                row.begin() + best_r * per_rank);
+    }
+  }
+  placement.validate();
+  return placement;
+}
+
 bool RebuildSlotPlan::reads_from_checkpoint(int rank, int moe_layer_idx, int local_slot) const {
   const int slot = rank * topology.slots_per_gpu() + local_slot;
   return fills.at(static_cast<size_t>(moe_layer_idx)).at(static_cast<size_t>(slot)).source == SlotSource::kCheckpoint;

@@ -5,7 +5,8 @@
 //   1. keep_held_experts    before the old rank goes: one host copy of each logical expert its slots hold,
 //                           per MoE layer (a rank that rejoins, a fresh process, holds nothing);
 //   2. gather_held          collective over the new world: which logical experts each of its ranks holds;
-//   3. plan_rebuild_slots   every rank computes the same plan from the new placement and that table: a slot
+//   3. align_to_held        the re-planned placement's blocks of slots go to the ranks holding most of them;
+//      plan_rebuild_slots   every rank computes the same plan from the new placement and that table: a slot
 //                           of new EP rank d holding logical expert e is filled
 //                             kLocal       from d's own held copy when d holds e,
 //                             kSurvivor    else from the lowest new-world rank that holds e,
@@ -55,6 +56,11 @@ struct HeldTable {
 
 // Collective over `world`: every rank's HeldExperts as one table (the same on every rank).
 HeldTable gather_held(const HeldExperts& mine, int num_experts, comm::Communicator& world);
+
+// `placement` with, in each MoE layer, its EP ranks' blocks of slots handed out again so that the ranks already
+// hold most of their new slots' experts (greedy: the (block, rank) pair with the most such slots first, ties to
+// the lowest block, then rank). A block moves whole, so every rank's load and the balance are unchanged.
+eplb::Placement align_to_held(eplb::Placement placement, const HeldTable& held);
 
 enum class SlotSource : uint8_t { kLocal, kSurvivor, kCheckpoint };
 

@@ -557,7 +557,11 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   group_hosts_ = next.group_hosts;
   layout_ = std::make_unique<engine::ParallelLayout>(
       surviving_flags(options_.parallel, config_.num_experts, next.num_physical_experts, n), config_);
-  initial_placement_ = num_moe_layers > 0 ? replan_placement(loads, next.num_physical_experts, n) : eplb::Placement{};
+  std::optional<engine::HeldTable> holders;  // who holds which expert, over the new world
+  if (num_moe_layers > 0) holders = engine::gather_held(*held_, config_.num_experts, *world_);
+  initial_placement_ = num_moe_layers > 0
+                           ? engine::align_to_held(replan_placement(loads, next.num_physical_experts, n), *holders)
+                           : eplb::Placement{};
   engine::InProcessRun run = options_.run;
   run.weight_cache_dir.clear();  // its files are the old layout's ranks
   run.on_layer_loaded = nullptr;
@@ -565,7 +569,7 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   // process holds, else from the lowest-ranked survivor holding one, else (no replica survived) the checkpoint.
   std::optional<engine::RebuildSlotPlan> plan;
   if (num_moe_layers > 0) {
-    plan = engine::plan_rebuild_slots(initial_placement_, engine::gather_held(*held_, config_.num_experts, *world_));
+    plan = engine::plan_rebuild_slots(initial_placement_, *holders);
     run.read_expert_slot = [&plan, rank = world_->rank()](int moe_layer_idx, int local_slot) {
       return plan->reads_from_checkpoint(rank, moe_layer_idx, local_slot);
     };
