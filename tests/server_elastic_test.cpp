@@ -110,6 +110,29 @@ std::vector<double> recovery_seconds(const std::string& log) {
   return seconds;
 }
 
+// One rebuild's expert slots by source, over the whole world (world rank 0's line).
+struct SlotSources {
+  int local = 0, received = 0, checkpoint = 0, experts_from_checkpoint = 0;
+  int64_t bytes_received = 0;
+  int total() const { return local + received + checkpoint; }
+};
+
+// Every rebuild's line, in order.
+std::vector<SlotSources> slot_sources(const std::string& log) {
+  const std::regex line("elastic: expert slots of epoch [0-9]+'s world: ([0-9]+) copied locally, ([0-9]+) received "
+                        "from surviving replicas \\(([0-9]+) bytes\\), ([0-9]+) read from the checkpoint \\(([0-9]+) "
+                        "logical expert\\(s\\) held by no survivor\\); non-expert weights read from the checkpoint");
+  std::vector<SlotSources> all;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
+    all.push_back({.local = std::stoi((*it)[1]), .received = std::stoi((*it)[2]), .checkpoint = std::stoi((*it)[4]),
+                   .experts_from_checkpoint = std::stoi((*it)[5]), .bytes_received = std::stoll((*it)[3])});
+    std::cout << "[ elastic ] expert slots: " << all.back().local << " local, " << all.back().received
+              << " received (" << all.back().bytes_received << " bytes), " << all.back().checkpoint
+              << " from the checkpoint\n";
+  }
+  return all;
+}
+
 // `reprefilled`: the fault struck live requests (mid-decode), whose state the recovery rebuilt.
 void expect_recovered(const ServerProcess& server, int recoveries, int live_ranks, const std::string& lost,
                       bool reprefilled = true) {
@@ -146,6 +169,15 @@ TEST(ElasticServe, AKilledRankUnderConcurrentClientsLosesNoRequestAndChangesNoOu
               std::string::npos)
         << server.log();
     expect_recovered(server, 1, 3, "2");
+    // 128 experts, 4 MoE layers, 32 per rank and no redundant slot: rank 2's 32 of each layer no survivor holds
+    // come from the checkpoint (129 slots: its extra slot may hold one of them too), every other slot from a copy.
+    const std::vector<SlotSources> sources = slot_sources(server.log());
+    ASSERT_EQ(sources.size(), 1u) << server.log();
+    EXPECT_EQ(sources[0].experts_from_checkpoint, 4 * 32) << server.log();
+    EXPECT_GE(sources[0].checkpoint, 4 * 32);
+    EXPECT_LE(sources[0].checkpoint, 4 * 33);
+    EXPECT_EQ(sources[0].total(), 4 * 129);
+    EXPECT_EQ(sources[0].received == 0, sources[0].bytes_received == 0);
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);  // and the smaller world goes on
     EXPECT_EQ(server.terminate(), 0) << server.log();
   }
@@ -323,7 +355,7 @@ TEST(ElasticServe, ARankKilledDuringALiveMigrationChangesNoOutput) {
 // An initial placement (--init-expert-location) over 256 slots (--ep-num-redundant-experts 128), 64 per rank, where
 // every expert has two replicas except, in MoE layer l, experts 0..l held by rank 2 alone (their slots on rank 0
 // hold extra copies of experts 64..64+l): killing rank 2 loses the last replica of 1 + 2 + 3 + 4 = 10 logical
-// experts, which no survivor can send; the recovery reloads them (every slot, in fact) from the checkpoint.
+// experts, which no survivor can send; the recovery reloads them from the checkpoint, the other slots from copies.
 TEST(ElasticServe, ExpertsWhoseLastReplicaIsLostAreReloadedFromTheCheckpoint) {
   std::signal(SIGPIPE, SIG_IGN);
   const auto& reference = fault_free();
@@ -350,6 +382,11 @@ TEST(ElasticServe, ExpertsWhoseLastReplicaIsLostAreReloadedFromTheCheckpoint) {
               std::string::npos)
         << server.log();
     EXPECT_NE(server.log().find("192 slots per MoE layer"), std::string::npos) << server.log();  // 64 on each survivor
+    const std::vector<SlotSources> sources = slot_sources(server.log());
+    ASSERT_EQ(sources.size(), 1u) << server.log();
+    EXPECT_EQ(sources[0].experts_from_checkpoint, 10) << server.log();  // the others came from survivors' copies
+    EXPECT_GE(sources[0].checkpoint, 10);
+    EXPECT_EQ(sources[0].total(), 4 * 192);
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
     EXPECT_EQ(server.terminate(), 0) << server.log();
   }
@@ -416,6 +453,16 @@ TEST(ElasticServe, AKilledRankRestartedWithItsCommandRejoins) {
     EXPECT_NE(after.find("re-planned onto tp 4 (attention: 4 DP group(s) x 1 TP), ep 4"), std::string::npos) << log;
     EXPECT_NE(after.find("128 slots per MoE layer"), std::string::npos) << log;  // the launch's 32 per rank
     EXPECT_NE(after.find("KV groups moved: none"), std::string::npos) << log;   // group 2 is home again
+    // The recovery read rank 2's experts from the checkpoint; the rejoin reads none: every expert survived, and
+    // the newcomer (holding none) received its 32 slots of each MoE layer.
+    const std::vector<SlotSources> sources = slot_sources(log);
+    ASSERT_EQ(sources.size(), 2u) << log;
+    EXPECT_EQ(sources[0].experts_from_checkpoint, 4 * 32) << log;
+    EXPECT_EQ(sources[1].checkpoint, 0) << log;
+    EXPECT_EQ(sources[1].experts_from_checkpoint, 0) << log;
+    EXPECT_GE(sources[1].received, 4 * 32) << log;
+    EXPECT_GT(sources[1].bytes_received, 0) << log;
+    EXPECT_EQ(sources[1].total(), 4 * 128) << log;
     EXPECT_EQ(count_of(log, "fulcrum: error: "), 0) << log;
     const std::regex done("elastic: rejoin done in ([0-9.]+) s \\(newcomer taken -> first completed step\\), 4 live rank");
     ASSERT_TRUE(std::regex_search(after, m, done)) << log;

@@ -19,6 +19,8 @@ void load_rank_weights(model::Qwen3MoeModel& model, const std::string& model_dir
   const auto progress = [&](int done, int total) {
     if (run.on_layer_loaded) run.on_layer_loaded(rank, done, total);
   };
+  FULCRUM_CHECK(!run.read_expert_slot || cache_dir.empty(),
+                "rank {}: expert slots written by the caller cannot load from a weight cache", rank);
   if (!cache_file.empty() && std::filesystem::exists(cache_file)) {
     model.load_weight_cache(cache_file);
     const int owned = model.end_layer() - model.start_layer();
@@ -26,7 +28,7 @@ void load_rank_weights(model::Qwen3MoeModel& model, const std::string& model_dir
     return;
   }
   model::Checkpoint checkpoint(model_dir);
-  model.load_weights(checkpoint, progress);
+  model.load_weights(checkpoint, progress, run.read_expert_slot);
   if (!cache_file.empty()) {
     std::filesystem::create_directories(cache_dir);
     model.save_weight_cache(cache_file);

@@ -43,6 +43,9 @@ struct InProcessRun {
   // Weight loading progress: called from each rank's thread after each of its layers, (world rank, layers
   // done, layers the rank owns); a weight-cache load reports all of them at once. Optional.
   std::function<void(int rank, int done, int total)> on_layer_loaded;
+  // Optional, without a weight cache: which expert slots are read from the checkpoint (the others are the
+  // caller's to write before the first pass: an elastic rebuild, rebuild_slots.hpp). Empty: every slot.
+  model::Qwen3MoeModel::ExpertSlotFilter read_expert_slot;
 };
 
 struct InProcessResult {

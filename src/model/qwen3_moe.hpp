@@ -104,7 +104,11 @@ class Qwen3MoeModel {
   // that belongs to no layer of this model is an error; tensors of other stages' layers are skipped.
   // With tie_word_embeddings, a stored lm_head.weight is accepted and ignored.
   // `on_layer` (optional) is called after each owned layer with (layers done, owned layers): a progress bar.
-  void load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer = {});
+  // `read_expert_slot` (optional): (MoE layer, local slot) -> whether that slot is read here; a slot it
+  // refuses is left for the caller to write (an elastic rebuild copies it from a surviving replica).
+  using ExpertSlotFilter = std::function<bool(int moe_layer_idx, int local_slot)>;
+  void load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer = {},
+                    const ExpertSlotFilter& read_expert_slot = {});
 
   // The weight cache (weight_cache.cpp): every tensor this stage and rank holds, in its own layout (expert
   // slots as placed), in one safetensors file, so a restart skips per-tensor checkpoint loading. Loading
@@ -143,7 +147,7 @@ class Qwen3MoeModel {
                          std::span<const int32_t> positions);
   Tensor moe_block(Layer& layer, const Tensor& x, const ForwardHooks& hooks);
   Tensor dense_mlp_block(Layer& layer, const Tensor& x);
-  void load_layer(Layer& layer, Checkpoint& checkpoint);
+  void load_layer(Layer& layer, Checkpoint& checkpoint, const ExpertSlotFilter& read_expert_slot);
   void load_expert_slot(Layer& layer, Checkpoint& checkpoint, int local_slot, int expert_idx);
   ExpertSlotView slot_view(Layer& layer);
   std::vector<std::pair<std::string, Tensor>> named_tensors();  // weight cache names of every held tensor

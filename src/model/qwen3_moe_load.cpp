@@ -72,7 +72,8 @@ void read_cols_into(Backend& backend, Checkpoint& checkpoint, const std::string&
 
 }  // namespace
 
-void Qwen3MoeModel::load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer) {
+void Qwen3MoeModel::load_weights(Checkpoint& checkpoint, const std::function<void(int done, int total)>& on_layer,
+                                 const ExpertSlotFilter& read_expert_slot) {
   const std::set<std::string> known = model_tensor_names(config_);
   const std::set<std::string> scales = checked_fp8_scale_names(config_, checkpoint);
   for (const std::string& name : checkpoint.names()) {
@@ -90,12 +91,12 @@ void Qwen3MoeModel::load_weights(Checkpoint& checkpoint, const std::function<voi
   }
   const int total = static_cast<int>(layers_.size());
   for (int i = 0; i < total; ++i) {
-    load_layer(*layers_[static_cast<size_t>(i)], checkpoint);
+    load_layer(*layers_[static_cast<size_t>(i)], checkpoint, read_expert_slot);
     if (on_layer) on_layer(i + 1, total);
   }
 }
 
-void Qwen3MoeModel::load_layer(Layer& layer, Checkpoint& checkpoint) {
+void Qwen3MoeModel::load_layer(Layer& layer, Checkpoint& checkpoint, const ExpertSlotFilter& read_expert_slot) {
   const std::string prefix = layer_prefix(layer.layer_idx);
   const ShardSpec& shard = parallel_.shard;
   const int64_t hidden = config_.hidden_size, head_dim = config_.head_dim;
@@ -131,6 +132,7 @@ void Qwen3MoeModel::load_layer(Layer& layer, Checkpoint& checkpoint) {
   // Every local slot is filled from the logical expert it holds; replicas read the same tensors again.
   const ExpertSlotView view = slot_view(layer);
   for (int local_slot = 0; local_slot < view.num_slots; ++local_slot) {
+    if (read_expert_slot && !read_expert_slot(view.moe_layer_idx, local_slot)) continue;
     load_expert_slot(layer, checkpoint, local_slot, view.physical_to_logical[local_slot]);
   }
   // With EP 1 every logical expert has a slot here, so every expert tensor was read and checked; with

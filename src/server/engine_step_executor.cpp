@@ -8,6 +8,8 @@
 
 #include "eplb/error.hpp"
 #include "comm/tcp_communicator.hpp"
+#include "engine/rebuild_slots.hpp"
+#include "eplb_runtime/slot_copy_executor.hpp"
 #include "eplb/metrics.hpp"
 
 namespace fulcrum::server {
@@ -496,7 +498,7 @@ void EngineStepExecutor::reform_world() {
     if (next.group_hosts[g] != static_cast<int>(g)) moved.push_back(fmt::format("{} -> rank {}", g, next.group_hosts[g]));
   }
   elastic_log(fmt::format("re-planned onto {} (the default planner on the survivors' recorded loads; every expert "
-                          "kept; all weights read again from the checkpoint); KV groups moved: {}",
+                          "kept; its slots from surviving replicas where one holds it); KV groups moved: {}",
                           layout_->describe(), moved.empty() ? "none" : fmt::format("{}", fmt::join(moved, ", "))));
   if (options_.metrics != nullptr) options_.metrics->set_live_ranks(static_cast<int>(members_.size()));
 }
@@ -520,7 +522,7 @@ std::string EngineStepExecutor::describe_lost_last_replicas(const std::vector<in
   int total = 0;
   for (const int n : per_layer) total += n;
   return fmt::format("{} logical expert(s) lost their last replica with rank(s) {} (per MoE layer: {}); reloaded "
-                     "from the checkpoint, as is every slot of the re-planned placement",
+                     "from the checkpoint, the re-planned placement's other slots from surviving replicas",
                      total, fmt::join(lost, ", "), fmt::join(per_layer, ", "));
 }
 
@@ -537,7 +539,15 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   std::vector<float> sums(loads.values.begin(), loads.values.end());
   world->all_reduce_sum(sums);
   std::copy(sums.begin(), sums.end(), loads.values.begin());
-  // The old rank refers to the old world, layout and placement: it goes first.
+  // This process's expert slots as they are (a rank that rejoins holds none; after a failed rebuild, no rank: the
+  // copies of the last one that ran are still held): the new slots come from them and the other survivors'
+  // before the checkpoint. The old rank refers to the old world, layout and placement: it goes next.
+  if (old.engine != nullptr) {
+    held_ = std::make_unique<engine::HeldExperts>(
+        engine::keep_held_experts(old.backend.get(), old.engine->model().expert_slot_views(), num_moe_layers));
+  } else if (held_ == nullptr) {
+    held_ = std::make_unique<engine::HeldExperts>(engine::keep_held_experts(nullptr, {}, num_moe_layers));
+  }
   old.eplb.reset();
   old.engine.reset();
   old.backend.reset();
@@ -547,11 +557,44 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   group_hosts_ = next.group_hosts;
   layout_ = std::make_unique<engine::ParallelLayout>(
       surviving_flags(options_.parallel, config_.num_experts, next.num_physical_experts, n), config_);
-  initial_placement_ = num_moe_layers > 0 ? replan_placement(loads, next.num_physical_experts, n) : eplb::Placement{};
+  std::optional<engine::HeldTable> holders;  // who holds which expert, over the new world
+  if (num_moe_layers > 0) holders = engine::gather_held(*held_, config_.num_experts, *world_);
+  initial_placement_ = num_moe_layers > 0
+                           ? engine::align_to_held(replan_placement(loads, next.num_physical_experts, n), *holders)
+                           : eplb::Placement{};
   engine::InProcessRun run = options_.run;
   run.weight_cache_dir.clear();  // its files are the old layout's ranks
   run.on_layer_loaded = nullptr;
-  old = engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, *world_);
+  // Non-expert weights from the checkpoint (their shards follow the world size); expert slots from a copy this
+  // process holds, else from the lowest-ranked survivor holding one, else (no replica survived) the checkpoint.
+  std::optional<engine::RebuildSlotPlan> plan;
+  if (num_moe_layers > 0) {
+    plan = engine::plan_rebuild_slots(initial_placement_, *holders);
+    run.read_expert_slot = [&plan, rank = world_->rank()](int moe_layer_idx, int local_slot) {
+      return plan->reads_from_checkpoint(rank, moe_layer_idx, local_slot);
+    };
+  }
+  try {
+    old = engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, *world_);
+    if (plan) engine::fill_rebuild_slots(*plan, *held_, *old.backend, old.engine->model().expert_slot_views(), *world_);
+  } catch (const std::exception&) {
+    old.eplb.reset();  // half-filled slots are no copy to keep: the next rebuild uses held_ again
+    old.engine.reset();
+    old.backend.reset();
+    throw;
+  }
+  held_.reset();
+  if (plan) {
+    const std::vector<model::ExpertSlotView> views = old.engine->model().expert_slot_views();
+    if (world_->rank() == 0 && !views.empty()) {
+      elastic_log(fmt::format("expert slots of epoch {}'s world: {} copied locally, {} received from surviving "
+                              "replicas ({} bytes), {} read from the checkpoint ({} logical expert(s) held by no "
+                              "survivor); non-expert weights read from the checkpoint",
+                              next.epoch, plan->num_local, plan->num_received,
+                              plan->num_received * eplb_runtime::slot_bytes(views.front()), plan->num_from_checkpoint,
+                              plan->num_experts_from_checkpoint));
+    }
+  }
   const int64_t hosted = std::count(group_hosts_.begin(), group_hosts_.end(), mesh->rank());
   if (options_.kv_pages > 0) old.engine->model().reserve_kv_pool(options_.kv_pages * std::max<int64_t>(hosted, 1), options_.page_size);
 }

@@ -24,15 +24,16 @@
 // Elastic EP (options.elastic_mesh set: --enable-elastic-ep; elastic_world.hpp for the layout and the
 // protocol): a call whose world fails is not an ExecutorFailure. Rank 0 calls the roll, the survivors form
 // the next epoch's world and each rebuilds its rank of the smaller layout (a placement re-planned on their
-// recorded loads; every weight read again from the checkpoint), the scheduler's KV groups whose rank was
-// lost are re-homed on survivors (its group count never changes; a rank hosting several keeps each one's
+// recorded loads; expert slots from its own or a survivor's copy, engine/rebuild_slots.hpp, from the checkpoint
+// only where every replica was lost; the other weights from the checkpoint), the scheduler's KV groups whose
+// rank was lost are re-homed on survivors (its group count never changes; a rank hosting several keeps each one's
 // pages at its own offset of its pool, page_offset), every live sequence is dropped and the call throws
 // WorldReformed: the scheduler drops its prefix cache and runs every live request again from its tokens so
 // far. Greedy outputs do not change: a sequence's logits depend only on its own tokens, whatever the layout.
 // A rank that rejoins (PeerMesh::take_rejoined) is brought in the same way at rank 0's next call: the roll
 // over the members and the newcomer, the world of them all (its KV group home again, the launch layout's
 // slots per rank), WorldReformed. The newcomer's process builds no rank of its own until then (a joined-late
-// mesh): serve_as_worker answers that roll call first.
+// mesh): serve_as_worker answers that roll call first; holding no expert, it receives its slots from the others.
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -42,6 +43,7 @@
 #include <vector>
 
 #include "engine/parallel_generate.hpp"
+#include "engine/rebuild_slots.hpp"
 #include "engine/rank_threads.hpp"
 #include "comm/peer_mesh.hpp"
 #include "server/elastic_world.hpp"
@@ -150,6 +152,8 @@ class EngineStepExecutor final : public StepExecutor {
   std::vector<int> members_;
   std::vector<int> group_hosts_;
   std::vector<int> newcomers_;  // rejoined ranks the next roll call brings in
+  // The expert slots of the last rank this process ran, until a rebuild completes (kept across failed ones).
+  std::unique_ptr<engine::HeldExperts> held_;
   int launch_slots_per_rank_ = 0;
   bool needs_reform_ = false;
   std::optional<std::chrono::steady_clock::time_point> fault_at_;  // detected, not yet recovered
