@@ -1,7 +1,9 @@
 // Elastic EP's pieces (server/elastic_world.hpp, the mesh's epochs): the new world message, where the lost
 // KV groups go, the survivors' slots and placement, the layout rule, and a recovery over real sockets (an
 // abort ends waits on live peers, the roll call, the next epoch's world).
+#include <algorithm>
 #include <atomic>
+#include <iostream>
 #include <functional>
 #include <thread>
 
@@ -10,6 +12,7 @@
 #include "comm/tcp_communicator.hpp"
 #include "comm/tcp_socket.hpp"
 #include "eplb/error.hpp"
+#include "engine/rebuild_slots.hpp"
 #include "server/elastic_world.hpp"
 
 namespace fulcrum::server {
@@ -57,6 +60,43 @@ TEST(ElasticWorld, SurvivorsHoldEveryExpertAtLeastOnce) {
   for (int l = 0; l < 2; ++l) {
     const std::vector<int> counts = eplb::replica_counts(placement.layer(l), 128);
     for (int e = 0; e < 128; ++e) EXPECT_EQ(counts[static_cast<size_t>(e)], e == 5 ? 2 : 1) << "layer " << l << " expert " << e;
+  }
+}
+
+// Rank 2 of 4 lost (128 experts, 32 a rank, trivial placement, skewed loads): planned from what the survivors
+// hold (engine::held_placement as the migration-aware planner's current placement), the rebuild receives fewer
+// slots than a plan from the loads alone, with the same balance bound kept (every expert a replica, the spare slot
+// to the hot expert), and reads only the lost experts from the checkpoint.
+TEST(ElasticWorld, ARebuildPlannedFromWhatSurvivorsHoldMovesFewerSlots) {
+  constexpr int kExperts = 128, kLayers = 2;
+  engine::HeldTable held(3, kLayers, kExperts);  // new ranks 0, 1, 2 were 0, 1, 3
+  const int old_rank_of[] = {0, 1, 3};
+  for (int r = 0; r < 3; ++r) {
+    for (int l = 0; l < kLayers; ++l) {
+      for (int e = 32 * old_rank_of[r]; e < 32 * (old_rank_of[r] + 1); ++e) held.set(r, l, e);
+    }
+  }
+  eplb::LoadMatrix loads(kLayers, kExperts);
+  for (size_t i = 0; i < loads.values.size(); ++i) loads.values[i] = 10.0 + static_cast<double>((i * 37) % 11);
+  for (int l = 0; l < kLayers; ++l) loads.values[static_cast<size_t>(l) * kExperts + 5] = 1000;
+  const eplb::Topology topology{129, 3, 1};
+  const eplb::Placement current = engine::held_placement(held, topology);
+  for (int r = 0; r < 3; ++r) {  // each rank's 32 experts in its block of 43
+    int mine = 0;
+    for (int s = 0; s < 43; ++s) mine += held.holds(r, 0, current.layer(0)[r * 43 + s]);
+    EXPECT_EQ(mine, 32) << "rank " << r;
+  }
+  const engine::RebuildSlotPlan blind = engine::plan_rebuild_slots(replan_placement(loads, 129, 3), held);
+  const eplb::Placement aware_placement = replan_placement(loads, 129, 3, &current);
+  const engine::RebuildSlotPlan aware = engine::plan_rebuild_slots(aware_placement, held);
+  std::cout << "[ elastic ] rebuild of 2 layers after a loss of 1 of 4: received " << blind.num_received
+            << " slots planned from the loads alone, " << aware.num_received << " planned from what survivors hold\n";
+  EXPECT_LT(aware.num_received, blind.num_received);
+  EXPECT_EQ(aware.num_experts_from_checkpoint, kLayers * 32);
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<int> counts = eplb::replica_counts(aware_placement.layer(l), kExperts);
+    EXPECT_EQ(*std::min_element(counts.begin(), counts.end()), 1) << "layer " << l;
+    EXPECT_EQ(counts[5], 2) << "layer " << l << ": the spare slot to the hot expert";
   }
 }
 

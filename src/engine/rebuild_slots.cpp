@@ -74,6 +74,56 @@ HeldTable gather_held(const HeldExperts& mine, int num_experts, comm::Communicat
   return table;
 }
 
+eplb::Placement held_placement(const HeldTable& held, const eplb::Topology& topology) {
+  const int g = topology.num_gpus, e = held.num_experts, p = topology.num_physical_experts;
+  FULCRUM_CHECK(g == held.num_ranks && p % g == 0 && p >= e, "held_placement: {} slots over {} GPUs for {} ranks and {} experts",
+                p, g, held.num_ranks, e);
+  const int per_rank = p / g;
+  eplb::Placement placement;
+  placement.topology = topology;
+  placement.num_layers = held.num_layers;
+  placement.num_logical_experts = e;
+  placement.physical_to_logical_map.assign(static_cast<size_t>(held.num_layers) * p, -1);
+  const auto room = [&](const std::vector<int32_t>& block) { return static_cast<int>(block.size()) < per_rank; };
+  for (int l = 0; l < held.num_layers; ++l) {
+    std::vector<std::vector<int32_t>> blocks(static_cast<size_t>(g));
+    std::vector<int32_t> missing;
+    // Each held expert once, on the holder with room and the fewest so far (lowest rank on ties); the rest missing.
+    for (int x = 0; x < e; ++x) {
+      int best = -1;
+      for (int d = 0; d < g; ++d) {
+        if (held.holds(d, l, x) && room(blocks[d]) && (best < 0 || blocks[d].size() < blocks[best].size())) best = d;
+      }
+      if (best >= 0) {
+        blocks[best].push_back(x);
+      } else {
+        missing.push_back(x);
+      }
+    }
+    for (const int32_t x : missing) {  // to the rank with the most room (there is room: p >= e)
+      int best = 0;
+      for (int d = 1; d < g; ++d) {
+        if (blocks[d].size() < blocks[best].size()) best = d;
+      }
+      blocks[best].push_back(x);
+    }
+    for (int d = 0; d < g; ++d) {  // free slots: the rank's other held experts first, then others, cyclically
+      std::vector<bool> has(static_cast<size_t>(e), false);
+      for (const int32_t x : blocks[d]) has[x] = true;
+      for (int x = 0; x < e && room(blocks[d]); ++x) {
+        if (!has[x] && held.holds(d, l, x)) blocks[d].push_back(x), has[x] = true;
+      }
+      for (int x = (d * e) / g, tried = 0; room(blocks[d]); x = (x + 1) % e, ++tried) {
+        if (!has[x] || tried >= e) blocks[d].push_back(x), has[x] = true;
+      }
+      std::copy(blocks[d].begin(), blocks[d].end(),
+                placement.physical_to_logical_map.begin() + static_cast<int64_t>(l) * p + static_cast<int64_t>(d) * per_rank);
+    }
+  }
+  placement.validate();
+  return placement;
+}
+
 eplb::Placement align_to_held(eplb::Placement placement, const HeldTable& held) {
   const eplb::Topology& topo = placement.topology;
   const int n = topo.num_gpus, per_rank = topo.slots_per_gpu();

@@ -57,6 +57,12 @@ struct HeldTable {
 // Collective over `world`: every rank's HeldExperts as one table (the same on every rank).
 HeldTable gather_held(const HeldExperts& mine, int num_experts, comm::Communicator& world);
 
+// What the new world holds, as a placement of `topology` (one stage, EP rank = world rank, P / G slots each) for a
+// migration-aware planner's `current`: each held logical expert once, on a holder with room (the one with the
+// fewest so far), every expert no rank can take to the ranks with the most room, then each rank's free slots with
+// the other experts it holds, then any others, cyclically. Every logical expert has a replica.
+eplb::Placement held_placement(const HeldTable& held, const eplb::Topology& topology);
+
 // `placement` with, in each MoE layer, its EP ranks' blocks of slots handed out again so that the ranks already
 // hold most of their new slots' experts (greedy: the (block, rank) pair with the most such slots first, ties to
 // the lowest block, then rank). A block moves whole, so every rank's load and the balance are unchanged.

@@ -128,12 +128,13 @@ std::vector<int> experts_without_surviving_replica(const eplb::Placement& placem
   return lost;
 }
 
-eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical_experts, int num_ranks) {
+eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical_experts, int num_ranks,
+                                 const eplb::Placement* current) {
   eplb::LoadMatrix floor = loads;
   for (double& v : floor.values) v += 1.0;
   const auto planner = eplb::make_planner(eplb_runtime::default_planner_name());
   const eplb::Topology topology{num_physical_experts, num_ranks, 1};
-  eplb::Placement placement = planner->plan(floor, eplb::PlanOptions{topology, 1, nullptr});
+  eplb::Placement placement = planner->plan(floor, eplb::PlanOptions{topology, 1, current});
   for (int l = 0; l < placement.num_layers; ++l) {
     const std::vector<int> counts = eplb::replica_counts(placement.layer(l), placement.num_logical_experts);
     const auto none = std::find(counts.begin(), counts.end(), 0);

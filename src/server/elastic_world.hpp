@@ -56,8 +56,10 @@ std::vector<int> experts_without_surviving_replica(const eplb::Placement& placem
 
 // The placement over the new layout's EP ranks, planned by the default planner on `loads` (the survivors'
 // recorded windows, summed) plus one token per expert (so an expert never seen still gets planned); every
-// logical expert has at least one slot (checked).
-eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical_experts, int num_ranks);
+// logical expert has at least one slot (checked). With `current` (what the new world's ranks hold:
+// engine::held_placement) the planner is migration-aware: it keeps slots where they are when that costs no balance.
+eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical_experts, int num_ranks,
+                                 const eplb::Placement* current = nullptr);
 
 // Step 2 on world rank 0: aborts the epoch, then each of `members` (mesh ranks, ascending, 0 first) answers
 // or is dropped; returns those that answered (0 included), ascending. `newcomers` (among `members`): ranks

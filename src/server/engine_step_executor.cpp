@@ -559,9 +559,13 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
       surviving_flags(options_.parallel, config_.num_experts, next.num_physical_experts, n), config_);
   std::optional<engine::HeldTable> holders;  // who holds which expert, over the new world
   if (num_moe_layers > 0) holders = engine::gather_held(*held_, config_.num_experts, *world_);
-  initial_placement_ = num_moe_layers > 0
-                           ? engine::align_to_held(replan_placement(loads, next.num_physical_experts, n), *holders)
-                           : eplb::Placement{};
+  if (num_moe_layers > 0) {  // planned from what the new world holds: slots stay where a copy already is
+    const eplb::Topology topology{next.num_physical_experts, n, 1};
+    const eplb::Placement held = engine::held_placement(*holders, topology);
+    initial_placement_ = engine::align_to_held(replan_placement(loads, next.num_physical_experts, n, &held), *holders);
+  } else {
+    initial_placement_ = eplb::Placement{};
+  }
   engine::InProcessRun run = options_.run;
   run.weight_cache_dir.clear();  // its files are the old layout's ranks
   run.on_layer_loaded = nullptr;
