@@ -130,12 +130,9 @@ cudaError_t launch_tiles(const ExpertSkinnyArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_expert_mma_gemm(const ExpertSkinnyArgs& a, cudaStream_t stream) {
   const int slot_rows = a.max_slot_rows > 0 ? std::min(a.max_slot_rows, a.max_rows) : a.max_rows;
-  const int nt = slot_rows <= kTileRows ? 1 : slot_rows <= 2 * kTileRows ? 2 : 4;
-  switch (nt) {
-    case 1: return a.swiglu ? launch_tiles<true, 1>(a, stream) : launch_tiles<false, 1>(a, stream);
-    case 2: return a.swiglu ? launch_tiles<true, 2>(a, stream) : launch_tiles<false, 2>(a, stream);
-    default: return a.swiglu ? launch_tiles<true, 4>(a, stream) : launch_tiles<false, 4>(a, stream);
-  }
+  // Passes of 8 rows for slots of at most 8, else of 16 (at 32 the registers spill).
+  if (slot_rows <= kTileRows) return a.swiglu ? launch_tiles<true, 1>(a, stream) : launch_tiles<false, 1>(a, stream);
+  return a.swiglu ? launch_tiles<true, 2>(a, stream) : launch_tiles<false, 2>(a, stream);
 }
 
 }  // namespace fulcrum::gpu

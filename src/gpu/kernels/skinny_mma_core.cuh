@@ -23,7 +23,8 @@
 namespace fulcrum::gpu::skinny_mma {
 
 constexpr int kBlockValues = 32;  // k values of one block: 4 lanes x 8
-constexpr int kTripBlocks = 8;    // k blocks per loop trip: 16 16-byte W loads in flight per lane
+constexpr int kStageBlocks = 4;   // k blocks per load stage; two stages in flight: 8 W loads per lane each
+constexpr int kTripBlocks = 2 * kStageBlocks;
 constexpr int kWarpRows = 16;     // W rows per warp (the mma's M)
 constexpr int kTileRows = 8;      // x rows per tile (the mma's N)
 
@@ -37,39 +38,80 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// acc[j] += (W rows g, g + 8) . (x_rows[j]) over k blocks [block_begin, block_end) of a row of k values (k % 8 ==
+// One stage: the lane's W values of blocks [b, b + kStageBlocks) (zeros past block_end or past k: a slice's trip
+// count, and so its mma sequence, follows from the shapes alone).
+struct WStage {
+  uint4 lo[kStageBlocks], hi[kStageBlocks];
+};
+
+__device__ __forceinline__ void load_stage(WStage& s, const uint16_t* __restrict__ w_lo,
+                                           const uint16_t* __restrict__ w_hi, int64_t b, int64_t block_end, int k,
+                                           int t) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int u = 0; u < kStageBlocks; ++u) {
+    const int64_t at = (b + u) * kBlockValues + 8 * t;
+    const bool load = b + u < block_end && at < k;
+    s.lo[u] = load ? skinny::load_w(reinterpret_cast<const uint4*>(w_lo + at)) : zero;
+    s.hi[u] = load ? skinny::load_w(reinterpret_cast<const uint4*>(w_hi + at)) : zero;
+  }
+}
+
+// The stage's mma steps: x loads first (all of them, so they overlap), then two mma chains (even and odd blocks)
+// so consecutive mma steps do not wait on each other.
+template <int NT>
+__device__ __forceinline__ void mma_stage(const WStage& s, const uint16_t* const (&x_rows)[NT], int64_t b,
+                                          int64_t block_end, int k, int t, float (&acc)[2][NT][4]) {
+  if (b >= block_end) return;  // warp-uniform: a stage wholly past the slice (the last trip's second)
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 x[kStageBlocks][NT];
+#pragma unroll
+  for (int u = 0; u < kStageBlocks; ++u) {
+    const int64_t at = (b + u) * kBlockValues + 8 * t;
+    const bool load = b + u < block_end && at < k;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) x[u][j] = load ? __ldg(reinterpret_cast<const uint4*>(x_rows[j] + at)) : zero;
+  }
+#pragma unroll
+  for (int u = 0; u < kStageBlocks; ++u) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      mma_bf16(acc[u % 2][j], s.lo[u].x, s.hi[u].x, s.lo[u].y, s.hi[u].y, x[u][j].x, x[u][j].y);
+      mma_bf16(acc[u % 2][j], s.lo[u].z, s.hi[u].z, s.lo[u].w, s.hi[u].w, x[u][j].z, x[u][j].w);
+    }
+  }
+}
+
+// acc[j] = (W rows g, g + 8) . (x_rows[j]) over k blocks [block_begin, block_end) of a row of k values (k % 8 ==
 // 0; the lanes of a last partial block past k read zeros). After the call lane (g, t) holds, for tile j,
 // acc[j][0..1] = W row g times x rows 2t, 2t + 1 of the tile and acc[j][2..3] the same for W row g + 8.
+// Two stages of W loads are in flight: the next stage is loaded before the current one is multiplied. The two mma
+// chains are added at the end (even + odd), in that order.
 template <int NT>
 __device__ __forceinline__ void warp_mma(const uint16_t* __restrict__ w_lo, const uint16_t* __restrict__ w_hi,
                                          const uint16_t* const (&x_rows)[NT], int64_t block_begin, int64_t block_end,
                                          int k, int t, float (&acc)[NT][4]) {
+  float chains[2][NT][4];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) chains[c][j][e] = 0.0f;
+    }
+  }
+  WStage s0, s1;
+  load_stage(s0, w_lo, w_hi, block_begin, block_end, k, t);
+  for (int64_t b = block_begin; b < block_end; b += kTripBlocks) {
+    load_stage(s1, w_lo, w_hi, b + kStageBlocks, block_end, k, t);
+    mma_stage<NT>(s0, x_rows, b, block_end, k, t, chains);
+    load_stage(s0, w_lo, w_hi, b + kTripBlocks, block_end, k, t);
+    mma_stage<NT>(s1, x_rows, b + kStageBlocks, block_end, k, t, chains);
+  }
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-  }
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int64_t b = block_begin; b < block_end; b += kTripBlocks) {
-    uint4 lo[kTripBlocks], hi[kTripBlocks];
-#pragma unroll
-    for (int u = 0; u < kTripBlocks; ++u) {
-      const int64_t at = (b + u) * kBlockValues + 8 * t;
-      const bool load = b + u < block_end && at < k;
-      lo[u] = load ? skinny::load_w(reinterpret_cast<const uint4*>(w_lo + at)) : zero;
-      hi[u] = load ? skinny::load_w(reinterpret_cast<const uint4*>(w_hi + at)) : zero;
-    }
-#pragma unroll
-    for (int u = 0; u < kTripBlocks; ++u) {
-      if (b + u >= block_end) break;  // warp-uniform: the slice's last trip may be short
-      const int64_t at = (b + u) * kBlockValues + 8 * t;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const uint4 x = at < k ? __ldg(reinterpret_cast<const uint4*>(x_rows[j] + at)) : zero;
-        mma_bf16(acc[j], lo[u].x, hi[u].x, lo[u].y, hi[u].y, x.x, x.y);
-        mma_bf16(acc[j], lo[u].z, hi[u].z, lo[u].w, hi[u].w, x.z, x.w);
-      }
-    }
+    for (int e = 0; e < 4; ++e) acc[j][e] = __fadd_rn(chains[0][j][e], chains[1][j][e]);
   }
 }
 
