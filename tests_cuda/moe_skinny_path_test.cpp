@@ -187,8 +187,7 @@ TEST_F(MoeSkinnyPathTest, FusedRoutePermuteEqualsTheTwoLaunches) {
 
 // Both GEMMs over slots with 19, 0 and 5 rows (19: three passes of 8, 8 and 3 rows) at the Qwen3-30B-A3B expert
 // shape, against the reference; a row computed alone gives the same bits as with 18 others.
-// Both kernels of the bf16 expert skinny GEMMs (FP32 FMAs, tensor cores) against the reference, and per row.
-void check_expert_gemms(gpu::ExpertSkinnyArgs::Kernel kernel) {
+TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
   const int h = 2048, i = 768, tokens = 24;
   const std::vector<int32_t> offsets{0, 19, 19, 24};
   std::mt19937 rng(5);
@@ -221,7 +220,6 @@ void check_expert_gemms(gpu::ExpertSkinnyArgs::Kernel kernel) {
   a.max_rows = 24;
   a.num_slots = 3;
   a.swiglu = true;
-  a.kernel = kernel;
   a.out = act.as<uint16_t>();
   ASSERT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaSuccess);
   gpu::ExpertSkinnyArgs b = a;
@@ -244,8 +242,7 @@ void check_expert_gemms(gpu::ExpertSkinnyArgs::Kernel kernel) {
   const std::vector<uint16_t> out_bits = to_host(out.as<uint16_t>(), 24 * h);
   const double out_error = relative_error(to_floats(out_bits), out_ref);
   EXPECT_LE(out_error, kBf16Tolerance);
-  fmt::print("  expert skinny GEMMs ({}): gate_up + SwiGLU rel err {:.2e}, down rel err {:.2e}\n",
-             kernel == gpu::ExpertSkinnyArgs::Kernel::kFma ? "FP32 FMAs" : "tensor cores", act_error, out_error);
+  fmt::print("  expert skinny GEMMs: gate_up + SwiGLU rel err {:.2e}, down rel err {:.2e}\n", act_error, out_error);
 
   // Row 7 alone (slot 0 holding one row, its token): the same bits as among slot 0's 19 rows.
   const DeviceBuffer one_offsets = to_device(std::vector<int32_t>{0, 1, 1, 1}),
@@ -279,12 +276,6 @@ void check_expert_gemms(gpu::ExpertSkinnyArgs::Kernel kernel) {
 
   a.k = 100;  // not a multiple of 8
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
-}
-
-TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) { check_expert_gemms(gpu::ExpertSkinnyArgs::Kernel::kFma); }
-
-TEST_F(MoeSkinnyPathTest, TensorCoreExpertGemmsMatchReferenceAndArePerRow) {
-  check_expert_gemms(gpu::ExpertSkinnyArgs::Kernel::kTensorCores);
 }
 
 // The layer on the skinny path (up to 136 entries, past the default bound) vs the bf16 reference and vs its

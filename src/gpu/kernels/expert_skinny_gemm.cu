@@ -7,9 +7,7 @@
 #include <algorithm>
 
 #include "gpu/kernels/expert_skinny_gemm.hpp"
-#include "gpu/env_switch.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
-#include "gpu/kernels/expert_mma_gemm.hpp"
 #include "gpu/kernels/skinny_gemm_core.cuh"
 
 namespace fulcrum::gpu {
@@ -192,11 +190,6 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t st
     return cudaErrorInvalidValue;
   }
   if (!aligned16(a.x) || reinterpret_cast<uintptr_t>(a.out) % alignof(uint16_t) != 0) return cudaErrorInvalidValue;
-  static const bool mma_by_default = env_switch_on("FULCRUM_EXPERT_MMA");
-  using Kernel = ExpertSkinnyArgs::Kernel;
-  if (!fp8 && (a.kernel == Kernel::kTensorCores || (a.kernel == Kernel::kAuto && mma_by_default))) {
-    return launch_expert_mma_gemm(a, stream);
-  }
   const int slot_rows = a.max_slot_rows > 0 ? std::min(a.max_slot_rows, a.max_rows) : a.max_rows;
   const int chunk = slot_rows <= 1 ? 1 : slot_rows <= 2 ? 2 : slot_rows <= 4 ? 4 : kMaxRows;
   const int rows_per_group = rows_per_warp(chunk);

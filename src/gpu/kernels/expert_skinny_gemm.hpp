@@ -1,10 +1,9 @@
 #pragma once
 // Expert skinny GEMMs for small MoE steps (decode batches): the rows of each expert slot times that slot's
 // weights, with the group sizes and the list of slots that got rows read on the device (capture-safe), bf16
-// operands (uint16_t bits), fp32 accumulation, bf16 output. Memory-bound: each used slot's weights are read once
-// per 8 (FP32 FMAs) or 32 (tensor cores) of its rows. Two kernels: bf16 weights on the tensor cores by default
-// (expert_mma_gemm.cu, skinny_mma_core.cuh), or with FP32 FMAs like the dense skinny GEMM (skinny_gemm_core.cuh),
-// which FP8 weights always use. CPU reference: src/gpu/reference/skinny_gemm_reference.hpp per slot.
+// operands (uint16_t bits), fp32 accumulation, bf16 output. Memory-bound like the dense skinny GEMM
+// (skinny_gemm.hpp, the same dot products: skinny_gemm_core.cuh): each used slot's weights are read once, 8 rows
+// at a time. CPU reference: src/gpu/reference/skinny_gemm_reference.hpp per slot.
 //
 //   gate_up + SwiGLU  out [r, j] = bf16(silu(g) * u), g = bf16(x_r . W[j]), u = bf16(x_r . W[I + j]) for
 //                     W = weights[slot] [2I, k] (gate rows, then up rows): the two GEMM outputs are rounded to
@@ -42,10 +41,6 @@ struct ExpertSkinnyArgs {
                                              // slots: the token count), 0 = max_rows; picks the kernel variant
                                              // (registers), never changes a result; any slot may exceed it
   bool swiglu = false;
-  // bf16 weights: the kernel. kAuto is the tensor cores unless FULCRUM_EXPERT_MMA=0 (read once; for
-  // measurement); the two give different bits (another summation order), each the same for every placement.
-  enum class Kernel { kAuto, kFma, kTensorCores };
-  Kernel kernel = Kernel::kAuto;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
   // FP8 weights (an FP8 checkpoint's experts, weights then null): per slot e4m3 [w_rows, k] (w_rows = 2n with
   // swiglu, else n) and fp32 block scales [k / 128][w_rows / 128] (the FP8 grouped GEMM's layout,

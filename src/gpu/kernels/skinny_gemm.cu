@@ -15,7 +15,6 @@
 #include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm_core.cuh"
-#include "gpu/kernels/skinny_mma_core.cuh"
 
 namespace fulcrum::gpu {
 namespace {
@@ -98,68 +97,6 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   }
   return launch_dependent(skinny_gemm_kernel<R, M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
                           out);
-}
-
-// ---- bf16 on the tensor cores (the default; skinny_mma_core.cuh) ----
-// A warp owns 16 consecutive W rows and one K slice; k_split warps of a block share a row tile, so a block holds
-// 4 / k_split tiles of 16 rows. x rows: one tile of 8 (m <= 8).
-template <bool kBf16Out>
-__global__ void __launch_bounds__(kThreads) skinny_mma_kernel(const uint16_t* __restrict__ x,
-                                                              const uint16_t* __restrict__ w, int m, int n, int k,
-                                                              int k_split, int64_t tiles, void* __restrict__ out) {
-  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
-  __shared__ float partial[kWarpsPerBlock][4][32];
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int groups_per_block = kWarpsPerBlock / k_split, slice = warp % k_split;
-  const int64_t blocks = (k + skinny_mma::kBlockValues - 1) / skinny_mma::kBlockValues;
-  const int64_t block_begin = blocks * slice / k_split, block_end = blocks * (slice + 1) / k_split;
-  const uint16_t* const x_rows[1] = {x + static_cast<int64_t>(min(g, m - 1)) * k};  // rows past m: row m - 1
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t first_row = (tile * groups_per_block + warp / k_split) * skinny_mma::kWarpRows;
-    // Rows past n read row n - 1 and store nothing.
-    const int64_t lo = min(first_row + g, static_cast<int64_t>(n - 1)), hi = min(first_row + 8 + g, static_cast<int64_t>(n - 1));
-    float acc[1][4];
-    skinny_mma::warp_mma<1>(w + lo * k, w + hi * k, x_rows, block_begin, block_end, k, t, acc);
-    skinny_mma::sum_slices<1>(acc, warp, lane, k_split, partial);
-    if (slice != 0) continue;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 2 * t + (e & 1);
-      const int64_t row = first_row + g + (e >= 2 ? 8 : 0);
-      if (i < m && row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, acc[0][e]);
-    }
-  }
-}
-
-// Blocks of a kernel resident per SM (registers bound it), read once per kernel.
-template <bool kBf16Out>
-int mma_resident_blocks_per_sm() {
-  static const int blocks = [] {
-    int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, skinny_mma_kernel<kBf16Out>, kThreads, 0) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 1;
-    }
-    return std::max(1, b);
-  }();
-  return blocks;
-}
-
-cudaError_t launch_mma(const uint16_t* x, const uint16_t* w, int m, int n, int k, void* out, bool bf16_out,
-                       cudaStream_t stream) {
-  const int64_t warp_tiles = (static_cast<int64_t>(n) + skinny_mma::kWarpRows - 1) / skinny_mma::kWarpRows;
-  const int k_split = skinny_mma::choose_k_split(warp_tiles, k);
-  const int groups_per_block = kWarpsPerBlock / k_split;
-  const int64_t tiles = (warp_tiles + groups_per_block - 1) / groups_per_block;
-  const int64_t blocks = skinny_grid_blocks(
-      tiles, m, bf16_out ? mma_resident_blocks_per_sm<true>() : mma_resident_blocks_per_sm<false>());
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(blocks));
-  if (bf16_out) {
-    return launch_dependent(skinny_mma_kernel<true>, grid, dim3(kThreads), 0, stream, x, w, m, n, k, k_split, tiles, out);
-  }
-  return launch_dependent(skinny_mma_kernel<false>, grid, dim3(kThreads), 0, stream, x, w, m, n, k, k_split, tiles, out);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -273,9 +210,9 @@ static int current_device_sms() {
   return sms;
 }
 
-int64_t skinny_grid_blocks(int64_t tiles, int m, int max_per_sm) {
-  if (skinny_blocks_per_sm(m) == 0) return tiles;
-  const int per_sm = std::max(1, std::min(skinny_blocks_per_sm(m), max_per_sm));
+int64_t skinny_grid_blocks(int64_t tiles, int m) {
+  const int per_sm = skinny_blocks_per_sm(m);
+  if (per_sm == 0) return tiles;
   return std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_device_sms()} * per_sm));
 }
 
@@ -290,8 +227,6 @@ cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int 
   if (n == 0) return cudaSuccess;
   void* out = out_f32 != nullptr ? static_cast<void*>(out_f32) : static_cast<void*>(out_bf16);
   const bool bf16_out = out_bf16 != nullptr;
-  static const bool mma = env_switch_on("FULCRUM_SKINNY_MMA");
-  if (mma) return launch_mma(x, w, m, n, k, out, bf16_out, stream);
   const bool wide = rows_per_warp(m) == kWideRowsPerWarp;
   switch (m) {
     case 1:

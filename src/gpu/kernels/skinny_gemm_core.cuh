@@ -42,9 +42,8 @@ inline int choose_k_split(int64_t row_groups, int64_t chunks) {
 // 6 from 3 rows (measured side by side at batch 1 / 2 / 4: bench/results/skinny_grid_h200.json).
 // FULCRUM_SKINNY_BLOCKS_PER_SM overrides it for measurement (0: one block per tile); read once.
 int skinny_blocks_per_sm(int m);
-// The grid of `tiles` tiles on the current device: min(tiles, SMs x min(skinny_blocks_per_sm(m), max_per_sm)), or
-// tiles (max_per_sm: what the kernel's registers let be resident).
-int64_t skinny_grid_blocks(int64_t tiles, int m, int max_per_sm = 1 << 30);
+// The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles.
+int64_t skinny_grid_blocks(int64_t tiles, int m);
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
