@@ -2,6 +2,7 @@
 // the merge kernel. The attention kernels are in paged_attention_mma.cu and paged_attention_simt.cu.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "gpu/kernels/paged_attention.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
@@ -23,6 +24,16 @@ bool shape_supported(const PagedAttentionShape& s) {
 }
 
 int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// CTAs per SM the decode splits aim for: 4 unless FULCRUM_ATTENTION_DECODE_CTAS_PER_SM says otherwise (0: no
+// decode splits), for measurement; read once.
+int decode_ctas_per_sm() {
+  static const int per_sm = [] {
+    const char* env = std::getenv("FULCRUM_ATTENTION_DECODE_CTAS_PER_SM");
+    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : 4;
+  }();
+  return per_sm;
+}
 
 size_t align_up(size_t bytes) {
   return (bytes + kPagedAttentionWorkspaceAlign - 1) / kPagedAttentionWorkspaceAlign * kPagedAttentionWorkspaceAlign;
@@ -94,8 +105,9 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   const int64_t target_ctas = 4 * static_cast<int64_t>(std::max(1, s.num_sms));
   const int64_t splits_by_len = std::max<int64_t>(1, ceil_div64(std::max(1, s.max_kv_len), kPagedAttentionSplitAlign));
   const int64_t decode_ctas = std::max<int64_t>(1, static_cast<int64_t>(s.num_seqs) * s.num_kv_heads);
-  plan.decode_splits = static_cast<int>(
-      std::clamp<int64_t>(ceil_div64(target_ctas, decode_ctas), 1, std::min<int64_t>(kPagedAttentionMaxSplits, splits_by_len)));
+  const int64_t decode_target = int64_t{decode_ctas_per_sm()} * std::max(1, s.num_sms);
+  plan.decode_splits = static_cast<int>(std::clamp<int64_t>(ceil_div64(decode_target, decode_ctas), 1,
+                                                            std::min<int64_t>(kPagedAttentionMaxSplits, splits_by_len)));
 
   if (std::min(s.max_q_len, s.num_tokens) >= 2) {
     // Tiles of sequences with n_s >= 2: sum of ceil(n_s G / rows) <= ceil(T G / rows) + (such sequences).

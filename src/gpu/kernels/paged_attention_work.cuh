@@ -204,6 +204,7 @@ __device__ inline void merge_head_splits(const float* part_o, const float* part_
   float acc[kMaxPerLane];
 #pragma unroll
   for (int c = 0; c < kMaxPerLane; ++c) acc[c] = 0.0f;
+#pragma unroll 4  // the loads of 4 splits in flight; the adds keep split order
   for (int z = 0; z < splits; ++z) {
     const float wz = weights[z];
     const float* src = part_o + (first + static_cast<int64_t>(z) * H) * D;
