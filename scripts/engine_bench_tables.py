@@ -32,6 +32,9 @@ def generate(doc):
         print(row([r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.3f}",
                    f"{100 * r['roofline_ms'] / r['ms_per_step']:.1f}%", f"{peer:.1f}" if peer else "",
                    f"{peer / r['ms_per_step']:.1f}x" if peer else ""]))
+    if not any(r["phase"] == "prefill" for r in runs):  # a decode-only run (--prefill none)
+        print()
+        return
     print("\n#### Prefill (one step; roofline = FLOPs / measured bf16 GEMM rate)\n")
     print(row(["sequences x tokens", "ms", "tok/s", "roofline ms", "of roofline"]))
     print(row(["---:"] * 5))
