@@ -510,13 +510,17 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   s.max_q_len = 1;
   PagedAttentionPlan p = gpu::plan_paged_attention(s);
   EXPECT_TRUE(p.tensor_cores);
-  EXPECT_EQ(p.decode_splits, 32);  // 4 kv heads x 32 splits of 64 keys = 128 CTAs on 132 SMs
+  EXPECT_EQ(p.decode_splits, 32);  // 4 kv heads x 32 splits of 64 keys = 128 CTAs: one wave on 132 SMs
   EXPECT_EQ(p.prefill_tiles, 0);
   EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), size_t{32} * 32 * 128 * 4 + size_t{32} * 32 * 4);
 
   s.num_seqs = s.num_tokens = 64;
   p = gpu::plan_paged_attention(s);
-  EXPECT_EQ(p.decode_splits, 3);  // 64 x 4 = 256 CTAs, 3 splits: 768 (~4 per SM)
+  EXPECT_EQ(p.decode_splits, 1);  // 64 x 4 = 256 CTAs already fill the SMs once
+
+  s.num_seqs = s.num_tokens = 16;
+  p = gpu::plan_paged_attention(s);
+  EXPECT_EQ(p.decode_splits, 3);  // 16 x 4 = 64 CTAs, 3 splits: 192 (one wave at 1-2 per SM)
 
   s.num_seqs = s.num_tokens = 256;
   p = gpu::plan_paged_attention(s);

@@ -25,12 +25,16 @@ bool shape_supported(const PagedAttentionShape& s) {
 
 int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// CTAs per SM the decode splits aim for: 4 unless FULCRUM_ATTENTION_DECODE_CTAS_PER_SM says otherwise (0: no
-// decode splits), for measurement; read once.
+// CTAs per SM the decode KV splits aim for: 1 (one wave; each split then holds several key tiles, and the last
+// CTA merges fewer partials). Measured against 0 (no splits), 2, 3 and 4 (the earlier choice) on one H200, decode
+// of the 30B-A3B shape at batch 1 / 4 / 16 / 64, context 512 and 2048: best or within 0.5% at six of the eight,
+// 5% faster than 4 at batch 4 context 2048, 1.5% slower at batch 64 context 2048
+// (bench/results/attention_decode_ctas_sweep_*_h200.json). FULCRUM_ATTENTION_DECODE_CTAS_PER_SM overrides it for
+// measurement; read once.
 int decode_ctas_per_sm() {
   static const int per_sm = [] {
     const char* env = std::getenv("FULCRUM_ATTENTION_DECODE_CTAS_PER_SM");
-    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : 4;
+    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : 1;
   }();
   return per_sm;
 }
@@ -100,8 +104,8 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   plan.tensor_cores = !s.force_cuda_cores && (s.head_dim == 64 || s.head_dim == 128);
   plan.prefill_rows = plan.tensor_cores ? 64 : 16;
 
-  // About four CTAs per SM over the batch (the tensor-core kernels keep 2-3 resident per SM, so the last wave
-  // is mostly full); a split keeps >= kPagedAttentionSplitAlign positions.
+  // Prefill: about four CTAs per SM over the batch (the tensor-core kernels keep 2-3 resident per SM, so the last
+  // wave is mostly full); decode: decode_ctas_per_sm(). A split keeps >= kPagedAttentionSplitAlign positions.
   const int64_t target_ctas = 4 * static_cast<int64_t>(std::max(1, s.num_sms));
   const int64_t splits_by_len = std::max<int64_t>(1, ceil_div64(std::max(1, s.max_kv_len), kPagedAttentionSplitAlign));
   const int64_t decode_ctas = std::max<int64_t>(1, static_cast<int64_t>(s.num_seqs) * s.num_kv_heads);

@@ -59,9 +59,9 @@ struct PagedAttentionPlan {
   int prefill_splits = 1;     // grid z of the prefill launch: at most this many KV splits per tile
 };
 
-// The plan from host values only. Splits aim at about four CTAs per SM over the batch; each split holds >= 64
-// positions (a lone decode sequence with 2048 positions and 4 kv heads: 32 splits of 64 keys, 128 CTAs; 64
-// sequences: 3 splits, 768 CTAs; 256 sequences: no split).
+// The plan from host values only. Decode splits aim at one CTA per SM, prefill splits at about four; each split
+// holds >= 64 positions (a lone decode sequence with 2048 positions and 4 kv heads: 32 splits of 64 keys, 128
+// CTAs; 16 sequences: 3 splits, 192 CTAs; 64 sequences: no split).
 // An unsupported shape (head_dim, group above kPagedAttentionMaxGroup, num_heads % num_kv_heads) gives a plan
 // that the launcher refuses.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
