@@ -43,7 +43,8 @@ HeldTable table_of(const eplb::Placement& from, const std::vector<int>& old_rank
   return table;
 }
 
-constexpr SlotSource kLocal = SlotSource::kLocal, kSurvivor = SlotSource::kSurvivor, kCheckpoint = SlotSource::kCheckpoint;
+constexpr SlotSource kLocal = SlotSource::kLocal, kSurvivor = SlotSource::kSurvivor, kCheckpoint = SlotSource::kCheckpoint,
+                     kCopy = SlotSource::kCopy;
 
 TEST(RebuildSlots, ThePlanTakesTheRanksOwnCopyThenTheLowestSurvivorThenTheCheckpoint) {
   // 8 experts over 4 ranks of 3 slots. Layer 0: rank 2 alone holds 4 and 5; layer 1: rank 2 alone holds 6.
@@ -111,6 +112,22 @@ TEST(RebuildSlots, ThePlacementsBlocksGoToTheRanksHoldingTheirExperts) {
   EXPECT_EQ(std::vector<int32_t>(aligned.layer(1).begin(), aligned.layer(1).end()), want0);
   EXPECT_EQ(plan_rebuild_slots(aligned, held).num_local, 2 * 6);
   EXPECT_LT(plan_rebuild_slots(planned, held).num_local, 2 * 6);
+}
+
+TEST(RebuildSlots, AnExpertARankNeedsTwiceIsFetchedOnceAndCopied) {
+  // 4 experts over 2 ranks of 3 slots; rank 1 lost. The survivor's 3 slots need expert 0 (held) twice, expert 2
+  // (rank 1's only) twice: 0 comes from its copy both times, 2 is read from the checkpoint once and copied.
+  const eplb::Placement from = placement_of(2, {{0, 1, 0, 2, 3, 2}}, 4);
+  const HeldTable held = table_of(from, {0});
+  const RebuildSlotPlan plan = plan_rebuild_slots(placement_of(1, {{0, 2, 1, 2, 3, 0}}, 4), held);
+  const std::vector<SlotSource> want = {kLocal, kCheckpoint, kLocal, kCopy, kCheckpoint, kLocal};
+  for (size_t s = 0; s < want.size(); ++s) EXPECT_EQ(plan.fills[0][s].source, want[s]) << "slot " << s;
+  EXPECT_EQ(plan.fills[0][3].copy_of, 1);
+  EXPECT_EQ(plan.fills[0][3].src_rank, 0);
+  EXPECT_EQ(plan.num_from_checkpoint, 2);  // 2 once, 3 once
+  EXPECT_EQ(plan.num_copied, 1);
+  EXPECT_EQ(plan.num_experts_from_checkpoint, 2);
+  EXPECT_FALSE(plan.reads_from_checkpoint(0, 0, 3));
 }
 
 struct RankOutcome {
@@ -184,11 +201,29 @@ TEST(RebuildSlots, AfterALostRankEverySlotHoldsItsExpert) {
   EXPECT_EQ(received, plan.num_received);
   EXPECT_EQ(sent, plan.num_received);
   EXPECT_EQ(bytes, plan.num_received * slot_bytes_of_synthetic());
-  EXPECT_EQ(plan.num_local + plan.num_received + plan.num_from_checkpoint, 2 * 18);
+  EXPECT_EQ(plan.num_local + plan.num_received + plan.num_copied + plan.num_from_checkpoint, 2 * 18);
   // Rank 1 alone held 4, 5, 6, 7 in layer 0 (13 is also on rank 3) and 10 in layer 1 (6..9 are on rank 3).
   EXPECT_EQ(plan.num_experts_from_checkpoint, 5);
   EXPECT_EQ(plan.num_from_checkpoint, 7);  // 4 twice in layer 0, 10 twice in layer 1
   EXPECT_GT(plan.num_received, 0);
+}
+
+TEST(RebuildSlots, ASlotNeededTwiceIsReceivedOnceAndCopiedOnTheRank) {
+  // 8 experts; a world of 2 (4 slots each) grows to 3: the newcomer (new rank 1) needs expert 5 twice and 6 twice.
+  const eplb::Placement from = placement_of(2, {{0, 1, 2, 3, 4, 5, 6, 7}}, 8);
+  const eplb::Placement to = placement_of(3, {{0, 1, 2, 3, 5, 6, 5, 6, 4, 7, 0, 1}}, 8);
+  const auto [plan, outcomes] = rebuild(from, {0, -1, 1}, to);
+  int64_t received = 0, copied = 0;
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    EXPECT_TRUE(outcomes[r].every_slot_right) << "rank " << r;
+    received += outcomes[r].stats.num_received;
+    copied += outcomes[r].stats.num_copied;
+  }
+  EXPECT_EQ(plan.num_received, 4);  // 5 and 6 once each to rank 1; 0 and 1 once each to rank 2
+  EXPECT_EQ(plan.num_copied, 2);
+  EXPECT_EQ(received, plan.num_received);
+  EXPECT_EQ(copied, plan.num_copied);
+  EXPECT_EQ(plan.num_from_checkpoint, 0);
 }
 
 TEST(RebuildSlots, AfterARejoinTheNewcomerReceivesItsSlots) {

@@ -112,23 +112,25 @@ std::vector<double> recovery_seconds(const std::string& log) {
 
 // One rebuild's expert slots by source, over the whole world (world rank 0's line).
 struct SlotSources {
-  int local = 0, received = 0, checkpoint = 0, experts_from_checkpoint = 0;
+  int local = 0, received = 0, copied = 0, checkpoint = 0, experts_from_checkpoint = 0;
   int64_t bytes_received = 0;
-  int total() const { return local + received + checkpoint; }
+  int total() const { return local + received + copied + checkpoint; }
 };
 
 // Every rebuild's line, in order.
 std::vector<SlotSources> slot_sources(const std::string& log) {
   const std::regex line("elastic: expert slots of epoch [0-9]+'s world: ([0-9]+) copied locally, ([0-9]+) received "
-                        "from surviving replicas \\(([0-9]+) bytes\\), ([0-9]+) read from the checkpoint \\(([0-9]+) "
-                        "logical expert\\(s\\) held by no survivor\\); non-expert weights read from the checkpoint");
+                        "from surviving replicas \\(([0-9]+) bytes\\), ([0-9]+) copied from the rank's first slot of "
+                        "the same expert, ([0-9]+) read from the checkpoint \\(([0-9]+) logical expert\\(s\\) held "
+                        "by no survivor\\); non-expert weights read from the checkpoint");
   std::vector<SlotSources> all;
   for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator(); ++it) {
-    all.push_back({.local = std::stoi((*it)[1]), .received = std::stoi((*it)[2]), .checkpoint = std::stoi((*it)[4]),
-                   .experts_from_checkpoint = std::stoi((*it)[5]), .bytes_received = std::stoll((*it)[3])});
+    all.push_back({.local = std::stoi((*it)[1]), .received = std::stoi((*it)[2]), .copied = std::stoi((*it)[4]),
+                   .checkpoint = std::stoi((*it)[5]), .experts_from_checkpoint = std::stoi((*it)[6]),
+                   .bytes_received = std::stoll((*it)[3])});
     std::cout << "[ elastic ] expert slots: " << all.back().local << " local, " << all.back().received
-              << " received (" << all.back().bytes_received << " bytes), " << all.back().checkpoint
-              << " from the checkpoint\n";
+              << " received (" << all.back().bytes_received << " bytes), " << all.back().copied
+              << " copied from the rank's own slot, " << all.back().checkpoint << " from the checkpoint\n";
   }
   return all;
 }

@@ -1,6 +1,7 @@
 #include "engine/rebuild_slots.hpp"
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "engine/backend_factory.hpp"
@@ -180,6 +181,7 @@ RebuildSlotPlan plan_rebuild_slots(const eplb::Placement& to, const HeldTable& h
     std::vector<SlotFill>& fills = plan.fills[static_cast<size_t>(l)];
     fills.resize(map.size());
     std::set<int32_t> unheld;
+    std::map<std::pair<int, int32_t>, int> first_fetched;  // (rank, expert) -> its first slot received or read
     for (size_t s = 0; s < map.size(); ++s) {
       const int32_t e = map[s];
       const int dst = to.topology.gpu_of_slot(static_cast<int>(s));
@@ -188,6 +190,12 @@ RebuildSlotPlan plan_rebuild_slots(const eplb::Placement& to, const HeldTable& h
         ++plan.num_local;
         continue;
       }
+      if (const auto first = first_fetched.find({dst, e}); first != first_fetched.end()) {
+        fills[s] = {SlotSource::kCopy, dst, e, first->second};
+        ++plan.num_copied;
+        continue;
+      }
+      first_fetched[{dst, e}] = static_cast<int>(s);
       int src = 0;
       while (src < held.num_ranks && !held.holds(src, l, e)) ++src;
       if (src < held.num_ranks) {
@@ -269,6 +277,17 @@ RebuildFillStats fill_rebuild_slots(const RebuildSlotPlan& plan, const HeldExper
     receiver.wait();
     for (size_t i = 0; i < staged.size(); ++i) receiver.commit_slot(*view, static_cast<int>(i), staged[i]);
     receiver.end_layer();
+    // Second slots of an expert this rank fetched: from the first, now received or read from the checkpoint.
+    for (int local = 0; local < per_rank; ++local) {
+      const SlotFill& fill = fills[static_cast<size_t>(first_slot + local)];
+      if (fill.source != SlotSource::kCopy) continue;
+      const int from = fill.copy_of - first_slot;
+      FULCRUM_CHECK(from >= 0 && from < local, "rebuild: MoE layer {} slot {} copies slot {}, not an earlier one of rank {}",
+                    layer, first_slot + local, fill.copy_of, rank);
+      backend.upload(view->gate_up.index(local), backend.download(view->gate_up.index(from)));
+      backend.upload(view->down.index(local), backend.download(view->down.index(from)));
+      ++stats.num_copied;
+    }
   }
   return stats;
 }

@@ -11,6 +11,8 @@
 //                             kLocal       from d's own held copy when d holds e,
 //                             kSurvivor    else from the lowest new-world rank that holds e,
 //                             kCheckpoint  else (e's every replica was on a lost rank) from the checkpoint;
+//                           a second slot of d needing the same e that d does not hold is kCopy: copied on d from
+//                           the first once that one is filled (e crosses the network or leaves the checkpoint once);
 //   4. the new rank loads its non-expert weights and its kCheckpoint slots (InProcessRun::read_expert_slot
 //      = plan.reads_from_checkpoint), then fill_rebuild_slots (collective) writes the others: local copies,
 //      and survivors' slots through eplb_runtime::BackendSlotCopyExecutor (the slot migration's send / recv /
@@ -68,19 +70,20 @@ eplb::Placement held_placement(const HeldTable& held, const eplb::Topology& topo
 // the lowest block, then rank). A block moves whole, so every rank's load and the balance are unchanged.
 eplb::Placement align_to_held(eplb::Placement placement, const HeldTable& held);
 
-enum class SlotSource : uint8_t { kLocal, kSurvivor, kCheckpoint };
+enum class SlotSource : uint8_t { kLocal, kSurvivor, kCheckpoint, kCopy };
 
 struct SlotFill {
   SlotSource source = SlotSource::kCheckpoint;
-  int src_rank = -1;    // kLocal: the slot's own rank; kSurvivor: the new-world rank that sends it
+  int src_rank = -1;    // kLocal / kCopy: the slot's own rank; kSurvivor: the new-world rank that sends it
   int expert_idx = -1;  // the logical expert of the slot
+  int copy_of = -1;     // kCopy: the earlier slot (global index, same rank) with the same expert
 };
 
 struct RebuildSlotPlan {
   eplb::Topology topology;                   // the new placement's: EP rank d holds slots [d * P/G, +P/G)
   std::vector<std::vector<SlotFill>> fills;  // [num_moe_layers][num_physical_experts]
   // Over every rank of the world:
-  int64_t num_local = 0, num_received = 0, num_from_checkpoint = 0;  // slots
+  int64_t num_local = 0, num_received = 0, num_from_checkpoint = 0, num_copied = 0;  // slots
   int64_t num_experts_from_checkpoint = 0;  // distinct (layer, logical expert) pairs no rank holds
 
   // Whether local slot `local_slot` of EP rank `rank` in MoE layer `moe_layer_idx` is read from the checkpoint.
@@ -92,11 +95,11 @@ RebuildSlotPlan plan_rebuild_slots(const eplb::Placement& to, const HeldTable& h
 
 // Bytes this rank received and slots it wrote.
 struct RebuildFillStats {
-  int64_t num_local = 0, num_received = 0, num_sent = 0;
+  int64_t num_local = 0, num_received = 0, num_sent = 0, num_copied = 0;
   int64_t bytes_received = 0;
 };
 
-// Collective over `world` (rank = EP rank of the plan): writes this rank's kLocal and kSurvivor slots of
+// Collective over `world` (rank = EP rank of the plan): writes this rank's kLocal, kSurvivor and kCopy slots of
 // `views` (the new rank's expert_slot_views(), on `backend`, their maps already those of the plan's placement)
 // from `held`, and sends the survivors' slots other ranks need.
 RebuildFillStats fill_rebuild_slots(const RebuildSlotPlan& plan, const HeldExperts& held, model::Backend& backend,

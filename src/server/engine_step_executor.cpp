@@ -592,11 +592,12 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
     const std::vector<model::ExpertSlotView> views = old.engine->model().expert_slot_views();
     if (world_->rank() == 0 && !views.empty()) {
       elastic_log(fmt::format("expert slots of epoch {}'s world: {} copied locally, {} received from surviving "
-                              "replicas ({} bytes), {} read from the checkpoint ({} logical expert(s) held by no "
-                              "survivor); non-expert weights read from the checkpoint",
+                              "replicas ({} bytes), {} copied from the rank's first slot of the same expert, {} read "
+                              "from the checkpoint ({} logical expert(s) held by no survivor); non-expert weights read "
+                              "from the checkpoint",
                               next.epoch, plan->num_local, plan->num_received,
-                              plan->num_received * eplb_runtime::slot_bytes(views.front()), plan->num_from_checkpoint,
-                              plan->num_experts_from_checkpoint));
+                              plan->num_received * eplb_runtime::slot_bytes(views.front()), plan->num_copied,
+                              plan->num_from_checkpoint, plan->num_experts_from_checkpoint));
     }
   }
   const int64_t hosted = std::count(group_hosts_.begin(), group_hosts_.end(), mesh->rank());
