@@ -273,6 +273,31 @@ TEST(ElasticServe, TwoRanksKilledOneAfterTheOther) {
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
 }
 
+// A rank lost while the world rebuilds after another's loss: rank 3 exits in the middle of its rebuild of epoch 1
+// (FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD, a test hook), so the rebuild fails on every survivor; they roll again
+// without it and the one recovery ends on ranks 0 and 1, with the outputs of the fault-free run.
+TEST(ElasticServe, ARankLostDuringTheRebuildIsDroppedAndTheRebuildRetried) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_rebuild_fails");
+  {
+    ::setenv("FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD", "1:3", 1);
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    ::unsetenv("FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD");
+    const pid_t rank2 = server.wait_rank_pid(2);
+    ASSERT_GT(rank2, 0) << server.log();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
+    const std::string log = server.log();
+    EXPECT_NE(log.find("mesh rank 3 exits during the rebuild of epoch 1"), std::string::npos) << log;
+    EXPECT_NE(log.find("mesh rank 1: the rebuild of epoch 1 failed"), std::string::npos) << log;
+    EXPECT_NE(log.find("new world (epoch 2): ranks 0, 1 of the 4 launched"), std::string::npos) << log;
+    expect_recovered(server, 1, 2, "2");
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
 // Live EPLB (rebalances and slot migrations between the processes) before and after the fault: the new
 // world's ranks run it again from the re-planned placement.
 TEST(ElasticServe, AKilledRankWithLiveEplbChangesNoOutput) {

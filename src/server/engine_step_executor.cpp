@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -13,6 +14,25 @@
 #include "eplb/metrics.hpp"
 
 namespace fulcrum::server {
+namespace {
+
+// Fault injection for the tests: FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD=EPOCH:MESH_RANK makes that rank's process exit
+// in the middle of its rebuild of that epoch (after the first collective of the new world), so the others' rebuild
+// fails and is retried without it. Unset: nothing.
+void exit_in_rebuild_if_told(uint64_t epoch, int mesh_rank) {
+  const char* env = std::getenv("FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD");
+  unsigned long long at_epoch = 0;
+  int at_rank = -1;
+  if (env != nullptr && std::sscanf(env, "%llu:%d", &at_epoch, &at_rank) == 2 && at_epoch == epoch &&
+      at_rank == mesh_rank) {
+    std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d exits during the rebuild of epoch %llu "
+                 "(FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD)\n", mesh_rank, at_epoch);
+    std::fflush(stderr);
+    std::_Exit(3);
+  }
+}
+
+}  // namespace
 
 template <class Attempt>
 void EngineStepExecutor::on_world(Attempt&& attempt) {
@@ -46,6 +66,8 @@ void EngineStepExecutor::on_world(Attempt&& attempt) {
       if (!fault_at_) {
         fault_at_ = std::chrono::steady_clock::now();
         elastic_log(fmt::format("fault detected by world rank 0: {}", e.what()));
+      } else {
+        elastic_log(fmt::format("world rank 0: the recovery failed, the roll is called again: {}", e.what()));
       }
       needs_reform_ = true;
     }
@@ -490,7 +512,14 @@ void EngineStepExecutor::reform_world() {
                           mesh.size(), lost.empty() ? "" : fmt::format(", without rank(s) {}", fmt::join(lost, ", ")),
                           rejoined.empty() ? "" : fmt::format(", rank(s) {} rejoined", fmt::join(rejoined, ", "))));
   announce_new_world(mesh, next);
-  const std::string last_replicas = describe_lost_last_replicas(answered, lost);
+  // Between the announcement and the new epoch nothing may throw: the others already wait in the new world, and a
+  // roll called again in the old epoch would never reach them. The line is only a log line.
+  std::string last_replicas;
+  try {
+    last_replicas = describe_lost_last_replicas(answered, lost);
+  } catch (const std::exception& e) {
+    last_replicas = fmt::format("the logical experts that lost their last replica could not be counted: {}", e.what());
+  }
   rebuild(next);
   if (!last_replicas.empty()) elastic_log(last_replicas);
   std::vector<std::string> moved;
@@ -533,12 +562,14 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   const int n = world->size();
   const int num_moe_layers = static_cast<int>(config_.moe_layer_indices().size());
   // The loads the survivors recorded (their own windows, summed over the new world: the same everywhere).
-  eplb::LoadMatrix loads(num_moe_layers, config_.num_experts);
+  // After a failed rebuild the old rank is gone: its loads were kept with its expert copies.
   engine::InProcessRank& old = ranks_.at(0);
-  if (old.eplb != nullptr) loads = old.eplb->own_window_loads();
+  if (old.eplb != nullptr) held_loads_ = old.eplb->own_window_loads();
+  eplb::LoadMatrix loads = held_loads_.value_or(eplb::LoadMatrix(num_moe_layers, config_.num_experts));
   std::vector<float> sums(loads.values.begin(), loads.values.end());
   world->all_reduce_sum(sums);
   std::copy(sums.begin(), sums.end(), loads.values.begin());
+  exit_in_rebuild_if_told(next.epoch, mesh->rank());
   // This process's expert slots as they are (a rank that rejoins holds none; after a failed rebuild, no rank: the
   // copies of the last one that ran are still held): the new slots come from them and the other survivors'
   // before the checkpoint. The old rank refers to the old world, layout and placement: it goes next.
@@ -551,20 +582,18 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   old.eplb.reset();
   old.engine.reset();
   old.backend.reset();
-  elastic_world_ = std::move(world);
-  world_ = elastic_world_.get();
-  members_ = next.members;
-  group_hosts_ = next.group_hosts;
-  layout_ = std::make_unique<engine::ParallelLayout>(
+  // The new world's layout and placement stay local until the rebuild completes: a rebuild that fails (another
+  // rank lost meanwhile) leaves members_, layout_, group_hosts_ and initial_placement_ those of the last world
+  // that served, which the next roll call and its log lines are about.
+  auto layout = std::make_unique<engine::ParallelLayout>(
       surviving_flags(options_.parallel, config_.num_experts, next.num_physical_experts, n), config_);
   std::optional<engine::HeldTable> holders;  // who holds which expert, over the new world
-  if (num_moe_layers > 0) holders = engine::gather_held(*held_, config_.num_experts, *world_);
+  if (num_moe_layers > 0) holders = engine::gather_held(*held_, config_.num_experts, *world);
+  eplb::Placement placement;
   if (num_moe_layers > 0) {  // planned from what the new world holds: slots stay where a copy already is
     const eplb::Topology topology{next.num_physical_experts, n, 1};
     const eplb::Placement held = engine::held_placement(*holders, topology);
-    initial_placement_ = engine::align_to_held(replan_placement(loads, next.num_physical_experts, n, &held), *holders);
-  } else {
-    initial_placement_ = eplb::Placement{};
+    placement = engine::align_to_held(replan_placement(loads, next.num_physical_experts, n, &held), *holders);
   }
   engine::InProcessRun run = options_.run;
   run.weight_cache_dir.clear();  // its files are the old layout's ranks
@@ -573,14 +602,14 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
   // process holds, else from the lowest-ranked survivor holding one, else (no replica survived) the checkpoint.
   std::optional<engine::RebuildSlotPlan> plan;
   if (num_moe_layers > 0) {
-    plan = engine::plan_rebuild_slots(initial_placement_, *holders);
-    run.read_expert_slot = [&plan, rank = world_->rank()](int moe_layer_idx, int local_slot) {
+    plan = engine::plan_rebuild_slots(placement, *holders);
+    run.read_expert_slot = [&plan, rank = world->rank()](int moe_layer_idx, int local_slot) {
       return plan->reads_from_checkpoint(rank, moe_layer_idx, local_slot);
     };
   }
   try {
-    old = engine::build_in_process_rank(options_.model_dir, config_, *layout_, run, initial_placement_, *world_);
-    if (plan) engine::fill_rebuild_slots(*plan, *held_, *old.backend, old.engine->model().expert_slot_views(), *world_);
+    old = engine::build_in_process_rank(options_.model_dir, config_, *layout, run, placement, *world);
+    if (plan) engine::fill_rebuild_slots(*plan, *held_, *old.backend, old.engine->model().expert_slot_views(), *world);
   } catch (const std::exception&) {
     old.eplb.reset();  // half-filled slots are no copy to keep: the next rebuild uses held_ again
     old.engine.reset();
@@ -588,6 +617,13 @@ void EngineStepExecutor::rebuild(const NewWorld& next) {
     throw;
   }
   held_.reset();
+  held_loads_.reset();
+  elastic_world_ = std::move(world);
+  world_ = elastic_world_.get();
+  members_ = next.members;
+  group_hosts_ = next.group_hosts;
+  layout_ = std::move(layout);
+  initial_placement_ = std::move(placement);
   if (plan) {
     const std::vector<model::ExpertSlotView> views = old.engine->model().expert_slot_views();
     if (world_->rank() == 0 && !views.empty()) {

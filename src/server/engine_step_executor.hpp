@@ -154,6 +154,7 @@ class EngineStepExecutor final : public StepExecutor {
   std::vector<int> newcomers_;  // rejoined ranks the next roll call brings in
   // The expert slots of the last rank this process ran, until a rebuild completes (kept across failed ones).
   std::unique_ptr<engine::HeldExperts> held_;
+  std::optional<eplb::LoadMatrix> held_loads_;  // this rank's recorded loads, kept with held_ across a failed rebuild
   int launch_slots_per_rank_ = 0;
   bool needs_reform_ = false;
   std::optional<std::chrono::steady_clock::time_point> fault_at_;  // detected, not yet recovered
