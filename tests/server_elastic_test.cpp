@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include "comm/tcp_socket.hpp"
 #include "server_clients.hpp"
 #include "server_http_util.hpp"
 #include "server_process.hpp"
@@ -424,6 +425,42 @@ TEST(ElasticServe, ExpertsWhoseLastReplicaIsLostAreReloadedFromTheCheckpoint) {
 // process with no HTTP front end (so not a ServerProcess), its output in `log_file`.
 std::unique_ptr<CliProcess> restart_rank(const std::vector<std::string>& flags, const std::string& log_file) {
   return std::make_unique<CliProcess>(serve_args(skewed_served_model(), flags), log_file);
+}
+
+// Two "nodes" on one host: node 0 (the front end, ranks 0 and 1) and node 1 (ranks 2 and 3), each its own
+// `serve ... --nnodes 2 --node-rank N --dist-init-addr` command. Rank 3 killed under 32 clients: node 1's launcher
+// reports it and keeps rank 2, the world goes on with ranks 0, 1, 2 and the outputs of the fault-free run; stopping
+// the server stops node 1's command too, cleanly (one of its ranks served to the end).
+TEST(ElasticServe, ARankKilledOnAnotherNodeLeavesThatNodesOtherRanksServing) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_two_nodes");
+  {
+    const std::string address = "127.0.0.1:" + std::to_string(comm::pick_free_port());
+    const auto node_flags = [&](const std::string& node) {
+      std::vector<std::string> flags = elastic_flags(dir);
+      flags.insert(flags.end(), {"--nnodes", "2", "--node-rank", node, "--dist-init-addr", address});
+      return flags;
+    };
+    CliProcess node1(serve_args(skewed_served_model(), node_flags("1")), dir.file("node1.log"));
+    ServerProcess server(skewed_served_model(), node_flags("0"), dir.file("serve.log"));
+    std::smatch m;
+    ASSERT_TRUE(node1.wait_log("rank 3 (pid ")) << node1.log();
+    const std::string started = node1.log();
+    ASSERT_TRUE(std::regex_search(started, m, std::regex("rank 3 \\(pid ([0-9]+)\\) joined"))) << started;
+    const pid_t rank3 = static_cast<pid_t>(std::stol(m[1]));
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank3, SIGKILL), 0); }), reference);
+    expect_recovered(server, 1, 3, "3");
+    EXPECT_TRUE(node1.wait_log("fulcrum: rank 3 lost: ")) << node1.log();
+    EXPECT_NE(server.log().find("new world (epoch 1): ranks 0, 1, 2 of the 4 launched, without rank(s) 3"),
+              std::string::npos)
+        << server.log();
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+    EXPECT_EQ(node1.wait_exit(), 0) << node1.log();
+    EXPECT_EQ(count_of(node1.log(), "fulcrum: error: "), 0) << node1.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
 }
 
 // Rank 2's restart command while rank 2 lives is refused in one line. Rank 2 killed under 32 clients, then

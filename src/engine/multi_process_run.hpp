@@ -47,8 +47,9 @@ std::optional<LaunchedRank> launched_rank();
 // LaunchOptions change that for a server: its ranks' stderr is its log, passed on line by line as it comes
 // (their "fulcrum: error: " lines excepted: the launcher's own line says the failure once), SIGINT/SIGTERM
 // go to world rank 0 (it drains and stops the others), and with elastic EP a rank other than world rank 0
-// that fails is reported ("fulcrum: rank R lost: ...") while the others go on (on the front end's node only:
-// another node's launcher, or one restarting a lost rank, fails with its rank as without elastic EP).
+// that fails is reported ("fulcrum: rank R lost: ...") while the others go on, on every node (a node without
+// the front end, or a command restarting one lost rank, fails only when every one of its ranks failed: then in
+// one line, its first failing rank's, as without elastic EP).
 struct LaunchOptions {
   bool stream_stderr = false;
   bool forward_signals = false;
