@@ -115,7 +115,7 @@ TEST(RebuildSlots, ThePlacementsBlocksGoToTheRanksHoldingTheirExperts) {
 }
 
 TEST(RebuildSlots, AnExpertARankNeedsTwiceIsFetchedOnceAndCopied) {
-  // 4 experts over 2 ranks of 3 slots; rank 1 lost. The survivor's 3 slots need expert 0 (held) twice, expert 2
+  // 4 experts over 2 ranks of 3 slots; rank 1 lost. The survivor's 6 slots need expert 0 (held) twice, expert 2
   // (rank 1's only) twice: 0 comes from its copy both times, 2 is read from the checkpoint once and copied.
   const eplb::Placement from = placement_of(2, {{0, 1, 0, 2, 3, 2}}, 4);
   const HeldTable held = table_of(from, {0});

@@ -232,10 +232,9 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
   }
   // The rank that owns the front end (world rank 0, on node 0): its exit ends the launch.
   const int front_local = first_rank == 0 ? 0 : -1;
-  // With survive_lost_ranks a lost rank other than world rank 0 is reported and the others go on. On a node
+  // With options.survive_lost_ranks a lost rank other than world rank 0 is reported and the others go on. On a node
   // without the front end (another node, or one rank restarted to rejoin) the command fails only when none of its
   // ranks is left and none finished cleanly: then the first failure is the command's, said in one line.
-  const bool survive_lost_ranks = options.survive_lost_ranks;
   int num_finished = 0;  // local ranks that exited cleanly
   // Reap; the first failure stops the rest (SIGTERM, then SIGKILL after a grace period), except, with
   // survive_lost_ranks, a rank other than world rank 0: the others go on without it.
@@ -269,7 +268,7 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     const bool front_end_left = local == front_local;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
       ++num_finished;
-      if (front_end_left && survive_lost_ranks) {  // the others may wait for a rank that is gone
+      if (front_end_left && options.survive_lost_ranks) {  // the others may wait for a rank that is gone
         stop_all(SIGTERM);
         kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       }
@@ -281,7 +280,7 @@ void launch_rank_processes(const DistFlags& flags, int world_size, const std::st
     const std::string own = error_line(outputs[local].held);
     const std::string exit = fmt::format("rank {} (pid {}) {}", first_rank + local, pid, describe_status(status));
     const bool node_goes_on = front_local >= 0 || !running.empty() || num_finished > 0;
-    if (survive_lost_ranks && !front_end_left && first_rank + local != 0 && node_goes_on) {
+    if (options.survive_lost_ranks && !front_end_left && first_rank + local != 0 && node_goes_on) {
       std::fputs(fmt::format("fulcrum: rank {} lost: {}\n", first_rank + local, own.empty() ? exit : own + " [" + exit + "]").c_str(),
                  stderr);
       std::fflush(stderr);
