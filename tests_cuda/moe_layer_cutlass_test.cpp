@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -251,6 +252,54 @@ TEST_F(MoeLayerCutlassTest, PlacementDoesNotChangeTheOutput) {
     for (size_t s = 0; s < replicated.size(); ++s) used_replicas += replicated[s] == 0 && counts[s] > 0;
     EXPECT_GE(used_replicas, 2);
   }
+}
+
+// Decode-sized steps on CUTLASS with static replicas route through the single-block plan and a gather
+// (kFusedCutlassRouteMaxEntries): the same output, slot counts and recorder counts bit for bit as the multi-launch
+// path (router, counts, scan, scatter), though rows sit in another order within their slot.
+TEST_F(MoeLayerCutlassTest, FusedSmallRouteEqualsTheMultiLaunchRoute) {
+  for (const Case c : {Case{64, 48, 128, 8, 8, 5}, Case{64, 48, 128, 8, 8, 64}, Case{2048, 768, 16, 4, 4, 9},
+                       Case{2048, 768, 16, 4, 4, 128}}) {
+    SCOPED_TRACE(name_of(c));
+    const int p = c.experts + c.extra_slots;
+    const std::vector<int32_t> map = layer_map_for(c.experts, c.extra_slots, 51);
+    const MoeWeights w = random_moe_weights(c.hidden, c.intermediate, c.experts, map, 52);
+    auto layer = layer_with(moe_shape(c.hidden, c.intermediate, c.experts, c.top_k, p, c.tokens), w);
+    ASSERT_TRUE(layer->uses_cutlass()) << layer->cutlass_fallback_reason();
+    layer->set_replica_choice(one_source_spec(DispatchAlgorithm::kStatic, map, c.experts, c.tokens));
+    layer->set_skinny_max_entries(0);  // CUTLASS at every size here
+    const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(c.tokens * c.hidden, 53, 1.0f)));
+    DeviceBuffer d_out(sizeof(float) * c.tokens * c.hidden);
+    DeviceBuffer d_hist(sizeof(unsigned long long) * c.experts);
+    layer->set_recorder(d_hist.as<unsigned long long>());
+    const auto run = [&](bool fused) {
+      layer->set_fused_cutlass_route(fused);
+      EXPECT_EQ(layer->fused_cutlass_route_applies(c.tokens), fused);
+      EXPECT_EQ(cudaMemset(d_out.as<void>(), 0xff, d_out.bytes()), cudaSuccess);
+      EXPECT_EQ(cudaMemset(d_hist.as<void>(), 0, d_hist.bytes()), cudaSuccess);
+      const std::vector<float> out = run_forward(*layer, d_x, c.tokens, d_out);
+      const std::span<const int32_t> counts = layer->fetch_slot_counts();
+      return std::make_tuple(out, std::vector<int32_t>(counts.begin(), counts.end()),
+                             to_host(d_hist.as<unsigned long long>(), c.experts));
+    };
+    const auto [fused_out, fused_counts, fused_hist] = run(true);
+    const auto [out, counts, hist] = run(false);
+    EXPECT_TRUE(bitwise_equal(fused_out, out));
+    EXPECT_EQ(fused_counts, counts);
+    EXPECT_EQ(fused_hist, hist);
+    EXPECT_EQ(std::accumulate(hist.begin(), hist.end(), 0ull), static_cast<unsigned long long>(c.tokens * c.top_k));
+  }
+  // Above the bound (and for other replica choices) the multi-launch path runs.
+  const Case big{64, 48, 128, 8, 8, 65};
+  const std::vector<int32_t> map = layer_map_for(big.experts, big.extra_slots, 54);
+  auto layer = layer_with(moe_shape(big.hidden, big.intermediate, big.experts, big.top_k, big.experts + big.extra_slots,
+                                    big.tokens),
+                          random_moe_weights(big.hidden, big.intermediate, big.experts, map, 55));
+  layer->set_replica_choice(one_source_spec(DispatchAlgorithm::kStatic, map, big.experts, big.tokens));
+  EXPECT_FALSE(layer->fused_cutlass_route_applies(big.tokens));
+  EXPECT_TRUE(layer->fused_cutlass_route_applies(64));
+  layer->set_replica_choice(one_source_spec(DispatchAlgorithm::kDynamic, map, big.experts, big.tokens));
+  EXPECT_FALSE(layer->fused_cutlass_route_applies(64));
 }
 
 // run_experts over slot sub-ranges (an EP rank's share, groups = offsets + first slot) gives bitwise the

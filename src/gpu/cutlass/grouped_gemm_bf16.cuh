@@ -18,6 +18,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/util/packed_stride.hpp"
 #include "gpu/cutlass/grouped_gemm_detail.hpp"
+#include "gpu/kernels/dependent_launch.cuh"
 
 namespace fulcrum::gpu::grouped_gemm_detail {
 
@@ -108,11 +109,14 @@ struct Bf16GroupedGemm {
   }
 };
 
-// Offsets -> CUTLASS's per-group problem shapes, pointers and strides. One thread per group.
+// Offsets -> CUTLASS's per-group problem shapes, pointers and strides. One thread per group. A programmatic
+// dependent launch (dependent_launch.cuh): the offsets come from the kernel before it; the GEMM after it is an
+// ordinary launch (CUTLASS's sm90 grouped kernels do not wait on a grid dependency), so it waits for this one.
 template <class G>
 __global__ void grouped_gemm_setup_kernel(const int32_t* offsets, int num_groups, const uint16_t* const* b, int num_b,
                                           const uint16_t* a, uint16_t* d, int n, int k,
                                           typename G::GroupArrays arrays) {
+  fulcrum::gpu::wait_then_release();
   using ElementA = typename G::ElementA;
   using ElementB = typename G::ElementB;
   using ElementD = typename G::ElementD;
@@ -153,9 +157,9 @@ GroupedGemmStatus run_config(const GroupedGemmArgs& args, int config_idx, const 
                              void* workspace, CUstream_st* stream) {
   const typename G::GroupArrays arrays =
       G::carve(static_cast<char*>(workspace) + limits.cutlass_workspace_bytes, limits.max_groups);
-  grouped_gemm_setup_kernel<G><<<1, 256, 0, stream>>>(args.offsets, args.num_groups, args.b, args.num_b, args.a,
+  cudaError_t status = fulcrum::gpu::launch_dependent(grouped_gemm_setup_kernel<G>, dim3(1), dim3(256), 0, stream,
+                                                      args.offsets, args.num_groups, args.b, args.num_b, args.a,
                                                       args.d, args.n, args.k, arrays);
-  cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return {"grouped GEMM setup kernel launch", static_cast<int>(status)};
   const cutlass::KernelHardwareInfo hw{limits.device, limits.sm_count, limits.max_active_clusters[config_idx]};
   // Params hold only the arrays' addresses, the group count and the device facts (host work, no launch).

@@ -229,6 +229,26 @@ __global__ void permute_rows_kernel(const uint16_t* x, int64_t num_entries, int 
   }
 }
 
+template <bool kVector>
+__global__ void gather_rows_kernel(const uint16_t* x, const int32_t* row_token, int64_t num_rows, int hidden_size,
+                                   uint16_t* permuted) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: row_token comes from the previous kernel
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < num_rows;
+       row += warps) {
+    const uint16_t* src = x + static_cast<int64_t>(row_token[row]) * hidden_size;
+    uint16_t* dst = permuted + row * hidden_size;
+    if constexpr (kVector) {
+      const uint4* s = reinterpret_cast<const uint4*>(src);
+      uint4* d = reinterpret_cast<uint4*>(dst);
+      for (int c = lane; c < hidden_size / 8; c += 32) d[c] = s[c];
+    } else {
+      for (int c = lane; c < hidden_size; c += 32) dst[c] = src[c];
+    }
+  }
+}
+
 // One block of kSmallPlanThreads: counts in shared memory, block scans over the slots in chunks of the block
 // (offsets, and which slots have rows), then each entry's rank among the earlier entries of its slot.
 constexpr int kSmallPlanThreads = 1024;
@@ -322,6 +342,7 @@ __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int in
 
 __global__ void silu_mul_bf16_rows_kernel(const uint16_t* h, const int32_t* row_begin, const int32_t* row_end,
                                           int64_t max_rows, int intermediate_size, uint16_t* act) {
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: h comes from the previous kernel
   const int64_t first = *row_begin;
   const int64_t rows = min(static_cast<int64_t>(*row_end) - first, max_rows);
   const int64_t n = rows * intermediate_size;
@@ -547,6 +568,19 @@ cudaError_t launch_permute_rows(const uint16_t* x, int64_t num_tokens, int top_k
   return cudaGetLastError();
 }
 
+cudaError_t launch_gather_rows(const uint16_t* x, const int32_t* row_token, int64_t num_rows, int hidden_size,
+                               uint16_t* permuted, cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  if (num_rows < 0 || hidden_size < 1 || x == nullptr || row_token == nullptr || permuted == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const bool vector = hidden_size % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(permuted) % 16 == 0;
+  const auto kernel = vector ? gather_rows_kernel<true> : gather_rows_kernel<false>;
+  return gpu::launch_dependent(kernel, dim3(blocks_for(num_rows, 8)), dim3(256), 0, stream, x, row_token, num_rows,
+                               hidden_size, permuted);
+}
+
 cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, int top_k, int num_slots,
                                      int32_t* slot_counts, int32_t* offsets, int32_t* entry_row, int32_t* row_token,
                                      int32_t* active, cudaStream_t stream) {
@@ -591,9 +625,8 @@ cudaError_t launch_silu_mul_bf16_rows(const uint16_t* h, const int32_t* row_begi
                                       int64_t max_rows, int intermediate_size, uint16_t* act, cudaStream_t stream) {
   const int64_t n = max_rows * intermediate_size;
   if (n == 0) return cudaSuccess;
-  silu_mul_bf16_rows_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(h, row_begin, row_end, max_rows, intermediate_size,
-                                                                     act);
-  return cudaGetLastError();
+  return gpu::launch_dependent(silu_mul_bf16_rows_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, stream, h, row_begin,
+                               row_end, max_rows, intermediate_size, act);
 }
 
 cudaError_t launch_fill_random_e4m3(uint8_t* out, int64_t n, uint64_t seed, cudaStream_t stream) {

@@ -98,6 +98,12 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
                                      int32_t* slot_counts, int32_t* offsets, int32_t* entry_row, int32_t* row_token,
                                      int32_t* active, cudaStream_t stream);
 
+// The permuted rows of a small plan: permuted [r] = x [row_token[r]] for r < num_rows (row_token from
+// launch_small_permutation / launch_small_route_permute). One warp per row, 16-byte copies when H % 8 == 0 and x,
+// permuted are 16-byte aligned. Launched as a programmatic dependent (gpu/kernels/dependent_launch.cuh).
+cudaError_t launch_gather_rows(const uint16_t* x, const int32_t* row_token, int64_t num_rows, int hidden_size,
+                               uint16_t* permuted, cudaStream_t stream);
+
 // launch_moe_router (static replicas only: args.static_slot_of set) and launch_small_permutation of its slots in
 // one single-block launch, for the same bounds; the same outputs bit for bit as the two launches.
 cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,

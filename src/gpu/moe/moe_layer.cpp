@@ -14,6 +14,7 @@
 #include "gpu/env_switch.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
+#include "gpu/lt_gemm.hpp"
 #include "model/random_weights.hpp"
 
 namespace fulcrum::backend {
@@ -114,6 +115,7 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
   FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
   cublas_ = handle;
   cublas_workspace_ = DeviceBuffer(kCublasWorkspaceBytes);
+  lt_ = std::make_unique<gpu::LtGemm>(cublas_workspace_.as<void>(), cublas_workspace_.bytes());
 
   // The CUTLASS kernels are compiled for sm_90a only; elsewhere the layers use cuBLAS.
   int major = 0, minor = 0;
@@ -147,6 +149,7 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
 }
 
 MoeWorkspace::~MoeWorkspace() {
+  lt_.reset();
   if (cublas_ != nullptr) cublasDestroy(cublas_);
 }
 
@@ -543,6 +546,10 @@ void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
                                                shape_.hidden_size, ws().logits.as<float>(), nullptr, stream_));
     return;
   }
+  if (gpu::LtGemm::enabled() && ws().lt().run(x, router_, static_cast<int>(num_tokens), shape_.num_experts,
+                                               shape_.hidden_size, ws().logits.as<void>(), /*bf16_out=*/false, stream_)) {
+    return;
+  }
   // Row-major logits [T, E] = x [T, H] @ router [E, H]^T, i.e. column-major logits^T = router^T(op T) x.
   const float alpha = 1.0f, beta = 0.0f;
   FULCRUM_CUBLAS_CHECK(cublasGemmEx(ws().cublas_on(stream_), CUBLAS_OP_T, CUBLAS_OP_N, shape_.num_experts,
@@ -925,6 +932,18 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
 
+bool GpuMoeLayer::fused_cutlass_route_default() {
+  static const bool enabled = gpu::env_switch_on("FULCRUM_FUSED_CUTLASS_ROUTE") && fused_small_route_enabled();
+  return enabled;
+}
+
+bool GpuMoeLayer::fused_cutlass_route_applies(int64_t num_tokens) const {
+  return fused_cutlass_route_ && num_tokens > 0 &&
+         num_tokens * shape_.num_experts_per_tok <= kFusedCutlassRouteMaxEntries &&
+         spec_.algorithm == eplb::DispatchAlgorithm::kStatic && !shape_.fp8_experts && uses_cutlass() &&
+         shape_.local_slots() == shape_.num_slots && shape_.num_slots <= cuda::moe::kSmallPlanMaxSlots;
+}
+
 void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens) {
   check_holds_all_slots();
   const bool skinny = uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0;
@@ -935,6 +954,21 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
         router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
         w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
     skinny_gemms(x, num_tokens);
+    return;
+  }
+  if (!skinny && fused_cutlass_route_applies(num_tokens)) {
+    // Static replicas on CUTLASS, a decode-sized step: routing and the permutation plan in one launch, then a
+    // gather of x by the plan's rows, in place of router + count + scan + cursor copy + scatter (five launches and
+    // a memset / memcpy node that break the dependent-launch chain).
+    MoeWorkspace& w = ws();
+    FULCRUM_CUDA_CHECK(cuda::moe::launch_small_route_permute(
+        router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
+        w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+    FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, w.row_token.as<int32_t>(), num_tokens * shape_.num_experts_per_tok,
+                                                     shape_.hidden_size, w.permuted.as<uint16_t>(), stream_));
+    fp8_rows_quantized_ = false;
+    own_problems_built_ = false;
+    run_experts(0, shape_.num_slots);
     return;
   }
   route(logits, num_tokens);

@@ -35,6 +35,9 @@
 
 struct CUstream_st;
 struct cublasContext;
+namespace fulcrum::gpu {
+class LtGemm;  // gpu/lt_gemm.hpp
+}  // namespace fulcrum::gpu
 namespace fulcrum::cuda::moe {
 struct RouterArgs;  // moe_kernels.hpp
 }
@@ -93,6 +96,11 @@ constexpr double kPerSlotMinFlops = 0.7e12;
 // (bench/results/skinny_crossover_h200.json): batch 1 4.32 ms against CUTLASS's 5.11, batch 4 even (7.48 / 7.51),
 // batch 16 slower (16.7 / 13.7).
 constexpr int64_t kDefaultSkinnyMaxEntries = 32;
+// Steps of at most this many entries (T x k) above the skinny path, static replicas, every slot local, bf16 experts on
+// CUTLASS: routing and the permutation plan come from the single-block launch the skinny path uses
+// (launch_small_route_permute), then a gather of x (FULCRUM_FUSED_CUTLASS_ROUTE=0: the multi-launch path, for
+// measurement). 512: 64 tokens of top-8, where one block still routes every token in two rounds of its 32 warps.
+constexpr int64_t kFusedCutlassRouteMaxEntries = 512;
 
 // A device allocation freed with the object.
 class DeviceBuffer {
@@ -138,6 +146,8 @@ class MoeWorkspace {
   void reserve_entry_ranks();
   // The cuBLAS handle on `stream` with this workspace's cuBLAS scratch (set again only when the stream changes).
   cublasContext* cublas_on(CUstream_st* stream);
+  // cuBLASLt plans over the same cuBLAS scratch (the router's logits above 8 tokens).
+  gpu::LtGemm& lt() { return *lt_; }
   // Unbinds the cuBLAS handle from `stream` if bound to it (a layer destroying its own stream). No throw.
   void release_stream(CUstream_st* stream) noexcept;
   // CUTLASS grouped GEMM: limits (max_groups = max(P, 1024)) and workspace; cutlass_unavailable() is empty
@@ -180,6 +190,7 @@ class MoeWorkspace {
   CUstream_st* cublas_stream_ = nullptr;
   bool cublas_bound_ = false;
   DeviceBuffer cublas_workspace_;
+  std::unique_ptr<gpu::LtGemm> lt_;
   gpu::GroupedGemmLimits gemm_limits_;
   DeviceBuffer gemm_workspace_;
   std::string cutlass_unavailable_;
@@ -238,6 +249,11 @@ class GpuMoeLayer {
   void set_skinny_max_entries(int64_t entries) { skinny_max_entries_ = entries; }
   // Whether a forward of num_tokens tokens takes the skinny path.
   bool uses_skinny(int64_t num_tokens) const;
+  // Whether a forward of num_tokens tokens routes through the single-block plan on CUTLASS
+  // (kFusedCutlassRouteMaxEntries); set_fused_cutlass_route(false) keeps the multi-launch path (default: on
+  // unless FULCRUM_FUSED_CUTLASS_ROUTE=0 or FULCRUM_FUSED_ROUTER=0). Both give the same output bit for bit.
+  bool fused_cutlass_route_applies(int64_t num_tokens) const;
+  void set_fused_cutlass_route(bool on) { fused_cutlass_route_ = on; }
   // What the permutation's expert GEMMs use now (kAuto resolved; kCutlass falls back to kAuto's cuBLAS
   // choice when it cannot run) and, when kCutlass was asked for or kAuto would pick it but cannot run, why.
   bool uses_cutlass() const;
@@ -353,6 +369,8 @@ class GpuMoeLayer {
   std::shared_ptr<MoeWorkspace> workspace_;
   ExpertGemm expert_gemm_ = ExpertGemm::kAuto;
   int64_t skinny_max_entries_ = kDefaultSkinnyMaxEntries;
+  bool fused_cutlass_route_ = fused_cutlass_route_default();
+  static bool fused_cutlass_route_default();
   model::moe::ReplicaChoiceSpec spec_;
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;
