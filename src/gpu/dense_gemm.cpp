@@ -11,7 +11,6 @@
 #include "gpu/cutlass/grouped_gemm_fp8.hpp"
 #include "gpu/kernels/fp8_quant.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
-#include "gpu/lt_gemm.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 
 namespace fulcrum::gpu {
@@ -26,7 +25,6 @@ DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity
   FULCRUM_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
   FULCRUM_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
   FULCRUM_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kWorkspaceBytes));
-  lt_ = std::make_unique<LtGemm>(workspace_, kWorkspaceBytes);
   if (fp8_.max_rows <= 0) {
     fp8_ = {};
     return;
@@ -68,7 +66,6 @@ DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity
 }
 
 DenseGemm::~DenseGemm() {
-  lt_.reset();
   if (handle_ != nullptr) cublasDestroy(handle_);
   if (workspace_ != nullptr) cudaFree(workspace_);
   for (void* p : fp8_owned_) cudaFree(p);
@@ -99,10 +96,6 @@ void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, 
     return;
   }
   FULCRUM_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "dense GEMM [{}, {}] x [{}, {}]^T too large", m, k, n, k);
-  if (LtGemm::enabled() && lt_->run(x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), out,
-                                    out_type == GemmOut::kBf16, stream_)) {
-    return;
-  }
   // Row-major out [m, n] is column-major out^T [n, m] = W^T (op T on the column-major [k, n] view of W) x x^T.
   const float alpha = 1.0f, beta = 0.0f;
   FULCRUM_CUBLAS_CHECK(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),

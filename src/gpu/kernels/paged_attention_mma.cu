@@ -2,8 +2,8 @@
 // See paged_attention.hpp for the work split and paged_attention_work.cuh for the row / split bookkeeping.
 //
 // A CTA (4 warps) holds up to 16 * kWarpsM query rows of one kv head and walks its key range in tiles of 64
-// positions, K and V staged in shared memory by cp.async (two stages, 16-byte copies, positions past the range
-// zero-filled) and read by ldmatrix from an XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no
+// positions, K and V staged in shared memory by cp.async (16-byte copies, positions past the range zero-filled; two
+// stages for prefill, three for decode, whose CTAs are few per SM and bandwidth-bound: two tiles in flight) and read by ldmatrix from an XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no
 // bank conflicts). Each warp owns 16 rows; Q stays in registers as mma A fragments, S = Q K^T in fp32
 // accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the A fragment of O += P V (the row
 // sum l adds the rounded values, so O / l is a weighted mean with the weights actually used).
@@ -11,6 +11,9 @@
 //   decode:  kWarpsM = 1 (the group's q heads, <= 16 rows), the 4 warps take 16 keys each of every tile and
 //            their (m, l, O) are merged through shared memory at the end, warps in order; with KV splits the
 //            last split's CTA merges the splits (finish_decode_splits).
+#include <cstdlib>
+#include <cstring>
+
 #include <cuda_bf16.h>
 
 #include "gpu/kernels/paged_attention_ptx.cuh"
@@ -22,7 +25,7 @@ namespace {
 
 constexpr int kTileKeys = 64;
 
-template <int D, bool kDecode>
+template <int D, bool kDecode, int kPipeStages>
 struct MmaConfig {
   static constexpr int kWarpsM = kDecode ? 1 : 4;
   static constexpr int kWarpsN = kDecode ? 4 : 1;
@@ -30,7 +33,8 @@ struct MmaConfig {
   static constexpr int kChunks = D / 8;                  // 16-byte chunks of a K / V row
   static constexpr int kStageElems = kTileKeys * D;      // bf16 of one K (or V) tile
   static constexpr int kOStride = D + 4;                 // fp32 row stride of the decode merge buffer
-  static constexpr size_t kPipeBytes = size_t{2} * 2 * kStageElems * sizeof(uint16_t);  // 2 stages of K and V
+  static constexpr int kStages = kPipeStages;
+  static constexpr size_t kPipeBytes = size_t{kStages} * 2 * kStageElems * sizeof(uint16_t);  // K and V stages
   static constexpr size_t kMergeBytes = kDecode ? size_t{kWarpsN} * 16 * (kOStride + 2) * sizeof(float) : 0;
   static constexpr size_t kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(D == 64 || D == 128, "the swizzle needs >= 8 chunks per row; registers cap D at 128");
@@ -43,17 +47,18 @@ __device__ __forceinline__ int swizzled(int key, int chunk) {
   return key * D + ((chunk ^ (key & 7)) << 3);
 }
 
-template <int D, bool kDecode>
+template <int D, bool kDecode, int kStages>
 __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
-  using Cfg = MmaConfig<D, kDecode>;
+  using Cfg = MmaConfig<D, kDecode, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int scratch[kThreads / 32 + 2];
   const WorkItem w = find_work<kDecode>(p, scratch);
   if (!w.valid) return;
 
-  uint16_t* const k_tiles = reinterpret_cast<uint16_t*>(smem);  // [2][kTileKeys][D], swizzled
-  uint16_t* const v_tiles = k_tiles + 2 * Cfg::kStageElems;
+  constexpr int S = Cfg::kStages;
+  uint16_t* const k_tiles = reinterpret_cast<uint16_t*>(smem);  // [S][kTileKeys][D], swizzled
+  uint16_t* const v_tiles = k_tiles + S * Cfg::kStageElems;
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int warp_m = warp / Cfg::kWarpsN, warp_n = warp % Cfg::kWarpsN;
   const int g = lane / 4, tq = lane % 4;  // mma fragment coordinates: row group, thread in group
@@ -100,9 +105,9 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
       cp_async_16(v_tiles + dst, v_head + at, ok);
     }
   };
-  // Pool offsets of tile t's keys live in key_offset[t % 2]. Threads tid < 64 fetch the page ids of tile it + 2
+  // Pool offsets of tile t's keys live in key_offset[t % S]. Threads tid < 64 fetch the page ids of tile it + S
   // while tile it is computed and store the offsets after, so the copies of a tile never wait on the page table.
-  __shared__ int64_t key_offset[2][kTileKeys];
+  __shared__ int64_t key_offset[S][kTileKeys];
   const int num_tiles = ceil_div(w.key_end - w.key_begin, kTileKeys);
   const auto offset_of = [&](int pos, int page) -> int64_t {
     return pos < w.key_end ? (static_cast<int64_t>(page) * p.page_size + pos % p.page_size) * pool_stride : -1;
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
   const auto page_of = [&](int pos) { return pos < w.key_end ? __ldg(p.page_ids + w.page_begin + pos / p.page_size) : 0; };
   if (tid < kTileKeys) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < S; ++t) {
       const int pos = w.key_begin + t * kTileKeys + tid;
       key_offset[t][tid] = offset_of(pos, page_of(pos));
     }
@@ -122,18 +127,23 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's columns only, summed at the end
 
-  load_tile(0, key_offset[0]);
-  cp_async_commit();
-  for (int it = 0; it < num_tiles; ++it) {
-    if (it + 1 < num_tiles) load_tile((it + 1) & 1, key_offset[(it + 1) & 1]);
+  // Tile t goes to stage t % S; tiles 0 .. S - 2 are loaded ahead, one copy group each (empty past the range).
+#pragma unroll
+  for (int t = 0; t + 1 < S; ++t) {
+    if (t < num_tiles) load_tile(t, key_offset[t]);
     cp_async_commit();
-    const bool fetch = tid < kTileKeys && it + 2 < num_tiles;
-    const int next_pos = w.key_begin + (it + 2) * kTileKeys + tid;
+  }
+  for (int it = 0; it < num_tiles; ++it) {
+    const int ahead = it + S - 1;  // its stage held tile it - 1, whose math ended with the last __syncthreads
+    if (ahead < num_tiles) load_tile(ahead % S, key_offset[ahead % S]);
+    cp_async_commit();
+    const bool fetch = tid < kTileKeys && it + S < num_tiles;
+    const int next_pos = w.key_begin + (it + S) * kTileKeys + tid;
     const int next_page = fetch ? page_of(next_pos) : 0;  // used after this tile's math
-    cp_async_wait<1>();  // tile it has landed (tile it + 1 may still be in flight)
+    cp_async_wait<S - 1>();  // tile it has landed (the S - 1 later groups may still be in flight)
     __syncthreads();
-    const uint16_t* const ks = k_tiles + (it & 1) * Cfg::kStageElems;
-    const uint16_t* const vs = v_tiles + (it & 1) * Cfg::kStageElems;
+    const uint16_t* const ks = k_tiles + (it % S) * Cfg::kStageElems;
+    const uint16_t* const vs = v_tiles + (it % S) * Cfg::kStageElems;
     const int warp_key0 = warp_n * Cfg::kWarpKeys;            // first key of this warp's slice in the tile
     const int pos0 = w.key_begin + it * kTileKeys + warp_key0;  // its position
 
@@ -208,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
         mma_16816(o[2 * nd + 1], a, b[2], b[3]);
       }
     }
-    if (fetch) key_offset[it & 1][tid] = offset_of(next_pos, next_page);  // tile it + 2's slot: tile it's is spent
+    if (fetch) key_offset[it % S][tid] = offset_of(next_pos, next_page);  // tile it + S's slot: tile it's is spent
     __syncthreads();  // the stage is refilled by the next iteration's load, key_offset read
   }
   cp_async_wait<0>();
@@ -311,21 +321,37 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
   }
 }
 
-template <int D, bool kDecode>
+template <int D, bool kDecode, int kStages>
 cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr size_t kSmem = MmaConfig<D, kDecode>::kSmemBytes;
-  cudaError_t status = cudaFuncSetAttribute(mma_attention_kernel<D, kDecode>,
+  constexpr size_t kSmem = MmaConfig<D, kDecode, kStages>::kSmemBytes;
+  cudaError_t status = cudaFuncSetAttribute(mma_attention_kernel<D, kDecode, kStages>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (status != cudaSuccess) return status;
-  return launch_dependent(mma_attention_kernel<D, kDecode>, grid, dim3(kThreads), kSmem, stream, p);
+  return launch_dependent(mma_attention_kernel<D, kDecode, kStages>, grid, dim3(kThreads), kSmem, stream, p);
+}
+
+// K / V stages of the decode kernel: 3 (at D 128, 96 KB: two CTAs per SM, two tiles in flight each; decode CTAs are
+// few per SM and wait on HBM); FULCRUM_ATTENTION_DECODE_STAGES=2 (read once) the earlier two, for measurement.
+// Prefill keeps 2 (64 KB): its tiles are compute-bound and more CTAs fit.
+int decode_stages() {
+  static const int stages = [] {
+    const char* value = std::getenv("FULCRUM_ATTENTION_DECODE_STAGES");
+    return value != nullptr && std::strcmp(value, "2") == 0 ? 2 : 3;
+  }();
+  return stages;
+}
+
+template <int D>
+cudaError_t launch_decode(const Params& p, dim3 grid, cudaStream_t stream) {
+  return decode_stages() == 2 ? launch_mma<D, true, 2>(p, grid, stream) : launch_mma<D, true, 3>(p, grid, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_mma_attention(const Params& p, int head_dim, bool decode, dim3 grid, cudaStream_t stream) {
   switch (head_dim) {
-    case 64: return decode ? launch_mma<64, true>(p, grid, stream) : launch_mma<64, false>(p, grid, stream);
-    case 128: return decode ? launch_mma<128, true>(p, grid, stream) : launch_mma<128, false>(p, grid, stream);
+    case 64: return decode ? launch_decode<64>(p, grid, stream) : launch_mma<64, false, 2>(p, grid, stream);
+    case 128: return decode ? launch_decode<128>(p, grid, stream) : launch_mma<128, false, 2>(p, grid, stream);
     default: return cudaErrorInvalidValue;
   }
 }

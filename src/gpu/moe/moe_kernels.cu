@@ -252,8 +252,11 @@ __global__ void gather_rows_kernel(const uint16_t* x, const int32_t* row_token, 
 // One block of kSmallPlanThreads: counts in shared memory, block scans over the slots in chunks of the block
 // (offsets, and which slots have rows), then each entry's rank among the earlier entries of its slot.
 constexpr int kSmallPlanThreads = 1024;
-// plan_smem: [2P + N] int32. Every thread of the block calls it; slots may have been written by this block
-// (the caller synchronized after).
+// Where the entries' slots start in plan_smem: after counts [P] and first rows [P], rounded up to 4 int32 so that the
+// rank loop reads them 16 bytes at a time.
+__host__ __device__ constexpr int plan_entry_slot_offset(int num_slots) { return (2 * num_slots + 3) & ~3; }
+// plan_smem: [plan_entry_slot_offset(P) + N] int32. Every thread of the block calls it; slots may have been written
+// by this block (the caller synchronized after).
 __device__ __forceinline__ void small_permutation_block(const int32_t* slots, int num_entries, int top_k,
                                                         int num_slots, int32_t* slot_counts, int32_t* offsets,
                                                         int32_t* entry_row, int32_t* row_token, int32_t* active,
@@ -262,7 +265,7 @@ __device__ __forceinline__ void small_permutation_block(const int32_t* slots, in
   __shared__ typename Scan::TempStorage scan_storage;
   int32_t* counts = plan_smem;                 // [P]
   int32_t* first_row = counts + num_slots;     // [P]
-  int32_t* entry_slot = first_row + num_slots; // [N]
+  int32_t* entry_slot = plan_smem + plan_entry_slot_offset(num_slots);  // [N], 16-byte aligned
   const int tid = static_cast<int>(threadIdx.x);
   for (int q = tid; q < num_slots; q += kSmallPlanThreads) counts[q] = 0;
   for (int e = tid; e < num_entries; e += kSmallPlanThreads) entry_slot[e] = slots[e];
@@ -292,10 +295,20 @@ __device__ __forceinline__ void small_permutation_block(const int32_t* slots, in
     active[0] = active_before;
   }
   __syncthreads();
+  // An entry's rank: the earlier entries of its slot. Four slots per shared-memory read (the warp's lanes read the
+  // same words: broadcasts), unrolled so that several reads are in flight: at 512 entries the one-slot loop was
+  // latency-bound.
+  const int4* slots4 = reinterpret_cast<const int4*>(entry_slot);
   for (int e = tid; e < num_entries; e += kSmallPlanThreads) {
     const int slot = entry_slot[e];
     int rank = 0;
-    for (int f = 0; f < e; ++f) rank += entry_slot[f] == slot;
+    const int quads = e / 4;
+#pragma unroll 4
+    for (int f = 0; f < quads; ++f) {
+      const int4 v = slots4[f];
+      rank += (v.x == slot) + (v.y == slot) + (v.z == slot) + (v.w == slot);
+    }
+    for (int f = 4 * quads; f < e; ++f) rank += entry_slot[f] == slot;
     const int row = first_row[slot] + rank;
     entry_row[e] = row;
     row_token[row] = e / top_k;
@@ -306,20 +319,21 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
     const int32_t* slots, int num_entries, int top_k, int num_slots, int32_t* slot_counts, int32_t* offsets,
     int32_t* entry_row, int32_t* row_token, int32_t* active) {
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
-  extern __shared__ int32_t plan_smem[];
+  extern __shared__ __align__(16) int32_t plan_smem[];
   small_permutation_block(slots, num_entries, top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
                           plan_smem);
 }
 
 // Routing (static replicas) and the permutation of a small step in one block: warp w routes tokens w, w + 32, ...,
-// then the block permutes the slots it wrote. Dynamic shared memory: [2P + N] int32, then [E] histogram counts.
+// then the block permutes the slots it wrote. Dynamic shared memory: [plan_entry_slot_offset(P) + N] int32, then [E]
+// histogram counts.
 __global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
     const RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
     int32_t* row_token, int32_t* active) {
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
-  extern __shared__ int32_t plan_smem[];
+  extern __shared__ __align__(16) int32_t plan_smem[];
   const int num_entries = static_cast<int>(a.num_tokens) * a.top_k;
-  unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + 2 * num_slots + num_entries);
+  unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + plan_entry_slot_offset(num_slots) + num_entries);
   clear_histogram(a, s_hist);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t t = warp; t < a.num_tokens; t += kSmallPlanThreads / 32) route_token(a, t, lane, s_hist);
@@ -588,7 +602,8 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
       top_k < 1) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(num_slots) + static_cast<size_t>(num_entries));
+  const size_t smem =
+      sizeof(int32_t) * (static_cast<size_t>(plan_entry_slot_offset(num_slots)) + static_cast<size_t>(num_entries));
   cudaError_t status = cudaFuncSetAttribute(small_permutation_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem));
   if (status != cudaSuccess) return status;
@@ -604,7 +619,8 @@ cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, in
       num_slots > kSmallPlanMaxSlots || args.top_k < 1 || args.num_experts > kMaxRouterExperts) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(num_slots) + static_cast<size_t>(num_entries)) +
+  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(plan_entry_slot_offset(num_slots)) +
+                                         static_cast<size_t>(num_entries)) +
                       (args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0);
   cudaError_t status = cudaFuncSetAttribute(small_route_permute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem));

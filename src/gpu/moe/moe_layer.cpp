@@ -14,7 +14,6 @@
 #include "gpu/env_switch.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
-#include "gpu/lt_gemm.hpp"
 #include "model/random_weights.hpp"
 
 namespace fulcrum::backend {
@@ -115,7 +114,6 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
   FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
   cublas_ = handle;
   cublas_workspace_ = DeviceBuffer(kCublasWorkspaceBytes);
-  lt_ = std::make_unique<gpu::LtGemm>(cublas_workspace_.as<void>(), cublas_workspace_.bytes());
 
   // The CUTLASS kernels are compiled for sm_90a only; elsewhere the layers use cuBLAS.
   int major = 0, minor = 0;
@@ -149,7 +147,6 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
 }
 
 MoeWorkspace::~MoeWorkspace() {
-  lt_.reset();
   if (cublas_ != nullptr) cublasDestroy(cublas_);
 }
 
@@ -544,10 +541,6 @@ void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
       reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(router_) % 16 == 0) {
     FULCRUM_CUDA_CHECK(gpu::launch_skinny_gemm(x, router_, static_cast<int>(num_tokens), shape_.num_experts,
                                                shape_.hidden_size, ws().logits.as<float>(), nullptr, stream_));
-    return;
-  }
-  if (gpu::LtGemm::enabled() && ws().lt().run(x, router_, static_cast<int>(num_tokens), shape_.num_experts,
-                                               shape_.hidden_size, ws().logits.as<void>(), /*bf16_out=*/false, stream_)) {
     return;
   }
   // Row-major logits [T, E] = x [T, H] @ router [E, H]^T, i.e. column-major logits^T = router^T(op T) x.

@@ -35,9 +35,6 @@
 
 struct CUstream_st;
 struct cublasContext;
-namespace fulcrum::gpu {
-class LtGemm;  // gpu/lt_gemm.hpp
-}  // namespace fulcrum::gpu
 namespace fulcrum::cuda::moe {
 struct RouterArgs;  // moe_kernels.hpp
 }
@@ -146,8 +143,6 @@ class MoeWorkspace {
   void reserve_entry_ranks();
   // The cuBLAS handle on `stream` with this workspace's cuBLAS scratch (set again only when the stream changes).
   cublasContext* cublas_on(CUstream_st* stream);
-  // cuBLASLt plans over the same cuBLAS scratch (the router's logits above 8 tokens).
-  gpu::LtGemm& lt() { return *lt_; }
   // Unbinds the cuBLAS handle from `stream` if bound to it (a layer destroying its own stream). No throw.
   void release_stream(CUstream_st* stream) noexcept;
   // CUTLASS grouped GEMM: limits (max_groups = max(P, 1024)) and workspace; cutlass_unavailable() is empty
@@ -190,7 +185,6 @@ class MoeWorkspace {
   CUstream_st* cublas_stream_ = nullptr;
   bool cublas_bound_ = false;
   DeviceBuffer cublas_workspace_;
-  std::unique_ptr<gpu::LtGemm> lt_;
   gpu::GroupedGemmLimits gemm_limits_;
   DeviceBuffer gemm_workspace_;
   std::string cutlass_unavailable_;
