@@ -258,8 +258,8 @@ TEST_F(MoeLayerCutlassTest, PlacementDoesNotChangeTheOutput) {
 // (kFusedCutlassRouteMaxEntries): the same output, slot counts and recorder counts bit for bit as the multi-launch
 // path (router, counts, scan, scatter), though rows sit in another order within their slot.
 TEST_F(MoeLayerCutlassTest, FusedSmallRouteEqualsTheMultiLaunchRoute) {
-  for (const Case c : {Case{64, 48, 128, 8, 8, 5}, Case{64, 48, 128, 8, 8, 64}, Case{2048, 768, 16, 4, 4, 9},
-                       Case{2048, 768, 16, 4, 4, 128}}) {
+  for (const Case c : {Case{64, 48, 128, 8, 8, 5}, Case{64, 48, 128, 8, 8, 32}, Case{2048, 768, 16, 4, 4, 9},
+                       Case{2048, 768, 16, 4, 4, 64}}) {
     SCOPED_TRACE(name_of(c));
     const int p = c.experts + c.extra_slots;
     const std::vector<int32_t> map = layer_map_for(c.experts, c.extra_slots, 51);
@@ -290,16 +290,16 @@ TEST_F(MoeLayerCutlassTest, FusedSmallRouteEqualsTheMultiLaunchRoute) {
     EXPECT_EQ(std::accumulate(hist.begin(), hist.end(), 0ull), static_cast<unsigned long long>(c.tokens * c.top_k));
   }
   // Above the bound (and for other replica choices) the multi-launch path runs.
-  const Case big{64, 48, 128, 8, 8, 65};
+  const Case big{64, 48, 128, 8, 8, 33};
   const std::vector<int32_t> map = layer_map_for(big.experts, big.extra_slots, 54);
   auto layer = layer_with(moe_shape(big.hidden, big.intermediate, big.experts, big.top_k, big.experts + big.extra_slots,
                                     big.tokens),
                           random_moe_weights(big.hidden, big.intermediate, big.experts, map, 55));
   layer->set_replica_choice(one_source_spec(DispatchAlgorithm::kStatic, map, big.experts, big.tokens));
   EXPECT_FALSE(layer->fused_cutlass_route_applies(big.tokens));
-  EXPECT_TRUE(layer->fused_cutlass_route_applies(64));
+  EXPECT_TRUE(layer->fused_cutlass_route_applies(32));
   layer->set_replica_choice(one_source_spec(DispatchAlgorithm::kDynamic, map, big.experts, big.tokens));
-  EXPECT_FALSE(layer->fused_cutlass_route_applies(64));
+  EXPECT_FALSE(layer->fused_cutlass_route_applies(32));
 }
 
 // run_experts over slot sub-ranges (an EP rank's share, groups = offsets + first slot) gives bitwise the

@@ -3,7 +3,7 @@
 //
 // A CTA (4 warps) holds up to 16 * kWarpsM query rows of one kv head and walks its key range in tiles of 64
 // positions, K and V staged in shared memory by cp.async (16-byte copies, positions past the range zero-filled; two
-// stages for prefill, three for decode, whose CTAs are few per SM and bandwidth-bound: two tiles in flight) and read by ldmatrix from an XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no
+// stages for prefill, two or three for decode: decode_stages) and read by ldmatrix from an XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no
 // bank conflicts). Each warp owns 16 rows; Q stays in registers as mma A fragments, S = Q K^T in fp32
 // accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the A fragment of O += P V (the row
 // sum l adds the rounded values, so O / l is a weighted mean with the weights actually used).
@@ -330,20 +330,25 @@ cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
   return launch_dependent(mma_attention_kernel<D, kDecode, kStages>, grid, dim3(kThreads), kSmem, stream, p);
 }
 
-// K / V stages of the decode kernel: 3 (at D 128, 96 KB: two CTAs per SM, two tiles in flight each; decode CTAs are
-// few per SM and wait on HBM); FULCRUM_ATTENTION_DECODE_STAGES=2 (read once) the earlier two, for measurement.
-// Prefill keeps 2 (64 KB): its tiles are compute-bound and more CTAs fit.
-int decode_stages() {
-  static const int stages = [] {
+// K / V stages of the decode kernel. Three (at D 128, 96 KB: two CTAs per SM, two tiles in flight each) when the
+// plan does not split the keys: then the CTAs are few per SM and each walks a whole context, waiting on HBM. Two
+// (64 KB, three CTAs per SM) when it splits them. Measured on one H200 (bench/results/attention_decode_stages_*,
+// 30B-A3B decode steps): three stages 3.2% faster at batch 64 context 2048 (one split), equal at batch 16 (three
+// splits), 0.5-1% slower at batch 1 and 4 (eight splits and more). FULCRUM_ATTENTION_DECODE_STAGES=2 or 3 (read once)
+// forces one for measurement.
+int decode_stages(const Params& p) {
+  static const int forced = [] {
     const char* value = std::getenv("FULCRUM_ATTENTION_DECODE_STAGES");
-    return value != nullptr && std::strcmp(value, "2") == 0 ? 2 : 3;
+    if (value == nullptr) return 0;
+    return std::strcmp(value, "2") == 0 ? 2 : std::strcmp(value, "3") == 0 ? 3 : 0;
   }();
-  return stages;
+  if (forced != 0) return forced;
+  return p.decode_splits == 1 ? 3 : 2;
 }
 
 template <int D>
 cudaError_t launch_decode(const Params& p, dim3 grid, cudaStream_t stream) {
-  return decode_stages() == 2 ? launch_mma<D, true, 2>(p, grid, stream) : launch_mma<D, true, 3>(p, grid, stream);
+  return decode_stages(p) == 2 ? launch_mma<D, true, 2>(p, grid, stream) : launch_mma<D, true, 3>(p, grid, stream);
 }
 
 }  // namespace
