@@ -33,11 +33,9 @@ using backend::DeviceBuffer;
 using gpu::GroupedGemmConfig;
 
 constexpr GroupedGemmConfig kConfigs[] = {GroupedGemmConfig::kPingpong64x128x64,
-                                          GroupedGemmConfig::kCooperative256x128x64, GroupedGemmConfig::kPingpong64x64x128};
+                                          GroupedGemmConfig::kCooperative256x128x64};
 const char* config_name(GroupedGemmConfig c) {
-  return c == GroupedGemmConfig::kPingpong64x128x64   ? "pingpong64x128x64"
-         : c == GroupedGemmConfig::kPingpong64x64x128 ? "pingpong64x64x128"
-                                                      : "cooperative256x128x64";
+  return c == GroupedGemmConfig::kPingpong64x128x64 ? "pingpong64x128x64" : "cooperative256x128x64";
 }
 
 // One grouped GEMM's inputs on the host: rows [0, first_row) and the last 2 rows belong to no group.
@@ -273,11 +271,7 @@ TEST_F(GroupedGemmTest, CapturedOnceReplaysWithNewOffsets) {
 }
 
 TEST(GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
-  const GroupedGemmConfig small =
-      gpu::grouped_gemm_narrow_enabled() ? GroupedGemmConfig::kPingpong64x64x128 : GroupedGemmConfig::kPingpong64x128x64;
-  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(0), small);
-  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(gpu::kGroupedGemmNarrowMaxRows), small);
-  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(gpu::kGroupedGemmNarrowMaxRows + 1), GroupedGemmConfig::kPingpong64x128x64);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(0), GroupedGemmConfig::kPingpong64x128x64);
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16383), GroupedGemmConfig::kPingpong64x128x64);
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16384), GroupedGemmConfig::kCooperative256x128x64);
   EXPECT_EQ(gpu::grouped_gemm_shape_problem(1536, 2048), nullptr);

@@ -26,8 +26,6 @@
 // 16-byte aligned. grouped_gemm_shape_problem says why a shape fails; callers fall back to another GEMM.
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 struct CUstream_st;
 
@@ -35,27 +33,16 @@ namespace fulcrum::gpu {
 
 // Tile configs measured on an H200 (../shared/docs/gpu-engine.md, Qwen3-30B-A3B expert shapes, 128 groups):
 // pingpong 64x128x64 is best at 256-1024 tokens (2K-8K rows), cooperative 256x128x64 (cluster 1x2) at
-// 4096-16384 tokens (32K-128K rows); 256x128x128 was slower everywhere. Pingpong 64x64x128 for decode-sized steps
-// (up to kGroupedGemmNarrowMaxRows rows), where groups hold one or two rows and the weights stream from HBM.
-enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1, kPingpong64x64x128 = 2 };
-constexpr int kNumGroupedGemmConfigs = 3;
+// 4096-16384 tokens (32K-128K rows); 256x128x128 was slower everywhere.
+enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1 };
+constexpr int kNumGroupedGemmConfigs = 2;
 // Total rows (T * top_k) from which the cooperative config is used: between the measured 8K (pingpong
 // 215 us vs 299 us) and 32K rows (378 us vs 323 us).
 constexpr int64_t kGroupedGemmCooperativeMinRows = 16384;
-// Total rows up to which the narrow tile is used (64 tokens of top-8); FULCRUM_GROUPED_GEMM_NARROW=0 (read once)
-// keeps 64x128x64 there, for measurement.
-constexpr int64_t kGroupedGemmNarrowMaxRows = 512;
-inline bool grouped_gemm_narrow_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("FULCRUM_GROUPED_GEMM_NARROW");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
-  return enabled;
-}
+
 inline GroupedGemmConfig grouped_gemm_config_for_rows(int64_t total_rows) {
-  if (total_rows >= kGroupedGemmCooperativeMinRows) return GroupedGemmConfig::kCooperative256x128x64;
-  if (total_rows <= kGroupedGemmNarrowMaxRows && grouped_gemm_narrow_enabled()) return GroupedGemmConfig::kPingpong64x64x128;
-  return GroupedGemmConfig::kPingpong64x128x64;
+  return total_rows >= kGroupedGemmCooperativeMinRows ? GroupedGemmConfig::kCooperative256x128x64
+                                                      : GroupedGemmConfig::kPingpong64x128x64;
 }
 
 // Null when D [rows, N] = A [rows, K] B^T can run here, else the reason.
