@@ -117,7 +117,7 @@ def side_by_side(labelled):
     keyed = [{(r["phase"], r["batch"], r["context"]): r["ms_per_step"] for r in doc["runs"]} for _, doc in docs]
     for key in keyed[0]:
         ms = [k.get(key) for k in keyed]
-        print(row(list(key) + [f"{m:.3f}" if m else "" for m in ms] + [f"{ms[0] / m:.2f}x" if m else "" for m in ms[1:]]))
+        print(row(list(key) + [f"{m:.3f}" if m else "" for m in ms] + [f"{ms[0] / m:.3f}x" if m else "" for m in ms[1:]]))
     print()
 
 
