@@ -20,6 +20,7 @@
 #include "gpu/kernels/attention_batch.hpp"
 #include "gpu/kernels/paged_attention.hpp"
 #include "gpu/moe/moe_kernels.hpp"
+#include "gpu/moe/moe_layer.hpp"  // backend::DeviceBuffer
 
 namespace fulcrum::test {
 namespace {
@@ -29,34 +30,26 @@ constexpr int kLayers = 48;  // launches per sample
 constexpr int kSamples = 11;
 constexpr size_t kMinPoolBytes = size_t{192} << 20;  // all copies together: several times the L2
 
-struct DeviceAlloc {
-  explicit DeviceAlloc(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess); }
-  ~DeviceAlloc() { cudaFree(ptr); }
-  DeviceAlloc(const DeviceAlloc&) = delete;
-  DeviceAlloc& operator=(const DeviceAlloc&) = delete;
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr);
-  }
-  void* ptr = nullptr;
-};
+using backend::DeviceBuffer;
 
 template <typename T>
-void upload(DeviceAlloc& dst, const std::vector<T>& src) {
-  ASSERT_EQ(cudaMemcpy(dst.ptr, src.data(), sizeof(T) * src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+DeviceBuffer upload(const std::vector<T>& src) {
+  DeviceBuffer dst(sizeof(T) * src.size());
+  EXPECT_EQ(cudaMemcpy(dst.as<void>(), src.data(), sizeof(T) * src.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  return dst;
 }
 
 // Device-to-device copy bandwidth (bytes read + written per second) over a 1 GiB copy, median of 5.
 double copy_bandwidth(cudaStream_t stream) {
   constexpr size_t kBytes = size_t{1} << 30;
-  DeviceAlloc a(kBytes), b(kBytes);
+  DeviceBuffer a(kBytes), b(kBytes);
   cudaEvent_t start = nullptr, stop = nullptr;
   EXPECT_EQ(cudaEventCreate(&start), cudaSuccess);
   EXPECT_EQ(cudaEventCreate(&stop), cudaSuccess);
   std::vector<double> rates;
   for (int i = 0; i < 6; ++i) {
     EXPECT_EQ(cudaEventRecord(start, stream), cudaSuccess);
-    EXPECT_EQ(cudaMemcpyAsync(b.ptr, a.ptr, kBytes, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+    EXPECT_EQ(cudaMemcpyAsync(b.as<void>(), a.as<void>(), kBytes, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
     EXPECT_EQ(cudaEventRecord(stop, stream), cudaSuccess);
     EXPECT_EQ(cudaEventSynchronize(stop), cudaSuccess);
     float ms = 0;
@@ -111,13 +104,13 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
       const size_t row_elems = size_t{kKvHeads} * kHeadDim;
       const size_t pool_elems = static_cast<size_t>(num_pages) * kPageSize * row_elems;
       const int copies = static_cast<int>(std::clamp<size_t>(kMinPoolBytes / (4 * pool_elems) + 1, 2, kLayers));
-      DeviceAlloc k(sizeof(uint16_t) * pool_elems * copies), v(sizeof(uint16_t) * pool_elems * copies);
+      DeviceBuffer k(sizeof(uint16_t) * pool_elems * copies), v(sizeof(uint16_t) * pool_elems * copies);
       ASSERT_EQ(cuda::moe::launch_fill_random_bf16(k.as<uint16_t>(), static_cast<int64_t>(pool_elems) * copies, 1, 1.0f, stream),
                 cudaSuccess);
       ASSERT_EQ(cuda::moe::launch_fill_random_bf16(v.as<uint16_t>(), static_cast<int64_t>(pool_elems) * copies, 2, 1.0f, stream),
                 cudaSuccess);
       const size_t q_elems = static_cast<size_t>(batch) * kHeads * kHeadDim;
-      DeviceAlloc q(sizeof(uint16_t) * q_elems), out(sizeof(uint16_t) * q_elems);
+      DeviceBuffer q(sizeof(uint16_t) * q_elems), out(sizeof(uint16_t) * q_elems);
       ASSERT_EQ(cuda::moe::launch_fill_random_bf16(q.as<uint16_t>(), static_cast<int64_t>(q_elems), 3, 1.0f, stream),
                 cudaSuccess);
       std::vector<int32_t> q_indptr(batch + 1), kv_page_indptr(batch + 1), kv_len(batch, context), page_ids(num_pages);
@@ -125,14 +118,10 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
       for (int s = 0; s <= batch; ++s) kv_page_indptr[s] = s * pages_per_seq;
       std::iota(page_ids.begin(), page_ids.end(), 0);
       std::shuffle(page_ids.begin(), page_ids.end(), std::mt19937(7));  // scattered pages, as a pool's free list
-      DeviceAlloc q_indptr_d(sizeof(int32_t) * q_indptr.size()), kv_page_indptr_d(sizeof(int32_t) * kv_page_indptr.size()),
-          kv_len_d(sizeof(int32_t) * kv_len.size()), page_ids_d(sizeof(int32_t) * page_ids.size()),
-          counters(sizeof(int32_t) * batch * kKvHeads);
-      upload(q_indptr_d, q_indptr);
-      upload(kv_page_indptr_d, kv_page_indptr);
-      upload(kv_len_d, kv_len);
-      upload(page_ids_d, page_ids);
-      ASSERT_EQ(cudaMemset(counters.ptr, 0, sizeof(int32_t) * batch * kKvHeads), cudaSuccess);
+      const DeviceBuffer q_indptr_d = upload(q_indptr), kv_page_indptr_d = upload(kv_page_indptr),
+                         kv_len_d = upload(kv_len), page_ids_d = upload(page_ids);
+      DeviceBuffer counters(sizeof(int32_t) * batch * kKvHeads);
+      ASSERT_EQ(cudaMemset(counters.as<void>(), 0, sizeof(int32_t) * batch * kKvHeads), cudaSuccess);
 
       gpu::AttentionBatch view;
       view.q = q.as<uint16_t>();
@@ -166,10 +155,10 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
       shape.max_q_len = 1;
       shape.num_sms = sms;
       const gpu::PagedAttentionPlan plan = gpu::plan_paged_attention(shape);
-      DeviceAlloc workspace(gpu::paged_attention_workspace_bytes(plan));
+      DeviceBuffer workspace(gpu::paged_attention_workspace_bytes(plan));
       const size_t workspace_bytes = gpu::paged_attention_workspace_bytes(plan);
       const double ours = per_launch_us(stream, [&](int layer) {
-        EXPECT_EQ(gpu::launch_paged_attention(at_layer(layer), plan, workspace.ptr, workspace_bytes, stream), cudaSuccess);
+        EXPECT_EQ(gpu::launch_paged_attention(at_layer(layer), plan, workspace.as<void>(), workspace_bytes, stream), cudaSuccess);
       });
       double theirs = 0;
       if (flashinfer) {
