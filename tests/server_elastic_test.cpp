@@ -4,6 +4,7 @@
 // equals the fault-free (threaded) server's on the same layout, the survivors form a new world and say so,
 // and the metrics count the recovery. With the prefix cache on (prompts sharing a prefix), the recovery
 // drops the cache whole and it refills. Layouts elastic EP does not support are refused in one line.
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -293,6 +294,42 @@ TEST(ElasticServe, ARankLostDuringTheRebuildIsDroppedAndTheRebuildRetried) {
     EXPECT_NE(log.find("mesh rank 1: the rebuild of epoch 1 failed"), std::string::npos) << log;
     EXPECT_NE(log.find("new world (epoch 2): ranks 0, 1 of the 4 launched"), std::string::npos) << log;
     expect_recovered(server, 1, 2, "2");
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
+// A rank alive but stuck: rank 2 is killed, and rank 3 keeps sending heartbeats but never answers the roll call
+// for epoch 1 (FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL, a test hook). Rank 0 expels it one --elastic-ep-timeout after
+// calling the roll instead of waiting for it forever; the one recovery ends on ranks 0 and 1, with the outputs of
+// the fault-free run, and the expelled process ends.
+TEST(ElasticServe, ARankAliveButSilentInTheRollCallIsExpelledAfterTheTimeout) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_silent_roll");
+  {
+    ::setenv("FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL", "1:3", 1);
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    ::unsetenv("FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL");
+    const pid_t rank2 = server.wait_rank_pid(2);
+    ASSERT_GT(rank2, 0) << server.log();
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EQ(clients_across(server, [&] { ASSERT_EQ(::kill(rank2, SIGKILL), 0); }), reference);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cout << "[ elastic ] clients across the fault took " << seconds << " s\n";
+    const std::string log = server.log();
+    EXPECT_NE(log.find("mesh rank 3 stays silent in the roll call of epoch 1"), std::string::npos) << log;
+    EXPECT_NE(log.find("rank(s) 3 alive but without an answer to the roll call within 2.0 s (--elastic-ep-timeout): "
+                       "expelled"),
+              std::string::npos)
+        << log;
+    EXPECT_NE(log.find("new world (epoch 1): ranks 0, 1 of the 4 launched, without rank(s) 2, 3"), std::string::npos)
+        << log;
+    EXPECT_EQ(count_of(log, "elastic: fault detected"), 1) << log;
+    const std::map<std::string, double> m = metrics(server.port());
+    EXPECT_EQ(m.at("fulcrum_live_ranks"), 2);
+    EXPECT_EQ(m.at("fulcrum_elastic_recoveries_total"), 1);
     EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
     EXPECT_EQ(server.terminate(), 0) << server.log();
   }

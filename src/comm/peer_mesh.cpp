@@ -405,12 +405,15 @@ void PeerMesh::check_liveness(int src, Clock::time_point now) {
   if (liveness_timeout_.count() == 0 || peer.state != PeerState::kConnected || now - peer.last_heard < liveness_timeout_) {
     return;
   }
+  mark_failed(src, fmt::format("rank {} ({}) sent nothing, not even a heartbeat, for {:.1f} s (it hung, was stopped or "
+                                "lost its connection): {}",
+                                src, peer.address, liveness_timeout_.count() / 1000.0, kPeerFailedPhrase));
+}
+
+void PeerMesh::mark_failed(int src, const std::string& why) {
+  Peer& peer = *peers_[src];
   peer.state = PeerState::kFailed;
-  if (failure_.empty()) {
-    failure_ = fmt::format("rank {} ({}) sent nothing, not even a heartbeat, for {:.1f} s (it hung, was stopped or lost "
-                           "its connection): {}",
-                           src, peer.address, liveness_timeout_.count() / 1000.0, kPeerFailedPhrase);
-  }
+  if (failure_.empty()) failure_ = why;
   on_peer_failed(src);
   peer.socket.shutdown_both();  // it is out of this world for good, whatever it does later
 }
@@ -493,19 +496,28 @@ void PeerMesh::send(uint64_t channel, int dst, std::span<const std::byte> data) 
 
 std::vector<std::byte> PeerMesh::recv(uint64_t channel, int src) { return recv_on(channel, src, true); }
 
-std::vector<std::byte> PeerMesh::recv_on(uint64_t channel, int src, bool abortable) {
+std::vector<std::byte> PeerMesh::recv_on(uint64_t channel, int src, bool abortable,
+                                         std::optional<Clock::time_point> deadline) {
   FULCRUM_CHECK(src >= 0 && src < size() && src != rank_, "recv: peer {} outside the world of {} (or self)", src, size());
   std::unique_lock lock(mutex_);
   auto& box = mailboxes_[{channel, src}];
   const Peer& peer = *peers_[src];
   const auto is_aborted = [&] { return abortable && aborted_; };
   const auto ready = [&] { return !box.empty() || peer.state != PeerState::kConnected || is_aborted(); };
-  if (liveness_timeout_.count() == 0) {
+  if (liveness_timeout_.count() == 0 && !deadline) {
     cv_.wait(lock, ready);
   } else {
+    const auto tick = liveness_timeout_.count() > 0 ? liveness_timeout_ / kHeartbeatsPerTimeout
+                                                    : std::chrono::milliseconds(50);
     while (!ready()) {
-      cv_.wait_for(lock, liveness_timeout_ / kHeartbeatsPerTimeout);
-      if (box.empty()) check_liveness(src, Clock::now());
+      cv_.wait_for(lock, tick);
+      if (!box.empty()) break;
+      const Clock::time_point now = Clock::now();
+      check_liveness(src, now);
+      if (deadline && now >= *deadline && peer.state == PeerState::kConnected) {
+        mark_failed(src, fmt::format("rank {} ({}) is alive but sent no answer in time (it stopped making progress): {}",
+                                     src, peer.address, kPeerFailedPhrase));
+      }
     }
   }
   if (is_aborted()) {
@@ -574,6 +586,10 @@ void PeerMesh::begin_epoch(uint64_t epoch, const std::vector<int>& members) {
 void PeerMesh::send_control(int dst, std::span<const std::byte> data) { send(kControlChannel, dst, data); }
 
 std::vector<std::byte> PeerMesh::recv_control(int src) { return recv_on(kControlChannel, src, false); }
+
+std::vector<std::byte> PeerMesh::recv_control(int src, Clock::time_point deadline) {
+  return recv_on(kControlChannel, src, false, deadline);
+}
 
 std::string PeerMesh::failure() const {
   std::lock_guard lock(mutex_);

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -94,6 +95,12 @@ class PeerMesh {
   // Control messages for the recovery: never aborted; a receive from a failed peer throws.
   void send_control(int dst, std::span<const std::byte> data);
   std::vector<std::byte> recv_control(int src);
+  // The same, bounded: a peer that is alive (heartbeats arrive) but sends no control message by `deadline` is
+  // expelled (marked failed, its connection shut: it sees this rank close) and the receive throws. For the roll
+  // call, where a peer that stopped making progress must not hold the recovery forever.
+  std::vector<std::byte> recv_control(int src, Clock::time_point deadline);
+  // The liveness timeout this mesh runs with (DistInit::liveness_timeout; 0: none).
+  std::chrono::milliseconds liveness_timeout() const { return liveness_timeout_; }
 
   PeerMesh(const PeerMesh&) = delete;
   PeerMesh& operator=(const PeerMesh&) = delete;
@@ -146,7 +153,10 @@ class PeerMesh {
   std::vector<int> rejoined_;
   bool joined_late_ = false;
   std::thread acceptor_;
-  std::vector<std::byte> recv_on(uint64_t channel, int src, bool abortable);
+  std::vector<std::byte> recv_on(uint64_t channel, int src, bool abortable,
+                                 std::optional<Clock::time_point> deadline = std::nullopt);
+  // Under mutex_: `src` is out for good (failed, the first failure named `why`, its connection shut).
+  void mark_failed(int src, const std::string& why);
   std::thread heartbeat_;
 };
 

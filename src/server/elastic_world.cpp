@@ -1,6 +1,7 @@
 #include "server/elastic_world.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -144,17 +145,21 @@ eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical
   return placement;
 }
 
-std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members, const std::vector<int>& newcomers) {
+std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members, const std::vector<int>& newcomers,
+                               std::vector<int>* silent) {
   FULCRUM_CHECK(mesh.rank() == 0 && !members.empty() && members.front() == 0 &&
                     std::is_sorted(members.begin(), members.end()),
                 "the roll is called by world rank 0 over ascending mesh ranks");
   mesh.abort_epoch();
   const uint64_t epoch = mesh.epoch();
+  const std::chrono::milliseconds timeout = mesh.liveness_timeout();
+  const comm::Clock::time_point deadline = comm::Clock::now() + timeout;
   std::vector<int> answered{0};
   for (const int m : members) {
     if (m == 0) continue;
+    const bool was_alive = !mesh.peer_failed(m);
     try {
-      const std::vector<std::byte> ack = mesh.recv_control(m);
+      const std::vector<std::byte> ack = timeout.count() > 0 ? mesh.recv_control(m, deadline) : mesh.recv_control(m);
       uint64_t theirs = 0;
       FULCRUM_CHECK(ack.size() == sizeof(theirs), "rank {}: malformed answer to the roll", m);
       std::memcpy(&theirs, ack.data(), sizeof(theirs));
@@ -162,7 +167,8 @@ std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& mem
       FULCRUM_CHECK(newcomer || theirs == epoch, "rank {} answered the roll of epoch {} in epoch {}", m, theirs, epoch);
       answered.push_back(m);
     } catch (const std::exception&) {
-      // closed, silent past the liveness timeout, or confused: it is out of the new world
+      // closed, silent past the liveness timeout, no answer by the deadline, or confused: out of the new world
+      if (silent != nullptr && was_alive && timeout.count() > 0 && comm::Clock::now() >= deadline) silent->push_back(m);
     }
   }
   return answered;

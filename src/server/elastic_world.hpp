@@ -64,8 +64,11 @@ eplb::Placement replan_placement(const eplb::LoadMatrix& loads, int num_physical
 // Step 2 on world rank 0: aborts the epoch, then each of `members` (mesh ranks, ascending, 0 first) answers
 // or is dropped; returns those that answered (0 included), ascending. `newcomers` (among `members`): ranks
 // that rejoined (PeerMesh::take_rejoined), in no epoch's world yet, whose answer carries no epoch to check.
+// With a liveness timeout (--elastic-ep-timeout) every answer is due within one timeout of the call: a member
+// that is alive (its heartbeats arrive) but has not answered by then has stopped making progress; it is expelled
+// (PeerMesh::recv_control with a deadline) and listed in `silent` when given.
 std::vector<int> call_the_roll(comm::PeerMesh& mesh, const std::vector<int>& members,
-                               const std::vector<int>& newcomers = {});
+                               const std::vector<int>& newcomers = {}, std::vector<int>* silent = nullptr);
 // Step 3 on world rank 0: sends `world` to every member but itself (one that fails meanwhile is found by the
 // new world's first wait).
 void announce_new_world(comm::PeerMesh& mesh, const NewWorld& world);

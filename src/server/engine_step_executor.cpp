@@ -1,9 +1,11 @@
 #include "server/engine_step_executor.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -30,6 +32,23 @@ void exit_in_rebuild_if_told(uint64_t epoch, int mesh_rank) {
     std::fflush(stderr);
     std::_Exit(3);
   }
+}
+
+// FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL=EPOCH:MESH_RANK makes that rank, alive (its heartbeats go on), leave rank 0's
+// roll call for the world of that epoch unanswered until rank 0 has expelled it (the hang of a rank whose main
+// thread stopped making progress). Unset: nothing.
+void stay_silent_in_roll_if_told(comm::PeerMesh& mesh) {
+  const char* env = std::getenv("FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL");
+  unsigned long long at_epoch = 0;
+  int at_rank = -1;
+  if (env == nullptr || std::sscanf(env, "%llu:%d", &at_epoch, &at_rank) != 2 || at_epoch != mesh.epoch() + 1 ||
+      at_rank != mesh.rank()) {
+    return;
+  }
+  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d stays silent in the roll call of epoch %llu "
+               "(FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL)\n", at_rank, at_epoch);
+  std::fflush(stderr);
+  while (!mesh.peer_failed(0)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
 }
 
 }  // namespace
@@ -453,6 +472,7 @@ void EngineStepExecutor::serve_as_worker() {
 void EngineStepExecutor::join_next_world() {
   // Answer rank 0's roll call and rebuild, until a rebuild completes (a failure during one: again).
   for (;;) {
+    stay_silent_in_roll_if_told(*options_.elastic_mesh);
     const NewWorld next = answer_the_roll(*options_.elastic_mesh);  // throws when rank 0 is gone
     try {
       rebuild(next);
@@ -493,7 +513,13 @@ void EngineStepExecutor::reform_world() {
   called.insert(called.end(), newcomers_.begin(), newcomers_.end());
   std::sort(called.begin(), called.end());
   called.erase(std::unique(called.begin(), called.end()), called.end());
-  const std::vector<int> answered = call_the_roll(mesh, called, newcomers_);
+  std::vector<int> silent;
+  const std::vector<int> answered = call_the_roll(mesh, called, newcomers_, &silent);
+  if (!silent.empty()) {
+    elastic_log(fmt::format("rank(s) {} alive but without an answer to the roll call within {:.1f} s "
+                            "(--elastic-ep-timeout): expelled",
+                            fmt::join(silent, ", "), mesh.liveness_timeout().count() / 1000.0));
+  }
   std::vector<int> lost, rejoined;
   for (const int m : members_) {
     if (std::find(answered.begin(), answered.end(), m) == answered.end()) lost.push_back(m);
