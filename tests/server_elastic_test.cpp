@@ -336,6 +336,30 @@ TEST(ElasticServe, ARankAliveButSilentInTheRollCallIsExpelledAfterTheTimeout) {
   EXPECT_EQ(processes_mentioning(dir.path()), 0);
 }
 
+// A rank whose work stops while its process lives: rank 3 stalls at the start of pass 6 under the 32 clients,
+// its heartbeats going on (FULCRUM_ELASTIC_TEST_STALL_IN_PASS, a test hook). The ranks waiting on it in that pass
+// give up after --elastic-ep-timeout (no progress), the roll call expels it after another, and the world goes on
+// without it with the outputs of the fault-free run.
+TEST(ElasticServe, ARankWhoseWorkStallsIsFoundByTheProgressBoundAndExpelled) {
+  std::signal(SIGPIPE, SIG_IGN);
+  const auto& reference = fault_free();
+  TempDir dir("serve_elastic_stall");
+  {
+    ::setenv("FULCRUM_ELASTIC_TEST_STALL_IN_PASS", "6:3", 1);
+    ServerProcess server(skewed_served_model(), elastic_flags(dir), dir.file("serve.log"));
+    ::unsetenv("FULCRUM_ELASTIC_TEST_STALL_IN_PASS");
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    const std::string log = server.log();
+    EXPECT_NE(log.find("mesh rank 3 stalls in pass 6"), std::string::npos) << log;
+    EXPECT_NE(log.find("which is alive but made no progress"), std::string::npos) << log;
+    EXPECT_NE(log.find("rank(s) 3 alive but without an answer to the roll call within 2.0 s"), std::string::npos) << log;
+    expect_recovered(server, 1, 3, "3");
+    EXPECT_EQ(run_clients(server.port(), kClients, 1, kNew), reference);
+    EXPECT_EQ(server.terminate(), 0) << server.log();
+  }
+  EXPECT_EQ(processes_mentioning(dir.path()), 0);
+}
+
 // Live EPLB (rebalances and slot migrations between the processes) before and after the fault: the new
 // world's ranks run it again from the re-planned placement.
 TEST(ElasticServe, AKilledRankWithLiveEplbChangesNoOutput) {

@@ -504,6 +504,10 @@ std::vector<std::byte> PeerMesh::recv_on(uint64_t channel, int src, bool abortab
   const Peer& peer = *peers_[src];
   const auto is_aborted = [&] { return abortable && aborted_; };
   const auto ready = [&] { return !box.empty() || peer.state != PeerState::kConnected || is_aborted(); };
+  // An elastic data wait of a step must see progress within the liveness timeout.
+  const bool progress_bound = abortable && elastic_ && liveness_timeout_.count() > 0 && bounded_scopes_ > 0;
+  const Clock::time_point started = Clock::now();
+  bool stalled = false;
   if (liveness_timeout_.count() == 0 && !deadline) {
     cv_.wait(lock, ready);
   } else {
@@ -518,7 +522,21 @@ std::vector<std::byte> PeerMesh::recv_on(uint64_t channel, int src, bool abortab
         mark_failed(src, fmt::format("rank {} ({}) is alive but sent no answer in time (it stopped making progress): {}",
                                      src, peer.address, kPeerFailedPhrase));
       }
+      if (progress_bound && now - started >= liveness_timeout_ && !ready()) {
+        stalled = true;
+        if (failure_.empty()) {
+          failure_ = fmt::format("rank {} waited {:.1f} s for rank {} ({}), which is alive but made no progress",
+                                 rank_, liveness_timeout_.count() / 1000.0, src, peer.address);
+        }
+        break;
+      }
     }
+  }
+  if (stalled) {
+    const std::string why = failure_;
+    lock.unlock();
+    abort_epoch();  // every rank's waits end; rank 0's roll call finds which rank stopped
+    throw Error(fmt::format("the world of epoch {} was aborted: {}", epoch(), why));
   }
   if (is_aborted()) {
     throw Error(fmt::format("the world of epoch {} was aborted: {}", epoch_,
@@ -586,6 +604,16 @@ void PeerMesh::begin_epoch(uint64_t epoch, const std::vector<int>& members) {
 void PeerMesh::send_control(int dst, std::span<const std::byte> data) { send(kControlChannel, dst, data); }
 
 std::vector<std::byte> PeerMesh::recv_control(int src) { return recv_on(kControlChannel, src, false); }
+
+PeerMesh::BoundedWaits::BoundedWaits(PeerMesh& mesh) : mesh_(mesh) {
+  std::lock_guard lock(mesh_.mutex_);
+  ++mesh_.bounded_scopes_;
+}
+
+PeerMesh::BoundedWaits::~BoundedWaits() {
+  std::lock_guard lock(mesh_.mutex_);
+  --mesh_.bounded_scopes_;
+}
 
 std::vector<std::byte> PeerMesh::recv_control(int src, Clock::time_point deadline) {
   return recv_on(kControlChannel, src, false, deadline);

@@ -11,7 +11,11 @@
 // Elastic worlds (set_elastic): the mesh lives through numbered epochs, each a world over some of its ranks.
 // In an epoch, any peer's failure, or an abort from any rank (abort_epoch), ends every data wait of this
 // rank, not only the waits on the failed peer: survivors blocked on each other inside a collective all leave
-// it instead of hanging. Control messages (send_control / recv_control) are never aborted: the recovery that
+// it instead of hanging. With a liveness timeout, the data waits of a step (inside a BoundedWaits scope: the
+// waits of one forward pass, which every rank runs at once) also have a progress bound: a wait on a live peer
+// that lasts a whole timeout (its heartbeats arrive, its data does not: a rank whose work stopped, not its
+// process) aborts the epoch here and everywhere, and the recovery's roll call finds who stopped. Other waits
+// (a worker idle until rank 0's next command, loading, a rebuild) are bounded by liveness only. Control messages (send_control / recv_control) are never aborted: the recovery that
 // forms the next epoch's world runs on them. Abort frames carry their epoch, so a late one from an epoch that
 // is over is ignored.
 //
@@ -101,6 +105,17 @@ class PeerMesh {
   std::vector<std::byte> recv_control(int src, Clock::time_point deadline);
   // The liveness timeout this mesh runs with (DistInit::liveness_timeout; 0: none).
   std::chrono::milliseconds liveness_timeout() const { return liveness_timeout_; }
+  // While one lives, this mesh's data waits have the progress bound (see the top of this file).
+  class BoundedWaits {
+   public:
+    explicit BoundedWaits(PeerMesh& mesh);
+    ~BoundedWaits();
+    BoundedWaits(const BoundedWaits&) = delete;
+    BoundedWaits& operator=(const BoundedWaits&) = delete;
+
+   private:
+    PeerMesh& mesh_;
+  };
 
   PeerMesh(const PeerMesh&) = delete;
   PeerMesh& operator=(const PeerMesh&) = delete;
@@ -142,6 +157,7 @@ class PeerMesh {
   bool elastic_ = false;
   uint64_t epoch_ = 0;
   bool aborted_ = false;        // this epoch's data waits end (elastic only)
+  int bounded_scopes_ = 0;      // live BoundedWaits scopes
   std::vector<bool> epoch_members_;  // [mesh rank]: in the current epoch's world (a failure aborts it)
   // Under mutex_: `src` failed; in an elastic world that aborts the epoch if `src` is one of its members.
   void on_peer_failed(int src);

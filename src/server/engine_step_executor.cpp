@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -49,6 +50,23 @@ void stay_silent_in_roll_if_told(comm::PeerMesh& mesh) {
                "(FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL)\n", at_rank, at_epoch);
   std::fflush(stderr);
   while (!mesh.peer_failed(0)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
+// FULCRUM_ELASTIC_TEST_STALL_IN_PASS=PASS:MESH_RANK makes that rank's work stop at the start of that forward pass
+// while its process stays alive (heartbeats go on), until rank 0 has expelled it; then it fails. Unset: nothing.
+void stall_in_pass_if_told(int64_t pass_idx, comm::PeerMesh& mesh) {
+  const char* env = std::getenv("FULCRUM_ELASTIC_TEST_STALL_IN_PASS");
+  long long at_pass = -1;
+  int at_rank = -1;
+  if (env == nullptr || std::sscanf(env, "%lld:%d", &at_pass, &at_rank) != 2 || at_pass != pass_idx ||
+      at_rank != mesh.rank()) {
+    return;
+  }
+  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d stalls in pass %lld (FULCRUM_ELASTIC_TEST_STALL_IN_PASS)\n",
+               at_rank, at_pass);
+  std::fflush(stderr);
+  while (!mesh.peer_failed(0)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  throw Error(fmt::format("mesh rank {} was expelled while it stalled", at_rank));
 }
 
 }  // namespace
@@ -392,6 +410,12 @@ void EngineStepExecutor::run_pass(const RankCommand& pass, std::vector<std::vect
 
 void EngineStepExecutor::apply_pass(engine::InProcessRank& me, int rank, comm::Communicator& world,
                                     const RankCommand& pass, std::vector<std::vector<float>>* logits) {
+  // Elastic EP: a pass's waits must see progress within --elastic-ep-timeout (comm/peer_mesh.hpp).
+  std::optional<comm::PeerMesh::BoundedWaits> bounded;
+  if (options_.elastic_mesh != nullptr) {
+    bounded.emplace(*options_.elastic_mesh);
+    stall_in_pass_if_told(pass.pass_idx, *options_.elastic_mesh);
+  }
   for (const SequenceId r : pass.releases) me.engine->drop_sequence(r);
   std::vector<engine::SequenceTokens> batch;
   batch.reserve(pass.batch_ids.size());
