@@ -488,6 +488,9 @@ void EngineStepExecutor::serve_as_worker() {
       }
     } catch (const std::exception& e) {
       if (options_.elastic_mesh == nullptr) throw;
+      // Which rank found the fault is a race: the one that did says what it found (rank 0 logs its own view).
+      elastic_log(fmt::format("mesh rank {} leaves the world of epoch {}: {}", options_.elastic_mesh->rank(),
+                              options_.elastic_mesh->epoch(), e.what()));
       join_next_world();
     }
   }
