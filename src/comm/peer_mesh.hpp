@@ -15,9 +15,9 @@
 // waits of one forward pass, which every rank runs at once) also have a progress bound: a wait on a live peer
 // that lasts a whole timeout (its heartbeats arrive, its data does not: a rank whose work stopped, not its
 // process) aborts the epoch here and everywhere, and the recovery's roll call finds who stopped. Other waits
-// (a worker idle until rank 0's next command, loading, a rebuild) are bounded by liveness only. Control messages (send_control / recv_control) are never aborted: the recovery that
-// forms the next epoch's world runs on them. Abort frames carry their epoch, so a late one from an epoch that
-// is over is ignored.
+// (a worker idle until rank 0's next command, loading, a rebuild) are bounded by liveness only. Control messages
+// (send_control / recv_control) are never aborted: the recovery that forms the next epoch's world runs on them.
+// Abort frames carry their epoch, so a late one from an epoch that is over is ignored.
 //
 // Rejoining (DistInit::elastic): every rank keeps its mesh listener, and world rank 0 its rendezvous
 // listener, after the world formed. A rank started again after its failure (the same command with its

@@ -19,54 +19,58 @@
 namespace fulcrum::server {
 namespace {
 
-// Fault injection for the tests: FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD=EPOCH:MESH_RANK makes that rank's process exit
-// in the middle of its rebuild of that epoch (after the first collective of the new world), so the others' rebuild
-// fails and is retried without it. Unset: nothing.
-void exit_in_rebuild_if_told(uint64_t epoch, int mesh_rank) {
-  const char* env = std::getenv("FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD");
-  unsigned long long at_epoch = 0;
-  int at_rank = -1;
-  if (env != nullptr && std::sscanf(env, "%llu:%d", &at_epoch, &at_rank) == 2 && at_epoch == epoch &&
-      at_rank == mesh_rank) {
-    std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d exits during the rebuild of epoch %llu "
-                 "(FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD)\n", mesh_rank, at_epoch);
-    std::fflush(stderr);
-    std::_Exit(3);
-  }
+// Fault injection for the tests: a hook variable holds "N:MESH_RANK" (an epoch or a pass, and the rank it acts on).
+// Read once per variable; unset or malformed: the hook never fires.
+struct HookPoint {
+  unsigned long long n = 0;
+  int mesh_rank = -1;
+};
+std::optional<HookPoint> read_test_hook(const char* name) {
+  const char* env = std::getenv(name);
+  HookPoint at;
+  if (env == nullptr || std::sscanf(env, "%llu:%d", &at.n, &at.mesh_rank) != 2) return std::nullopt;
+  return at;
+}
+bool hook_fires(const std::optional<HookPoint>& at, uint64_t n, int mesh_rank) {
+  return at && at->n == n && at->mesh_rank == mesh_rank;
+}
+// A hooked rank that stays alive (its heartbeats go on) and does nothing until rank 0 has expelled it.
+void wait_until_expelled(const comm::PeerMesh& mesh) {
+  while (!mesh.peer_failed(0)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
 }
 
-// FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL=EPOCH:MESH_RANK makes that rank, alive (its heartbeats go on), leave rank 0's
-// roll call for the world of that epoch unanswered until rank 0 has expelled it (the hang of a rank whose main
-// thread stopped making progress). Unset: nothing.
-void stay_silent_in_roll_if_told(comm::PeerMesh& mesh) {
-  const char* env = std::getenv("FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL");
-  unsigned long long at_epoch = 0;
-  int at_rank = -1;
-  if (env == nullptr || std::sscanf(env, "%llu:%d", &at_epoch, &at_rank) != 2 || at_epoch != mesh.epoch() + 1 ||
-      at_rank != mesh.rank()) {
-    return;
-  }
-  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d stays silent in the roll call of epoch %llu "
-               "(FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL)\n", at_rank, at_epoch);
+// FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD=EPOCH:MESH_RANK makes that rank's process exit in the middle of its rebuild of
+// that epoch (after the first collective of the new world), so the others' rebuild fails and is retried without it.
+void exit_in_rebuild_if_told(uint64_t epoch, int mesh_rank) {
+  static const std::optional<HookPoint> at = read_test_hook("FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD");
+  if (!hook_fires(at, epoch, mesh_rank)) return;
+  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d exits during the rebuild of epoch %llu "
+               "(FULCRUM_ELASTIC_TEST_EXIT_IN_REBUILD)\n", mesh_rank, at->n);
   std::fflush(stderr);
-  while (!mesh.peer_failed(0)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::_Exit(3);
+}
+
+// FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL=EPOCH:MESH_RANK makes that rank leave rank 0's roll call for the world of that
+// epoch unanswered until rank 0 has expelled it (the hang of a rank whose main thread stopped making progress).
+void stay_silent_in_roll_if_told(const comm::PeerMesh& mesh) {
+  static const std::optional<HookPoint> at = read_test_hook("FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL");
+  if (!hook_fires(at, mesh.epoch() + 1, mesh.rank())) return;
+  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d stays silent in the roll call of epoch %llu "
+               "(FULCRUM_ELASTIC_TEST_SILENT_IN_ROLL)\n", at->mesh_rank, at->n);
+  std::fflush(stderr);
+  wait_until_expelled(mesh);
 }
 
 // FULCRUM_ELASTIC_TEST_STALL_IN_PASS=PASS:MESH_RANK makes that rank's work stop at the start of that forward pass
-// while its process stays alive (heartbeats go on), until rank 0 has expelled it; then it fails. Unset: nothing.
-void stall_in_pass_if_told(int64_t pass_idx, comm::PeerMesh& mesh) {
-  const char* env = std::getenv("FULCRUM_ELASTIC_TEST_STALL_IN_PASS");
-  long long at_pass = -1;
-  int at_rank = -1;
-  if (env == nullptr || std::sscanf(env, "%lld:%d", &at_pass, &at_rank) != 2 || at_pass != pass_idx ||
-      at_rank != mesh.rank()) {
-    return;
-  }
-  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d stalls in pass %lld (FULCRUM_ELASTIC_TEST_STALL_IN_PASS)\n",
-               at_rank, at_pass);
+// while its process stays alive, until rank 0 has expelled it; then it fails.
+void stall_in_pass_if_told(uint64_t pass_idx, const comm::PeerMesh& mesh) {
+  static const std::optional<HookPoint> at = read_test_hook("FULCRUM_ELASTIC_TEST_STALL_IN_PASS");
+  if (!hook_fires(at, pass_idx, mesh.rank())) return;
+  std::fprintf(stderr, "fulcrum serve: elastic: mesh rank %d stalls in pass %llu "
+               "(FULCRUM_ELASTIC_TEST_STALL_IN_PASS)\n", at->mesh_rank, at->n);
   std::fflush(stderr);
-  while (!mesh.peer_failed(0)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  throw Error(fmt::format("mesh rank {} was expelled while it stalled", at_rank));
+  wait_until_expelled(mesh);
+  throw Error(fmt::format("mesh rank {} was expelled while it stalled", at->mesh_rank));
 }
 
 }  // namespace

@@ -3,10 +3,11 @@
 //
 // A CTA (4 warps) holds up to 16 * kWarpsM query rows of one kv head and walks its key range in tiles of 64
 // positions, K and V staged in shared memory by cp.async (16-byte copies, positions past the range zero-filled; two
-// stages for prefill, two or three for decode: decode_stages) and read by ldmatrix from an XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no
-// bank conflicts). Each warp owns 16 rows; Q stays in registers as mma A fragments, S = Q K^T in fp32
-// accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the A fragment of O += P V (the row
-// sum l adds the rounded values, so O / l is a weighted mean with the weights actually used).
+// stages for prefill, two or three for decode: decode_stages) and read by ldmatrix from an XOR-swizzled layout
+// (16-byte chunk c of key k at c ^ (k % 8): no bank conflicts). Each warp owns 16 rows; Q stays in registers as
+// mma A fragments, S = Q K^T in fp32 accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the
+// A fragment of O += P V (the row sum l adds the rounded values, so O / l is a weighted mean with the weights
+// actually used).
 //   prefill: kWarpsM = 4 (64 rows), every warp takes the whole 64-key tile;
 //   decode:  kWarpsM = 1 (the group's q heads, <= 16 rows), the 4 warps take 16 keys each of every tile and
 //            their (m, l, O) are merged through shared memory at the end, warps in order; with KV splits the
@@ -333,9 +334,9 @@ cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
 // K / V stages of the decode kernel. Three (at D 128, 96 KB: two CTAs per SM, two tiles in flight each) when the
 // plan does not split the keys: then the CTAs are few per SM and each walks a whole context, waiting on HBM. Two
 // (64 KB, three CTAs per SM) when it splits them. Measured on one H200 (bench/results/attention_decode_stages_*,
-// 30B-A3B decode steps): three stages 3.2% faster at batch 64 context 2048 (one split), equal at batch 16 (three
-// splits), 0.5-1% slower at batch 1 and 4 (eight splits and more). FULCRUM_ATTENTION_DECODE_STAGES=2 or 3 (read once)
-// forces one for measurement.
+// 30B-A3B decode steps): three stages 3.2% faster at batch 64 context 2048 (one split), within 0.3% at batch 16
+// (three splits), 0.2-1.1% slower at batch 1 and 4 (eight splits and more). FULCRUM_ATTENTION_DECODE_STAGES=2 or 3
+// (read once) forces one for measurement.
 int decode_stages(const Params& p) {
   static const int forced = [] {
     const char* value = std::getenv("FULCRUM_ATTENTION_DECODE_STAGES");

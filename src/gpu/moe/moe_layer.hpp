@@ -93,12 +93,12 @@ constexpr double kPerSlotMinFlops = 0.7e12;
 // (bench/results/skinny_crossover_h200.json): batch 1 4.32 ms against CUTLASS's 5.11, batch 4 even (7.48 / 7.51),
 // batch 16 slower (16.7 / 13.7).
 constexpr int64_t kDefaultSkinnyMaxEntries = 32;
-// Steps of at most this many entries (T x k) above the skinny path, static replicas, every slot local, bf16 experts on
-// CUTLASS: routing and the permutation plan come from the single-block launch the skinny path uses
+// Steps of at most this many entries (T x k) above the skinny path, static replicas, every slot local, bf16 experts
+// on CUTLASS: routing and the permutation plan come from the single-block launch the skinny path uses
 // (launch_small_route_permute), then a gather of x (FULCRUM_FUSED_CUTLASS_ROUTE=0: the multi-launch path, for
 // measurement). 256: 32 tokens of top-8. Measured on one H200 (30B-A3B decode steps, context 512;
-// bench/results/fused_cutlass_route_sweep_*_3cb94a5_h200.json): the single block 1.8% faster at 16 tokens, 0.7% at
-// 24 and 32, 1.1% slower at 48 and 2.2% at 64, where one block routes 64 tokens in two rounds of its 32 warps.
+// bench/results/fused_cutlass_route_sweep_*_3cb94a5_h200.json): the single block 1.8% faster at 16 tokens, 0.8% at
+// 24, 0.7% at 32, 1.1% slower at 48 and 2.2% at 64, where one block routes 64 tokens in two rounds of its 32 warps.
 constexpr int64_t kFusedCutlassRouteMaxEntries = 256;
 
 // A device allocation freed with the object.
