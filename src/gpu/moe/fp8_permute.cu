@@ -1,8 +1,8 @@
 // The permutation of an FP8 layer fused with the 1x128 e4m3 quantization of its rows (launch_permute_rows_fp8,
 // moe_kernels.hpp). One warp per token: lanes j < k claim a row of entry j's slot (atomics on the cursor, as
 // permute_rows_kernel), write entry_row and keep the row, its slot's first row and size in the warp's shared
-// slots; then the warp reads the token's bf16 row once, two 128-column blocks at a time (a half-warp each, 8
-// columns per lane), and stores each block's 8 e4m3 bytes per lane and its scale to all k rows.
+// slots; then the warp reads the token's bf16 row once, eight 128-column blocks at a time (a half-warp on every
+// other block, 8 columns per lane), and stores each block's 8 e4m3 bytes per lane and its scale to all k rows.
 // The arithmetic is fp8_quant.cu's (the contract in gpu/kernels/fp8_quant.hpp), operation for operation, so
 // the bits equal launch_quantize_rows_fp8 on the bf16 permuted rows: amax by fmaxf over the block's fp32
 // copies of bf16 values, 448 / amax and amax / 448 IEEE divisions (_rn: nothing contracted), x * (448 / amax)
@@ -20,6 +20,7 @@ using gpu::fp8_block::kColsPerLane;
 using gpu::fp8_block::kLanesPerBlock;
 using gpu::fp8_block::unpack8;
 constexpr int kTokensPerCta = 8;  // one warp per token
+constexpr int kLoadsAhead = 4;     // 16-byte loads in flight per lane
 
 __global__ void __launch_bounds__(32 * kTokensPerCta)
     permute_rows_fp8_kernel(const uint16_t* x, int64_t num_tokens, int top_k, int hidden_size, const int32_t* slots,
@@ -48,16 +49,27 @@ __global__ void __launch_bounds__(32 * kTokensPerCta)
     }
     __syncwarp();
     const uint16_t* x_row = x + t * hidden_size;  // [H]
-    for (int kb = half; kb < k_blocks; kb += 2) {  // uniform within each half-warp
-      const int c0 = kb * kBlockCols + sub * kColsPerLane;
-      float v[kColsPerLane];
-      unpack8(*reinterpret_cast<const uint4*>(x_row + c0), v);
-      const gpu::fp8_block::Quantized8 out = gpu::fp8_block::quantize8(v, half_mask);
-      const uint2 codes = out.codes;
-      const float scale = out.scale;
-      for (int j = 0; j < top_k; ++j) {  // the block computed once, stored to each of the token's k rows
-        *reinterpret_cast<uint2*>(q + int64_t{s_row[warp][j]} * hidden_size + c0) = codes;
-        if (sub == 0) scales[s_scale0[warp][j] + int64_t{kb} * s_slot_rows[warp][j]] = scale;
+    // kLoadsAhead of the half-warp's blocks loaded before any is stored: the k stores of each block would
+    // otherwise hold its next load back (the compiler may not move a load above a store that could alias it).
+    for (int kb0 = half; kb0 < k_blocks; kb0 += 2 * kLoadsAhead) {  // uniform within each half-warp
+      uint4 raw[kLoadsAhead];
+#pragma unroll
+      for (int u = 0; u < kLoadsAhead; ++u) {
+        const int kb = kb0 + 2 * u;
+        if (kb < k_blocks) raw[u] = *reinterpret_cast<const uint4*>(x_row + kb * kBlockCols + sub * kColsPerLane);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadsAhead; ++u) {
+        const int kb = kb0 + 2 * u;
+        if (kb >= k_blocks) break;
+        const int c0 = kb * kBlockCols + sub * kColsPerLane;
+        float v[kColsPerLane];
+        unpack8(raw[u], v);
+        const gpu::fp8_block::Quantized8 out = gpu::fp8_block::quantize8(v, half_mask);
+        for (int j = 0; j < top_k; ++j) {  // the block computed once, stored to each of the token's k rows
+          *reinterpret_cast<uint2*>(q + int64_t{s_row[warp][j]} * hidden_size + c0) = out.codes;
+          if (sub == 0) scales[s_scale0[warp][j] + int64_t{kb} * s_slot_rows[warp][j]] = out.scale;
+        }
       }
     }
     __syncwarp();  // every lane done with this token's shared slots before the next token's lanes rewrite them
