@@ -1,9 +1,8 @@
-// Dynamic 1x128 e4m3 quantization of activations for the FP8 grouped GEMM (fp8_quant.hpp). A thread per 8
-// columns of the rows [offsets[0], offsets[num_groups]) (one 16-byte load of bf16, two for SwiGLU's gate and up),
-// flat over (row, column) like an elementwise kernel, so a half-warp holds one 128-column block: it reduces the
-// block's amax with 4 shuffles, every lane writes its 8 e4m3 bytes and lane 0 of the half the scale. (A warp
-// per row, walking its blocks, kept too few loads in flight: 2.5 TB/s at 131072 rows of 768.) The row's group,
-// which fixes where its scales go, comes from a binary search over the offsets (a few hundred bytes, in L1).
+// Dynamic 1x128 e4m3 quantization of activations for the FP8 grouped GEMM (fp8_quant.hpp). One warp per row
+// (grid-stride over the rows [offsets[0], offsets[num_groups])), its two halves on two 128-column blocks at a
+// time, up to 4 pairs loaded ahead: each lane holds 8 columns (one 16-byte load of bf16, two for SwiGLU's gate
+// and up), the half-warp reduces the block's amax with 4 shuffles, every lane writes its 8 e4m3 bytes and lane 0
+// of the half the scale. The row's group, which fixes where its scales go, comes from a binary search over the offsets.
 // Arithmetic as the CPU reference (gpu/reference/fp8_reference.cpp) does it, written with _rn intrinsics so
 // that nothing is contracted: 448 / amax and amax / 448 are IEEE divisions, x * (448 / amax) one rounding,
 // then __nv_cvt_float_to_fp8 (round to nearest even, saturating to +-448).
@@ -21,7 +20,8 @@ using fp8_block::kBlockCols;
 using fp8_block::kColsPerLane;
 using fp8_block::kLanesPerBlock;
 using fp8_block::unpack8;
-constexpr int kThreads = 256;  // per thread block
+constexpr int kWarpsPerCtaBlock = 8;      // rows in flight per thread block
+constexpr int kLoadsAhead = 4;            // blocks a half-warp loads before it stores
 
 // bf16(silu(gate) * up) as the bf16 path computes it (step_ops.cu's silu_times: expf, not __expf).
 __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
@@ -49,31 +49,56 @@ __global__ void quantize_fp8_kernel(const uint16_t* src, int cols, const int32_t
                                     float* scales) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   const int lane = threadIdx.x % 32;
+  const int half = lane / kLanesPerBlock;  // which of the warp's two blocks
+  const int sub = lane % kLanesPerBlock;   // its 8 columns within the block
   const unsigned int half_mask = fp8_block::half_mask(lane);
   const int k_blocks = cols / kBlockCols;
-  const int lanes_per_row = cols / kColsPerLane;  // a multiple of 16: a half-warp never straddles two blocks
   const int64_t begin = offsets[0], end = offsets[num_groups];
-  const int64_t n = (end - begin) * lanes_per_row;  // a multiple of 16: each half-warp's loop is uniform
-  for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < n; idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = begin + idx / lanes_per_row;
-    const int c0 = static_cast<int>(idx - (r - begin) * lanes_per_row) * kColsPerLane;
-    float v[kColsPerLane];
-    if constexpr (kSwiGlu) {
-      const uint16_t* h_row = src + r * 2 * cols;  // [2 cols]: gate | up
-      float gate[kColsPerLane], up[kColsPerLane];
-      unpack8(*reinterpret_cast<const uint4*>(h_row + c0), gate);
-      unpack8(*reinterpret_cast<const uint4*>(h_row + cols + c0), up);
+  const int64_t warp = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
+  const int64_t num_warps = int64_t{gridDim.x} * blockDim.x / 32;
+  for (int64_t r = begin + warp; r < end; r += num_warps) {  // warp-uniform
+    float* row_scales = nullptr;  // sa(r, kb) at row_scales[kb * rows_in_group], once the group is known
+    int64_t rows_in_group = 0;
+    // kLoadsAhead of the half-warp's blocks loaded before any is stored, and the row's group searched while
+    // the first of them are in flight: a block at a time left a warp one HBM round trip per block.
+    for (int kb0 = half; kb0 < k_blocks; kb0 += 2 * kLoadsAhead) {  // uniform within each half-warp
+      uint4 raw[kLoadsAhead][kSwiGlu ? 2 : 1];
 #pragma unroll
-      for (int i = 0; i < kColsPerLane; ++i) v[i] = swiglu_bf16(gate[i], up[i]);
-    } else {
-      unpack8(*reinterpret_cast<const uint4*>(src + r * cols + c0), v);
-    }
-    const fp8_block::Quantized8 out = fp8_block::quantize8(v, half_mask);
-    *reinterpret_cast<uint2*>(q + r * cols + c0) = out.codes;
-    if (lane % kLanesPerBlock == 0) {
-      const int g = group_of(offsets, num_groups, r);
-      const int64_t first = offsets[g];
-      scales[first * k_blocks + int64_t{c0 / kBlockCols} * (offsets[g + 1] - first) + (r - first)] = out.scale;
+      for (int u = 0; u < kLoadsAhead; ++u) {
+        const int c0 = (kb0 + 2 * u) * kBlockCols + sub * kColsPerLane;
+        if (kb0 + 2 * u >= k_blocks) break;
+        if constexpr (kSwiGlu) {
+          const uint16_t* h_row = src + r * 2 * cols;  // [2 cols]: gate | up
+          raw[u][0] = *reinterpret_cast<const uint4*>(h_row + c0);
+          raw[u][1] = *reinterpret_cast<const uint4*>(h_row + cols + c0);
+        } else {
+          raw[u][0] = *reinterpret_cast<const uint4*>(src + r * cols + c0);
+        }
+      }
+      if (row_scales == nullptr) {
+        const int g = group_of(offsets, num_groups, r);
+        const int64_t first = offsets[g];
+        rows_in_group = offsets[g + 1] - first;
+        row_scales = scales + first * k_blocks + (r - first);
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadsAhead; ++u) {
+        const int kb = kb0 + 2 * u;
+        if (kb >= k_blocks) break;
+        float v[kColsPerLane];
+        if constexpr (kSwiGlu) {
+          float gate[kColsPerLane], up[kColsPerLane];
+          unpack8(raw[u][0], gate);
+          unpack8(raw[u][1], up);
+#pragma unroll
+          for (int i = 0; i < kColsPerLane; ++i) v[i] = swiglu_bf16(gate[i], up[i]);
+        } else {
+          unpack8(raw[u][0], v);
+        }
+        const fp8_block::Quantized8 out = fp8_block::quantize8(v, half_mask);
+        *reinterpret_cast<uint2*>(q + r * cols + kb * kBlockCols + sub * kColsPerLane) = out.codes;
+        if (sub == 0) row_scales[int64_t{kb} * rows_in_group] = out.scale;
+      }
     }
   }
 }
@@ -88,10 +113,10 @@ cudaError_t launch_quantize(const uint16_t* src, int cols, const int32_t* offset
     return cudaErrorInvalidValue;
   }
   if (max_rows == 0) return cudaSuccess;
-  const int64_t blocks = (max_rows * (cols / kColsPerLane) + kThreads - 1) / kThreads;
-  const dim3 grid(static_cast<unsigned int>(blocks < 65535 * 16 ? blocks : 65535 * 16));  // grid-stride covers the rest
-  return launch_dependent(quantize_fp8_kernel<kSwiGlu>, grid, dim3(kThreads), 0, stream, src, cols, offsets,
-                          num_groups, q, scales);
+  const int64_t blocks = (max_rows + kWarpsPerCtaBlock - 1) / kWarpsPerCtaBlock;
+  const dim3 grid(static_cast<unsigned int>(blocks < 65535 * 8 ? blocks : 65535 * 8));  // grid-stride covers the rest
+  return launch_dependent(quantize_fp8_kernel<kSwiGlu>, grid, dim3(32 * kWarpsPerCtaBlock), 0, stream, src, cols,
+                          offsets, num_groups, q, scales);
 }
 
 }  // namespace
