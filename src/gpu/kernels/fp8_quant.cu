@@ -1,8 +1,8 @@
 // Dynamic 1x128 e4m3 quantization of activations for the FP8 grouped GEMM (fp8_quant.hpp). One warp per row
 // (grid-stride over the rows [offsets[0], offsets[num_groups])), its two halves on two 128-column blocks at a
-// time, up to 4 pairs loaded ahead: each lane holds 8 columns (one 16-byte load of bf16, two for SwiGLU's gate
-// and up), the half-warp reduces the block's amax with 4 shuffles, every lane writes its 8 e4m3 bytes and lane 0
-// of the half the scale. The row's group, which fixes where its scales go, comes from a binary search over the offsets.
+// time: each lane holds 8 columns (one 16-byte load of bf16, two for SwiGLU's gate and up), the half-warp
+// reduces the block's amax with 4 shuffles, every lane writes its 8 e4m3 bytes and lane 0 of the half the
+// scale. The row's group, which fixes where its scales go, comes from a binary search over the offsets.
 // Arithmetic as the CPU reference (gpu/reference/fp8_reference.cpp) does it, written with _rn intrinsics so
 // that nothing is contracted: 448 / amax and amax / 448 are IEEE divisions, x * (448 / amax) one rounding,
 // then __nv_cvt_float_to_fp8 (round to nearest even, saturating to +-448).
@@ -21,7 +21,6 @@ using fp8_block::kColsPerLane;
 using fp8_block::kLanesPerBlock;
 using fp8_block::unpack8;
 constexpr int kWarpsPerCtaBlock = 8;      // rows in flight per thread block
-constexpr int kLoadsAhead = 4;            // blocks a half-warp loads before it stores
 
 // bf16(silu(gate) * up) as the bf16 path computes it (step_ops.cu's silu_times: expf, not __expf).
 __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
@@ -57,48 +56,26 @@ __global__ void quantize_fp8_kernel(const uint16_t* src, int cols, const int32_t
   const int64_t warp = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
   const int64_t num_warps = int64_t{gridDim.x} * blockDim.x / 32;
   for (int64_t r = begin + warp; r < end; r += num_warps) {  // warp-uniform
-    float* row_scales = nullptr;  // sa(r, kb) at row_scales[kb * rows_in_group], once the group is known
-    int64_t rows_in_group = 0;
-    // kLoadsAhead of the half-warp's blocks loaded before any is stored, and the row's group searched while
-    // the first of them are in flight: a block at a time left a warp one HBM round trip per block.
-    for (int kb0 = half; kb0 < k_blocks; kb0 += 2 * kLoadsAhead) {  // uniform within each half-warp
-      uint4 raw[kLoadsAhead][kSwiGlu ? 2 : 1];
+    const int g = group_of(offsets, num_groups, r);
+    const int64_t first = offsets[g];
+    const int64_t rows_in_group = offsets[g + 1] - first;
+    float* row_scales = scales + first * k_blocks + (r - first);  // sa(r, kb) at row_scales[kb * rows_in_group]
+    for (int kb = half; kb < k_blocks; kb += 2) {  // uniform within each half-warp
+      const int c0 = kb * kBlockCols + sub * kColsPerLane;
+      float v[kColsPerLane];
+      if constexpr (kSwiGlu) {
+        const uint16_t* h_row = src + r * 2 * cols;  // [2 cols]: gate | up
+        float gate[kColsPerLane], up[kColsPerLane];
+        unpack8(*reinterpret_cast<const uint4*>(h_row + c0), gate);
+        unpack8(*reinterpret_cast<const uint4*>(h_row + cols + c0), up);
 #pragma unroll
-      for (int u = 0; u < kLoadsAhead; ++u) {
-        const int c0 = (kb0 + 2 * u) * kBlockCols + sub * kColsPerLane;
-        if (kb0 + 2 * u >= k_blocks) break;
-        if constexpr (kSwiGlu) {
-          const uint16_t* h_row = src + r * 2 * cols;  // [2 cols]: gate | up
-          raw[u][0] = *reinterpret_cast<const uint4*>(h_row + c0);
-          raw[u][1] = *reinterpret_cast<const uint4*>(h_row + cols + c0);
-        } else {
-          raw[u][0] = *reinterpret_cast<const uint4*>(src + r * cols + c0);
-        }
+        for (int i = 0; i < kColsPerLane; ++i) v[i] = swiglu_bf16(gate[i], up[i]);
+      } else {
+        unpack8(*reinterpret_cast<const uint4*>(src + r * cols + c0), v);
       }
-      if (row_scales == nullptr) {
-        const int g = group_of(offsets, num_groups, r);
-        const int64_t first = offsets[g];
-        rows_in_group = offsets[g + 1] - first;
-        row_scales = scales + first * k_blocks + (r - first);
-      }
-#pragma unroll
-      for (int u = 0; u < kLoadsAhead; ++u) {
-        const int kb = kb0 + 2 * u;
-        if (kb >= k_blocks) break;
-        float v[kColsPerLane];
-        if constexpr (kSwiGlu) {
-          float gate[kColsPerLane], up[kColsPerLane];
-          unpack8(raw[u][0], gate);
-          unpack8(raw[u][1], up);
-#pragma unroll
-          for (int i = 0; i < kColsPerLane; ++i) v[i] = swiglu_bf16(gate[i], up[i]);
-        } else {
-          unpack8(raw[u][0], v);
-        }
-        const fp8_block::Quantized8 out = fp8_block::quantize8(v, half_mask);
-        *reinterpret_cast<uint2*>(q + r * cols + kb * kBlockCols + sub * kColsPerLane) = out.codes;
-        if (sub == 0) row_scales[int64_t{kb} * rows_in_group] = out.scale;
-      }
+      const fp8_block::Quantized8 out = fp8_block::quantize8(v, half_mask);
+      *reinterpret_cast<uint2*>(q + r * cols + c0) = out.codes;
+      if (sub == 0) row_scales[int64_t{kb} * rows_in_group] = out.scale;
     }
   }
 }
