@@ -32,10 +32,17 @@ namespace {
 using backend::DeviceBuffer;
 using gpu::GroupedGemmConfig;
 
-constexpr GroupedGemmConfig kConfigs[] = {GroupedGemmConfig::kPingpong64x128x64,
-                                          GroupedGemmConfig::kCooperative256x128x64};
+constexpr GroupedGemmConfig kConfigs[] = {GroupedGemmConfig::kPingpong64x128x64, GroupedGemmConfig::kCooperative256x128x64,
+                                          GroupedGemmConfig::kPingpong128x128x64,
+                                          GroupedGemmConfig::kCooperative128x256x64};
 const char* config_name(GroupedGemmConfig c) {
-  return c == GroupedGemmConfig::kPingpong64x128x64 ? "pingpong64x128x64" : "cooperative256x128x64";
+  switch (c) {
+    case GroupedGemmConfig::kPingpong64x128x64: return "pingpong64x128x64";
+    case GroupedGemmConfig::kCooperative256x128x64: return "cooperative256x128x64";
+    case GroupedGemmConfig::kPingpong128x128x64: return "pingpong128x128x64";
+    case GroupedGemmConfig::kCooperative128x256x64: return "cooperative128x256x64";
+  }
+  return "?";
 }
 
 // One grouped GEMM's inputs on the host: rows [0, first_row) and the last 2 rows belong to no group.

@@ -34,8 +34,15 @@ namespace fulcrum::gpu {
 // Tile configs measured on an H200 (../shared/docs/gpu-engine.md, Qwen3-30B-A3B expert shapes, 128 groups):
 // pingpong 64x128x64 is best at 256-1024 tokens (2K-8K rows), cooperative 256x128x64 (cluster 1x2) at
 // 4096-16384 tokens (32K-128K rows); 256x128x128 was slower everywhere.
-enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1 };
-constexpr int kNumGroupedGemmConfigs = 2;
+// Under measurement for the 4096-16384-token steps (FULCRUM_BF16_GEMM_CONFIGS, moe_layer.cpp): pingpong 128x128x64
+// (cluster 1x2) and cooperative 128x256x64 (cluster 2x1).
+enum class GroupedGemmConfig : int {
+  kPingpong64x128x64 = 0,
+  kCooperative256x128x64 = 1,
+  kPingpong128x128x64 = 2,
+  kCooperative128x256x64 = 3
+};
+constexpr int kNumGroupedGemmConfigs = 4;
 // Total rows (T * top_k) from which the cooperative config is used: between the measured 8K (pingpong
 // 215 us vs 299 us) and 32K rows (378 us vs 323 us).
 constexpr int64_t kGroupedGemmCooperativeMinRows = 16384;

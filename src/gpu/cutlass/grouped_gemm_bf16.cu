@@ -1,5 +1,5 @@
 // Grouped GEMM entry points (grouped_gemm.hpp): device facts, workspace layout, argument checks and the
-// dispatch to the per-config kernels (grouped_gemm_bf16_pingpong.cu, grouped_gemm_bf16_cooperative.cu).
+// dispatch to the per-config kernels (grouped_gemm_bf16_*.cu, one config each).
 #include <algorithm>
 
 #include <cuda_runtime.h>
@@ -29,6 +29,8 @@ GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLi
     ConfigFacts facts[kNumGroupedGemmConfigs];
     result = grouped_gemm_detail::prepare_pingpong_64x128x64(device, out.sm_count, max_groups, &facts[0]);
     if (result.ok()) result = grouped_gemm_detail::prepare_cooperative_256x128x64(device, out.sm_count, max_groups, &facts[1]);
+    if (result.ok()) result = grouped_gemm_detail::prepare_pingpong_128x128x64(device, out.sm_count, max_groups, &facts[2]);
+    if (result.ok()) result = grouped_gemm_detail::prepare_cooperative_128x256x64(device, out.sm_count, max_groups, &facts[3]);
     size_t arrays_bytes = 0;
     for (int c = 0; c < kNumGroupedGemmConfigs && result.ok(); ++c) {
       out.max_active_clusters[c] = facts[c].max_active_clusters;
@@ -63,6 +65,10 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
       return grouped_gemm_detail::run_pingpong_64x128x64(args, limits, workspace, stream);
     case GroupedGemmConfig::kCooperative256x128x64:
       return grouped_gemm_detail::run_cooperative_256x128x64(args, limits, workspace, stream);
+    case GroupedGemmConfig::kPingpong128x128x64:
+      return grouped_gemm_detail::run_pingpong_128x128x64(args, limits, workspace, stream);
+    case GroupedGemmConfig::kCooperative128x256x64:
+      return grouped_gemm_detail::run_cooperative_128x256x64(args, limits, workspace, stream);
   }
   return {"run_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
 }

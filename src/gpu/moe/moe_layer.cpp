@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include "backend/cuda/cuda_check.hpp"
@@ -743,6 +745,22 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
       group_size.data(), CUBLAS_COMPUTE_32F));
 }
 
+// FULCRUM_BF16_GEMM_CONFIGS=U,D (GroupedGemmConfig values) sets the gate_up and the down GEMM's configs where the
+// rows pick the cooperative one (the 4096-16384-token steps), for measurement; read once. Unset: `config` for both.
+static std::pair<gpu::GroupedGemmConfig, gpu::GroupedGemmConfig> bf16_gemm_configs(gpu::GroupedGemmConfig config) {
+  static const std::pair<int, int> forced = [] {
+    const char* env = std::getenv("FULCRUM_BF16_GEMM_CONFIGS");
+    int up = -1, down = -1;
+    if (env != nullptr && std::sscanf(env, "%d,%d", &up, &down) == 2 && up >= 0 && down >= 0 &&
+        up < gpu::kNumGroupedGemmConfigs && down < gpu::kNumGroupedGemmConfigs) {
+      return std::pair<int, int>(up, down);
+    }
+    return std::pair<int, int>(-1, -1);
+  }();
+  if (forced.first < 0 || config != gpu::GroupedGemmConfig::kCooperative256x128x64) return {config, config};
+  return {static_cast<gpu::GroupedGemmConfig>(forced.first), static_cast<gpu::GroupedGemmConfig>(forced.second)};
+}
+
 void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local,
                                   int num_weights, int64_t max_rows, int64_t total_rows, uint16_t* out) {
   if (num_groups == 0 || max_rows == 0) return;
@@ -754,6 +772,7 @@ void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, in
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
   // By the batch's total rows, never per group: the config is the same whatever the placement (grouped_gemm.hpp).
   const gpu::GroupedGemmConfig config = gpu::grouped_gemm_config_for_rows(total_rows);
+  const auto [up_config, down_config] = bf16_gemm_configs(config);
   gpu::GroupedGemmArgs gemm;
   gemm.a = in;                      // [rows, H]
   gemm.offsets = offsets;           // [num_groups + 1]
@@ -763,7 +782,7 @@ void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, in
   gemm.d = w.h.as<uint16_t>();      // [rows, 2I]
   gemm.n = 2 * i;
   gemm.k = h;
-  check_grouped_gemm(gpu::run_grouped_gemm(gemm, config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
+  check_grouped_gemm(gpu::run_grouped_gemm(gemm, up_config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
                      "gate_up");
   FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16_rows(w.h.as<uint16_t>(), offsets, offsets + num_groups, max_rows, i,
                                                           w.act.as<uint16_t>(), stream_));
@@ -772,7 +791,7 @@ void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, in
   gemm.d = out;                     // [rows, H]
   gemm.n = h;
   gemm.k = i;
-  check_grouped_gemm(gpu::run_grouped_gemm(gemm, config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
+  check_grouped_gemm(gpu::run_grouped_gemm(gemm, down_config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
                      "down");
 }
 
@@ -875,6 +894,21 @@ static bool fused_small_route_enabled() {
   static const bool enabled = gpu::env_switch_on("FULCRUM_FUSED_ROUTER");
   return enabled;
 }
+// Read once; FULCRUM_TINY_ROUTE=0 keeps steps of <= 32 entries on the one-block fused kernel, for measurement.
+static bool tiny_route_enabled() {
+  static const bool enabled = gpu::env_switch_on("FULCRUM_TINY_ROUTE");
+  return enabled;
+}
+
+void GpuMoeLayer::route_permute_small(const float* logits, int64_t num_tokens) {
+  MoeWorkspace& w = ws();
+  const cuda::moe::RouterArgs args = router_args(logits, num_tokens);
+  const bool tiny =
+      tiny_route_enabled() && cuda::moe::tiny_route_permute_fits(num_tokens, shape_.num_experts_per_tok, shape_.num_slots);
+  const auto launch = tiny ? cuda::moe::launch_tiny_route_permute : cuda::moe::launch_small_route_permute;
+  FULCRUM_CUDA_CHECK(launch(args, shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
+                            w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+}
 
 void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
   MoeWorkspace& w = ws();
@@ -942,10 +976,7 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
   const bool skinny = uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   if (skinny && num_tokens > 0 && spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled()) {
     // Static replicas: the router and the permutation in one launch (one kernel less per layer in decode).
-    MoeWorkspace& w = ws();
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_small_route_permute(
-        router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
-        w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+    route_permute_small(logits, num_tokens);
     skinny_gemms(x, num_tokens);
     return;
   }
@@ -954,9 +985,7 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
     // gather of x by the plan's rows, in place of router + count + scan + cursor copy + scatter (five launches and
     // a memset / memcpy node that break the dependent-launch chain).
     MoeWorkspace& w = ws();
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_small_route_permute(
-        router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
-        w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+    route_permute_small(logits, num_tokens);
     FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, w.row_token.as<int32_t>(), num_tokens * shape_.num_experts_per_tok,
                                                      shape_.hidden_size, w.permuted.as<uint16_t>(), stream_));
     fp8_rows_quantized_ = false;
