@@ -33,14 +33,12 @@ using backend::DeviceBuffer;
 using gpu::GroupedGemmConfig;
 
 constexpr GroupedGemmConfig kConfigs[] = {GroupedGemmConfig::kPingpong64x128x64, GroupedGemmConfig::kCooperative256x128x64,
-                                          GroupedGemmConfig::kPingpong128x128x64,
-                                          GroupedGemmConfig::kCooperative128x256x64};
+                                          GroupedGemmConfig::kPingpong128x128x64};
 const char* config_name(GroupedGemmConfig c) {
   switch (c) {
     case GroupedGemmConfig::kPingpong64x128x64: return "pingpong64x128x64";
     case GroupedGemmConfig::kCooperative256x128x64: return "cooperative256x128x64";
     case GroupedGemmConfig::kPingpong128x128x64: return "pingpong128x128x64";
-    case GroupedGemmConfig::kCooperative128x256x64: return "cooperative128x256x64";
   }
   return "?";
 }
@@ -280,7 +278,7 @@ TEST_F(GroupedGemmTest, CapturedOnceReplaysWithNewOffsets) {
 TEST(GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(0), GroupedGemmConfig::kPingpong64x128x64);
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16383), GroupedGemmConfig::kPingpong64x128x64);
-  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16384), GroupedGemmConfig::kCooperative256x128x64);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16384), GroupedGemmConfig::kPingpong128x128x64);
   EXPECT_EQ(gpu::grouped_gemm_shape_problem(1536, 2048), nullptr);
   EXPECT_EQ(gpu::grouped_gemm_shape_problem(32, 16), nullptr);
   EXPECT_NE(gpu::grouped_gemm_shape_problem(44, 50), nullptr);  // hidden 50 / intermediate 22

@@ -1,5 +1,7 @@
 #include "bench_moe/bench_util.hpp"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <numeric>
 
@@ -142,8 +144,21 @@ nlohmann::json machine_json(int device) {
   return {{"gpu", prop.name}, {"sms", prop.multiProcessorCount}, {"cuda_driver", driver}, {"visible_gpus", count}};
 }
 
+// The FULCRUM_* measurement switches set in the environment (gpu/env_switch.hpp, src/gpu/README.md): a figure
+// taken under one is not the default path's, so the JSON says so.
+static nlohmann::json fulcrum_environment() {
+  nlohmann::json env = nlohmann::json::object();
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const size_t eq = entry.find('=');
+    if (entry.rfind("FULCRUM_", 0) == 0 && eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return env;
+}
+
 void write_json(const MoeBenchOptions& opt, nlohmann::json doc) {
   if (opt.json_path.empty()) return;
+  doc["environment"] = fulcrum_environment();
   doc["command"] = opt.command;
   doc["git_commit"] = opt.git_commit;
   doc["reps"] = opt.reps;

@@ -1,6 +1,6 @@
 #pragma once
 // Measurement switches of the GPU path (FULCRUM_PDL, FULCRUM_SKINNY_WIDE, FULCRUM_FUSED_ROUTER,
-// FULCRUM_FP8_FUSED_PERMUTE, FULCRUM_FUSED_CUTLASS_ROUTE, FULCRUM_TINY_ROUTE): on unless the environment sets the variable to "0", so a
+// FULCRUM_FP8_FUSED_PERMUTE, FULCRUM_FUSED_CUTLASS_ROUTE): on unless the environment sets the variable to "0", so a
 // fused path can be timed against the one it replaced. Callers read it once (a function-local static), never per
 // launch.
 #include <cstdlib>

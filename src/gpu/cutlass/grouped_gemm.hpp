@@ -31,25 +31,22 @@ struct CUstream_st;
 
 namespace fulcrum::gpu {
 
-// Tile configs measured on an H200 (../shared/docs/gpu-engine.md, Qwen3-30B-A3B expert shapes, 128 groups):
-// pingpong 64x128x64 is best at 256-1024 tokens (2K-8K rows), cooperative 256x128x64 (cluster 1x2) at
-// 4096-16384 tokens (32K-128K rows); 256x128x128 was slower everywhere.
-// Under measurement for the 4096-16384-token steps (FULCRUM_BF16_GEMM_CONFIGS, moe_layer.cpp): pingpong 128x128x64
-// (cluster 1x2) and cooperative 128x256x64 (cluster 2x1).
-enum class GroupedGemmConfig : int {
-  kPingpong64x128x64 = 0,
-  kCooperative256x128x64 = 1,
-  kPingpong128x128x64 = 2,
-  kCooperative128x256x64 = 3
-};
-constexpr int kNumGroupedGemmConfigs = 4;
-// Total rows (T * top_k) from which the cooperative config is used: between the measured 8K (pingpong
-// 215 us vs 299 us) and 32K rows (378 us vs 323 us).
-constexpr int64_t kGroupedGemmCooperativeMinRows = 16384;
+// Tile configs measured on an H200 (Qwen3-30B-A3B and 235B-A22B expert shapes, 128 groups): pingpong 64x128x64 is
+// best at 256-1024 tokens (2K-8K rows; ../shared/docs/gpu-engine.md); pingpong 128x128x64 (cluster 1x2: a 128x128
+// tile per consumer warp group, one group's epilogue under the other's main loop) at 4096-16384 tokens (32K-128K
+// rows), where it took 0.96 of cooperative 256x128x64's time on average over both shapes and both sizes, the down
+// GEMM (K = 768 / 1536) gaining most (bench/results/moe_bf16_config_sweep_d5a0221_h200.txt). Cooperative
+// 256x128x64 (cluster 1x2), the large-step config before it, stays for side-by-side measurement
+// (FULCRUM_BF16_GEMM_CONFIGS, moe_layer.cpp); cooperative 128x256x64 (cluster 2x1) and 256x128x128 were slower.
+enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1, kPingpong128x128x64 = 2 };
+constexpr int kNumGroupedGemmConfigs = 3;
+// Total rows (T * top_k) from which the large tile is used: between the measured 8K (pingpong 64x128x64 215 us
+// vs cooperative 299 us) and 32K rows (378 us vs 323 us); pingpong 128x128x64 was not timed at 8K-16K rows.
+constexpr int64_t kGroupedGemmLargeTileMinRows = 16384;
 
 inline GroupedGemmConfig grouped_gemm_config_for_rows(int64_t total_rows) {
-  return total_rows >= kGroupedGemmCooperativeMinRows ? GroupedGemmConfig::kCooperative256x128x64
-                                                      : GroupedGemmConfig::kPingpong64x128x64;
+  return total_rows >= kGroupedGemmLargeTileMinRows ? GroupedGemmConfig::kPingpong128x128x64
+                                                    : GroupedGemmConfig::kPingpong64x128x64;
 }
 
 // Null when D [rows, N] = A [rows, K] B^T can run here, else the reason.

@@ -30,7 +30,6 @@ GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLi
     result = grouped_gemm_detail::prepare_pingpong_64x128x64(device, out.sm_count, max_groups, &facts[0]);
     if (result.ok()) result = grouped_gemm_detail::prepare_cooperative_256x128x64(device, out.sm_count, max_groups, &facts[1]);
     if (result.ok()) result = grouped_gemm_detail::prepare_pingpong_128x128x64(device, out.sm_count, max_groups, &facts[2]);
-    if (result.ok()) result = grouped_gemm_detail::prepare_cooperative_128x256x64(device, out.sm_count, max_groups, &facts[3]);
     size_t arrays_bytes = 0;
     for (int c = 0; c < kNumGroupedGemmConfigs && result.ok(); ++c) {
       out.max_active_clusters[c] = facts[c].max_active_clusters;
@@ -67,8 +66,6 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
       return grouped_gemm_detail::run_cooperative_256x128x64(args, limits, workspace, stream);
     case GroupedGemmConfig::kPingpong128x128x64:
       return grouped_gemm_detail::run_pingpong_128x128x64(args, limits, workspace, stream);
-    case GroupedGemmConfig::kCooperative128x256x64:
-      return grouped_gemm_detail::run_cooperative_128x256x64(args, limits, workspace, stream);
   }
   return {"run_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
 }

@@ -1,4 +1,5 @@
-// Grouped GEMM config: cooperative, tile 256x128x64, cluster 1x2 (the measured best at 4096-16384 tokens).
+// Grouped GEMM config: cooperative, tile 256x128x64, cluster 1x2 (the large-step config before pingpong 128x128x64;
+// kept for side-by-side measurement, FULCRUM_BF16_GEMM_CONFIGS).
 #include "gpu/cutlass/grouped_gemm_bf16.cuh"
 
 namespace fulcrum::gpu::grouped_gemm_detail {

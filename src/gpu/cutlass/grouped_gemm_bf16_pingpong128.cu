@@ -1,5 +1,5 @@
-// Grouped GEMM config: pingpong, tile 128x128x64, cluster 1x2 (a tile per consumer warp group, one group's
-// epilogue under the other's main loop: for the down GEMM's short K = 768 at 4096-16384 tokens).
+// Grouped GEMM config: pingpong, tile 128x128x64, cluster 1x2 (the measured best at 4096-16384 tokens: a tile per
+// consumer warp group, one group's epilogue under the other's main loop).
 #include "gpu/cutlass/grouped_gemm_bf16.cuh"
 
 namespace fulcrum::gpu::grouped_gemm_detail {

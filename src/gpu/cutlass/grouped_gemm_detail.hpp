@@ -24,9 +24,6 @@ GroupedGemmStatus run_pingpong_64x128x64(const GroupedGemmArgs& args, const Grou
 GroupedGemmStatus prepare_pingpong_128x128x64(int device, int sm_count, int max_groups, ConfigFacts* facts);
 GroupedGemmStatus run_pingpong_128x128x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
                                           void* workspace, CUstream_st* stream);
-GroupedGemmStatus prepare_cooperative_128x256x64(int device, int sm_count, int max_groups, ConfigFacts* facts);
-GroupedGemmStatus run_cooperative_128x256x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
-                                             void* workspace, CUstream_st* stream);
 GroupedGemmStatus prepare_cooperative_256x128x64(int device, int sm_count, int max_groups, ConfigFacts* facts);
 GroupedGemmStatus run_cooperative_256x128x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
                                              void* workspace, CUstream_st* stream);

@@ -31,9 +31,8 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float v) {
 }
 
 // One token's routing by one warp (lane `lane`): softmax, top-k, weights, static slots or the dynamic draw
-// count, and the token's experts counted in s_hist when recording. Returns, on lane j < k with static slots,
-// entry j's slot (as written to a.slots), else -1.
-__device__ __forceinline__ int route_token(const RouterArgs& a, int64_t t, int lane, unsigned int* s_hist) {
+// count, and the token's experts counted in s_hist when recording.
+__device__ __forceinline__ void route_token(const RouterArgs& a, int64_t t, int lane, unsigned int* s_hist) {
   const bool record = a.histogram != nullptr;
   const int num_experts = a.num_experts, top_k = a.top_k;
   const float* row = a.logits + t * num_experts;  // [E]
@@ -92,15 +91,13 @@ __device__ __forceinline__ int route_token(const RouterArgs& a, int64_t t, int l
     }
   }
   int multi = 0;  // dynamic: entries whose expert has several replicas
-  int my_slot = -1;
   if (lane < top_k) {
     const int64_t entry = t * top_k + lane;
     a.expert_ids[entry] = my_expert;
     a.weights[entry] = a.norm_topk_prob ? my_prob / sum : my_prob;
     if (a.static_slot_of != nullptr) {
       const int64_t source = t / a.tokens_per_source;
-      my_slot = a.static_slot_of[source * num_experts + my_expert];
-      a.slots[entry] = my_slot;
+      a.slots[entry] = a.static_slot_of[source * num_experts + my_expert];
     } else {
       multi = a.replica_offsets[my_expert + 1] - a.replica_offsets[my_expert] > 1 ? 1 : 0;
     }
@@ -110,7 +107,6 @@ __device__ __forceinline__ int route_token(const RouterArgs& a, int64_t t, int l
     multi = warp_sum(multi);
     if (lane == 0) a.multi_draws[t] = multi;
   }
-  return my_slot;
 }
 
 // The block's shared histogram [E] zeroed (record only); every thread calls it.
@@ -359,71 +355,6 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
   __syncthreads();  // the slots written above, for the whole block
   small_permutation_block(a.slots, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
                           plan_smem);
-}
-
-// The same outputs for a step of at most 32 entries and kTinyRouteMaxSlots slots, in one warp per token and no
-// block-wide scan: warp w routes token w and leaves its k slots in shared memory; then warp 0, a lane per entry,
-// counts the entries below each of its lanes' kTinySlotsPerLane slots (and below its entry's slot) with one
-// shuffle per entry, ranks an entry within its slot by a match over the warp, and writes the plan. The block path
-// spent its time on a 1024-thread block's launch, two block scans and their barriers, and a global round trip of
-// the slots (7.6 us a layer at batch 1, ncu; see the launch's header).
-constexpr int kTinySlotsPerLane = 8;
-static_assert(32 * kTinySlotsPerLane >= kTinyRouteMaxSlots && kTinyRouteMaxEntries <= 32);
-__global__ void __launch_bounds__(32 * kTinyRouteMaxEntries) tiny_route_permute_kernel(
-    const RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
-    int32_t* row_token, int32_t* active) {
-  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
-  extern __shared__ unsigned int s_hist[];  // [E] when recording
-  __shared__ int32_t s_slot[kTinyRouteMaxEntries];
-  constexpr unsigned int kAll = 0xffffffffu;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, top_k = a.top_k;
-  const int num_entries = static_cast<int>(a.num_tokens) * top_k;
-  clear_histogram(a, s_hist);
-  const int slot = route_token(a, warp, lane, s_hist);
-  if (lane < top_k) s_slot[warp * top_k + lane] = slot;
-  flush_histogram(a, s_hist);  // its barrier also publishes s_slot
-  __syncthreads();
-  if (warp != 0) return;
-  const int my_slot = lane < num_entries ? s_slot[lane] : -1;
-  const int base = lane * kTinySlotsPerLane;  // this lane's slots [base, base + kTinySlotsPerLane)
-  int count[kTinySlotsPerLane] = {};
-  int below_base = 0, below_mine = 0;
-  for (int e = 0; e < num_entries; ++e) {
-    const int s = __shfl_sync(kAll, my_slot, e);
-    below_base += s < base;
-    below_mine += s < my_slot;
-#pragma unroll
-    for (int i = 0; i < kTinySlotsPerLane; ++i) count[i] += s == base + i;
-  }
-  int active_here = 0;
-#pragma unroll
-  for (int i = 0; i < kTinySlotsPerLane; ++i) active_here += base + i < num_slots && count[i] > 0;
-  int active_incl = active_here;  // inclusive warp scan: active slots up to this lane's
-  for (int o = 1; o < 32; o *= 2) {
-    const int v = __shfl_up_sync(kAll, active_incl, o);
-    if (lane >= o) active_incl += v;
-  }
-  int row = below_base, rank = active_incl - active_here;
-#pragma unroll
-  for (int i = 0; i < kTinySlotsPerLane; ++i) {
-    const int q = base + i;
-    if (q >= num_slots) break;
-    slot_counts[q] = count[i];
-    offsets[q] = row;
-    if (count[i] > 0) active[1 + rank++] = q;
-    row += count[i];
-  }
-  const unsigned int same = __match_any_sync(kAll, my_slot);  // entries of my slot, by lane = entry order
-  const int active_total = __shfl_sync(kAll, active_incl, 31);
-  if (lane == 0) {
-    offsets[num_slots] = num_entries;
-    active[0] = active_total;
-  }
-  if (lane < num_entries) {
-    const int r = below_mine + __popc(same & ((1u << lane) - 1u));
-    entry_row[lane] = r;
-    row_token[r] = lane / top_k;
-  }
 }
 
 __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act) {
@@ -739,17 +670,6 @@ cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, in
   if (status != cudaSuccess) return status;
   return gpu::launch_dependent(small_route_permute_kernel, dim3(1), dim3(kSmallPlanThreads), smem, stream, args,
                                num_slots, slot_counts, offsets, entry_row, row_token, active);
-}
-
-cudaError_t launch_tiny_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
-                                     int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream) {
-  if (!tiny_route_permute_fits(args.num_tokens, args.top_k, num_slots) || args.static_slot_of == nullptr ||
-      args.num_experts > kMaxRouterExperts) {
-    return cudaErrorInvalidValue;
-  }
-  const size_t smem = args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0;
-  return gpu::launch_dependent(tiny_route_permute_kernel, dim3(1), dim3(32 * static_cast<int>(args.num_tokens)), smem,
-                               stream, args, num_slots, slot_counts, offsets, entry_row, row_token, active);
 }
 
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,

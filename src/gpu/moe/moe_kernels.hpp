@@ -109,18 +109,6 @@ cudaError_t launch_gather_rows(const uint16_t* x, const int32_t* row_token, int6
 cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
                                       int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream);
 
-// launch_small_route_permute's outputs bit for bit for a step of T * k <= 32 entries over at most
-// kTinyRouteMaxSlots slots (tiny_route_permute_fits), from a warp per token and no block scan: the batch-1 and
-// batch-4 decode steps. Static replicas only; cudaErrorInvalidValue outside those bounds.
-constexpr int kTinyRouteMaxEntries = 32;
-constexpr int kTinyRouteMaxSlots = 256;
-constexpr bool tiny_route_permute_fits(int64_t num_tokens, int top_k, int num_slots) {
-  return num_tokens >= 1 && top_k >= 1 && num_tokens * top_k <= kTinyRouteMaxEntries && num_slots >= 1 &&
-         num_slots <= kTinyRouteMaxSlots;
-}
-cudaError_t launch_tiny_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
-                                     int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream);
-
 // act [n, I] = bf16(silu(gate) * up) from h [n, 2I] (gate | up), fp32 math.
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,
                                  cudaStream_t stream);

@@ -746,7 +746,8 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
 }
 
 // FULCRUM_BF16_GEMM_CONFIGS=U,D (GroupedGemmConfig values) sets the gate_up and the down GEMM's configs where the
-// rows pick the cooperative one (the 4096-16384-token steps), for measurement; read once. Unset: `config` for both.
+// rows pick the large tile (steps of >= kGroupedGemmLargeTileMinRows rows), for measurement (bench/moe_config_sweep.sh);
+// read once. Unset: `config` for both.
 static std::pair<gpu::GroupedGemmConfig, gpu::GroupedGemmConfig> bf16_gemm_configs(gpu::GroupedGemmConfig config) {
   static const std::pair<int, int> forced = [] {
     const char* env = std::getenv("FULCRUM_BF16_GEMM_CONFIGS");
@@ -757,7 +758,7 @@ static std::pair<gpu::GroupedGemmConfig, gpu::GroupedGemmConfig> bf16_gemm_confi
     }
     return std::pair<int, int>(-1, -1);
   }();
-  if (forced.first < 0 || config != gpu::GroupedGemmConfig::kCooperative256x128x64) return {config, config};
+  if (forced.first < 0 || config != gpu::GroupedGemmConfig::kPingpong128x128x64) return {config, config};
   return {static_cast<gpu::GroupedGemmConfig>(forced.first), static_cast<gpu::GroupedGemmConfig>(forced.second)};
 }
 
@@ -894,20 +895,12 @@ static bool fused_small_route_enabled() {
   static const bool enabled = gpu::env_switch_on("FULCRUM_FUSED_ROUTER");
   return enabled;
 }
-// Read once; FULCRUM_TINY_ROUTE=0 keeps steps of <= 32 entries on the one-block fused kernel, for measurement.
-static bool tiny_route_enabled() {
-  static const bool enabled = gpu::env_switch_on("FULCRUM_TINY_ROUTE");
-  return enabled;
-}
 
 void GpuMoeLayer::route_permute_small(const float* logits, int64_t num_tokens) {
   MoeWorkspace& w = ws();
-  const cuda::moe::RouterArgs args = router_args(logits, num_tokens);
-  const bool tiny =
-      tiny_route_enabled() && cuda::moe::tiny_route_permute_fits(num_tokens, shape_.num_experts_per_tok, shape_.num_slots);
-  const auto launch = tiny ? cuda::moe::launch_tiny_route_permute : cuda::moe::launch_small_route_permute;
-  FULCRUM_CUDA_CHECK(launch(args, shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
-                            w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
+  FULCRUM_CUDA_CHECK(cuda::moe::launch_small_route_permute(
+      router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
+      w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
 }
 
 void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {

@@ -357,7 +357,7 @@ class GpuMoeLayer {
   // rows (with static replicas experts_from_logits routes and permutes in one launch, then skinny_gemms).
   void skinny_experts(const uint16_t* x, int64_t num_tokens);
   void skinny_gemms(const uint16_t* x, int64_t num_tokens);
-  // Static replicas, a small step: routing and the permutation plan in one launch (the tiny kernel when it fits).
+  // Static replicas, a small step: routing and the permutation plan in one launch (launch_small_route_permute).
   void route_permute_small(const float* logits, int64_t num_tokens);
 
   MoeLayerShape shape_;
