@@ -100,9 +100,15 @@ def fp8(doc, keys):
                    f"{ec['cooperative_128x128x128'] / ec['pingpong_64x128x128']:.3f}", f["default_config"]]))
 
 
+def provenance(doc):
+    """The command, commit and GPU, and the FULCRUM_* switches the run was under (JSON "environment", when set)."""
+    env = " ".join(f"{k}={v}" for k, v in sorted(doc.get("environment", {}).items()))
+    return f"{doc['command']} (commit {doc['git_commit']}, {doc['machine']['gpu']}{', environment ' + env if env else ''})"
+
+
 def fp8_only(doc):
     keys = sorted({(r["model"], r["tokens"]) for r in doc["results"]}, key=lambda k: (k[0] != "qwen3-30b-a3b", k[1]))
-    print(f"<!-- {doc['command']} (commit {doc['git_commit']}, {doc['machine']['gpu']}) -->")
+    print(f"<!-- {provenance(doc)} -->")
     fp8(doc, keys)
 
 
@@ -166,6 +172,6 @@ if sys.argv[1:2] == ["--fp8"]:
     sys.exit(0)
 for path in sys.argv[1:]:
     doc = json.load(open(path))
-    print(f"<!-- {path}: {doc['command']} (commit {doc['git_commit']}, {doc['machine']['gpu']}) -->\n")
+    print(f"<!-- {path}: {provenance(doc)} -->\n")
     (single_gpu if doc["mode"] == "single_gpu" else expert_parallel)(doc)
     print()
