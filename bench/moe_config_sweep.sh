@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The bf16 CUTLASS expert stage under each (gate_up, down) GroupedGemmConfig pair forced by FULCRUM_BF16_GEMM_CONFIGS
 # (moe_layer.cpp), side by side in one GPU call: bench moe at 4096 and 16384 tokens, both model shapes, no torch
-# peer; a JSON per pair in $OUT, then the 16384-token uniform expert-stage medians as a table (and the best pair
-# on the last line). After scripts/gpu_machine_run.sh built build-cuda/.
+# peer; a JSON per pair in $OUT, then the uniform-routing expert-stage medians at both sizes as a table and the pair
+# with the lowest mean time relative to the first pair on the last line. After scripts/gpu_machine_run.sh built build-cuda/.
 # Usage: bench/moe_config_sweep.sh GIT_COMMIT PAIR... ("default" leaves the variable unset; a pair is "U,D").
 set -uo pipefail
 commit=$1

@@ -7,6 +7,7 @@
 #include "backend/cuda/launch_util.cuh"
 #include "gpu/moe/moe_kernels.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
+#include "gpu/kernels/fp8_block_quant.cuh"  // unpack8: 8 bf16 of one 16-byte load
 
 namespace fulcrum::cuda::moe {
 namespace {
@@ -206,7 +207,6 @@ __global__ void slot_counts_kernel(const int32_t* slots, int64_t num_entries, in
   }
 }
 
-// One warp per entry: claim a row of the entry's slot, then copy the token's row into it.
 // A warp copies one row of n 16-byte words, kCopyAhead words a lane loaded before any is stored: one load and
 // store at a time left a warp one HBM round trip per 512 bytes (the compiler may not move a load above a store
 // that could alias it), and the 16384-token permutation at 3.1 TB/s.
@@ -225,6 +225,7 @@ __device__ __forceinline__ void copy_row16(const uint4* src, uint4* dst, int n, 
   }
 }
 
+// One warp per entry: claim a row of the entry's slot, then copy the token's row into it.
 __global__ void permute_rows_kernel(const uint16_t* x, int64_t num_entries, int top_k, int hidden_size,
                                     const int32_t* slots, int32_t* cursor, int32_t* entry_row, uint16_t* permuted) {
   const int lane = threadIdx.x % 32;
@@ -357,6 +358,11 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
                           plan_smem);
 }
 
+// bf16(silu(gate) * up) in fp32, the one expression every SwiGLU kernel here evaluates (so their bits agree).
+__device__ __forceinline__ uint16_t silu_times_bf16(float gate, float up) {
+  return f32_to_bf16(gate / (1.0f + expf(-gate)) * up);
+}
+
 __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act) {
   const int64_t n = num_rows * intermediate_size;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
@@ -364,7 +370,7 @@ __global__ void silu_mul_bf16_kernel(const uint16_t* h, int64_t num_rows, int in
     const int64_t r = idx / intermediate_size, i = idx % intermediate_size;
     const float gate = bf16_to_f32(h[r * 2 * intermediate_size + i]);
     const float up = bf16_to_f32(h[r * 2 * intermediate_size + intermediate_size + i]);
-    act[idx] = f32_to_bf16(gate / (1.0f + expf(-gate)) * up);
+    act[idx] = silu_times_bf16(gate, up);
   }
 }
 
@@ -379,13 +385,13 @@ __global__ void silu_mul_bf16_rows_kernel(const uint16_t* h, const int32_t* row_
     const int64_t r = first + idx / intermediate_size, i = idx % intermediate_size;
     const float gate = bf16_to_f32(h[r * 2 * intermediate_size + i]);
     const float up = bf16_to_f32(h[r * 2 * intermediate_size + intermediate_size + i]);
-    act[r * intermediate_size + i] = f32_to_bf16(gate / (1.0f + expf(-gate)) * up);
+    act[r * intermediate_size + i] = silu_times_bf16(gate, up);
   }
 }
 
 // The same, 8 columns a thread through 16-byte loads and stores (intermediate_size % 8 == 0, h and act 16-byte
 // aligned): the scalar kernel's 2-byte accesses and per-element 64-bit divide held the expert stage back between
-// its two GEMMs. Each element is the scalar kernel's expression, so the results are equal bit for bit.
+// its two GEMMs. Each element is silu_times_bf16, so the results are equal bit for bit.
 __global__ void silu_mul_bf16_rows_vec8_kernel(const uint16_t* h, const int32_t* row_begin, const int32_t* row_end,
                                                int64_t max_rows, int intermediate_size, uint16_t* act) {
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: h comes from the previous kernel
@@ -398,15 +404,14 @@ __global__ void silu_mul_bf16_rows_vec8_kernel(const uint16_t* h, const int32_t*
     const int64_t r = first + idx / per_row;
     const int c8 = static_cast<int>(idx - (r - first) * per_row);
     const uint4* in_row = reinterpret_cast<const uint4*>(h + r * 2 * intermediate_size);
-    const uint4 g = in_row[c8], u = in_row[per_row + c8];
-    const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+    float gate[8], up[8];
+    gpu::fp8_block::unpack8(in_row[c8], gate);
+    gpu::fp8_block::unpack8(in_row[per_row + c8], up);
     uint32_t ow[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const float g0 = bf16_to_f32(static_cast<uint16_t>(gw[q] & 0xffffu)), g1 = bf16_to_f32(static_cast<uint16_t>(gw[q] >> 16));
-      const float u0 = bf16_to_f32(static_cast<uint16_t>(uw[q] & 0xffffu)), u1 = bf16_to_f32(static_cast<uint16_t>(uw[q] >> 16));
-      ow[q] = static_cast<uint32_t>(f32_to_bf16(g0 / (1.0f + expf(-g0)) * u0)) |
-              (static_cast<uint32_t>(f32_to_bf16(g1 / (1.0f + expf(-g1)) * u1)) << 16);
+      ow[q] = static_cast<uint32_t>(silu_times_bf16(gate[2 * q], up[2 * q])) |
+              (static_cast<uint32_t>(silu_times_bf16(gate[2 * q + 1], up[2 * q + 1])) << 16);
     }
     reinterpret_cast<uint4*>(act + r * intermediate_size)[c8] = make_uint4(ow[0], ow[1], ow[2], ow[3]);
   }
