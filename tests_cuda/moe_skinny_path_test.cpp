@@ -274,6 +274,26 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
     EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "max_slot_rows " << bound;
   }
 
+  // The down GEMM with its plan and first weights read before the wait (plan_ready_early, as GpuMoeLayer launches
+  // it after the gate_up GEMM in one stream): the same bits in every kernel variant, launched right after the
+  // gate_up GEMM on one stream as the layer does.
+  for (const int bound : {0, 1, 2, 4}) {
+    gpu::ExpertSkinnyArgs va = a, vb = b;
+    va.max_slot_rows = vb.max_slot_rows = bound;
+    vb.plan_ready_early = true;
+    DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
+    va.out = v_act.as<uint16_t>();
+    vb.x = v_act.as<uint16_t>();
+    vb.out = v_out.as<uint16_t>();
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, stream), cudaSuccess);
+    ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "early plan, max_slot_rows " << bound;
+  }
+
   a.k = 100;  // not a multiple of 8
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
 }

@@ -30,11 +30,12 @@ struct Fp8ScaleCols {
 };
 
 // Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
-template <int R, int M, bool kSwiGlu, bool kFp8>
+template <int R, int M, bool kSwiGlu, bool kFp8, bool kFirst>
 __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                              const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int warp,
                                              int lane, int k_split, int64_t first_col,
-                                             float (*partial)[kRowsPerWarp * kMaxRows]) {
+                                             float (*partial)[kRowsPerWarp * kMaxRows],
+                                             const FirstTrip<R>* first) {
   const int64_t chunks = a.k / 8;
   const uint4* x_rows[M];
 #pragma unroll
@@ -46,7 +47,7 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
   if constexpr (kFp8) {
     warp_dot_fp8<R, M, kSwiGlu ? 2 : 1>(w_rows, x_rows, scales.col, scales.stride, begin, end, lane, acc);
   } else {
-    warp_dot<R, M>(w_rows, x_rows, begin, end, lane, acc);
+    warp_dot<R, M, kFirst>(w_rows, x_rows, begin, end, lane, acc, first);
   }
   sum_slices<R, M>(acc, warp, lane, k_split, partial);
   const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
@@ -75,29 +76,37 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
 // rows_times_w for the m rows of a chunk (1 <= m <= kChunk; m is uniform over the block). Only the variant
 // depends on kChunk, never a row's result, so kChunk may follow how many rows a slot can hold at most: the kernel
 // for 1-row chunks needs a fraction of the registers of the one for 8 and fits twice the warps per SM.
-template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk>
+template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk, bool kFirst>
 __device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                               const Fp8ScaleCols& scales, int r0, int64_t begin,
                                               int64_t end, int warp, int lane, int k_split, int64_t first_col,
-                                              float (*partial)[kRowsPerWarp * kMaxRows]) {
+                                              float (*partial)[kRowsPerWarp * kMaxRows],
+                                              const FirstTrip<R>* first) {
   if constexpr (M < kChunk) {
     if (m != M) {
-      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk>(m, a, w_rows, scales, r0, begin, end, warp, lane, k_split,
-                                                     first_col, partial);
+      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk, kFirst>(m, a, w_rows, scales, r0, begin, end, warp, lane,
+                                                             k_split, first_col, partial, first);
       return;
     }
   }
-  rows_times_w<R, M, kSwiGlu, kFp8>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col, partial);
+  rows_times_w<R, M, kSwiGlu, kFp8, kFirst>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col, partial,
+                                            first);
 }
 
 // Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
-// slot-major, so consecutive items of a block mostly share a slot and its row range. FP8 with 1-row chunks: at
-// most 128 registers, so the 4 blocks per SM of the persistent grid (skinny_blocks_per_sm(1)) are all resident
-// (ptxas otherwise gives the SwiGLU one 161, 3 blocks per SM); bf16 kernels: no minimum, as tuned.
+// slot-major, so consecutive items of a block mostly share a slot and its row range. With a.plan_ready_early
+// (bf16, 1-row chunks) the block reads the plan and loads its first item's first W trip before the wait
+// (FirstTrip, skinny_gemm_core.cuh). 1-row chunks: at most 128 registers, so the 4 blocks per SM of the persistent
+// grid (skinny_blocks_per_sm(1)) are all resident (ptxas otherwise gives the FP8 SwiGLU one 161 and the bf16 ones
+// with the first trip 168: 3 blocks per SM); chunks of more rows: no minimum, as tuned.
 template <bool kSwiGlu, bool kFp8, int kChunk, int R>
-__global__ void __launch_bounds__(kThreads, kFp8 && kChunk == 1 ? 4 : 0)
+__global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
     expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
-  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
+  // The first W trip ahead: bf16 with 1-row chunks only (chunks of 2..8 rows went from 120..168 to 127..255 registers
+  // with it, fewer resident blocks).
+  constexpr bool kFirstTrip = !kFp8 && kChunk == 1;
+  const bool early = kFirstTrip && a.plan_ready_early;
+  if (!early) wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
@@ -112,7 +121,9 @@ __global__ void __launch_bounds__(kThreads, kFp8 && kChunk == 1 ? 4 : 0)
   const float* slot_scales = nullptr;  // FP8: [k / 128][w_rows / 128]
   Fp8ScaleCols scales;
   if constexpr (kFp8) scales.stride = (kSwiGlu ? 2 * int64_t{a.n} : a.n) / kFp8BlockValues;
-  for (int64_t item = item_begin; item < item_end; ++item) {
+  const uint4* w_rows[R];
+  // Item `item`'s slot (its row range and weights, read when the slot changes) and the warp's W rows in it.
+  const auto enter_item = [&](int64_t item) {
     const int y = static_cast<int>(item / tiles);
     if (y != slot_index) {
       slot_index = y;
@@ -128,7 +139,6 @@ __global__ void __launch_bounds__(kThreads, kFp8 && kChunk == 1 ? 4 : 0)
     }
     const int64_t first_col = (item % tiles) * groups_per_block * kColsPerGroup;
     // Columns past n read the last column's rows and store nothing.
-    const uint4* w_rows[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       int64_t row;
@@ -143,9 +153,39 @@ __global__ void __launch_bounds__(kThreads, kFp8 && kChunk == 1 ? 4 : 0)
         if (r == 0 || (kSwiGlu && r == kColsPerGroup)) scales.col[r == 0 ? 0 : 1] = slot_scales + row / kFp8BlockValues;
       }
     }
+    return first_col;
+  };
+  int64_t item = item_begin;
+  if constexpr (kFirstTrip) {
+    // The block's first item's first row chunk starts from its first W trip, loaded before the wait when the
+    // plan allows (a.plan_ready_early), else right after it.
+    FirstTrip<R> first;
+    if (early) {
+      if (item < item_end) {
+        enter_item(item);
+        load_first_trip<R>(w_rows, begin, end, lane, first);
+      }
+      wait_then_release();  // the x rows come from the previous kernel
+    } else if (item < item_end) {
+      enter_item(item);
+      load_first_trip<R>(w_rows, begin, end, lane, first);
+    }
+    if (item < item_end) {
+      const int64_t first_col = enter_item(item);
+      rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk, true>(min(kChunk, row_end - row_begin), a, w_rows, scales, row_begin,
+                                                       begin, end, warp, lane, k_split, first_col, partial, &first);
+      for (int r0 = row_begin + kChunk; r0 < row_end; r0 += kChunk) {
+        rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk, false>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end,
+                                                          warp, lane, k_split, first_col, partial, nullptr);
+      }
+      ++item;
+    }
+  }
+  for (; item < item_end; ++item) {
+    const int64_t first_col = enter_item(item);
     for (int r0 = row_begin; r0 < row_end; r0 += kChunk) {
-      rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end, warp,
-                                                 lane, k_split, first_col, partial);
+      rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk, false>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end,
+                                                        warp, lane, k_split, first_col, partial, nullptr);
     }
   }
 }
@@ -177,7 +217,9 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
 
 }  // namespace
 
-cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& a, cudaStream_t stream) {
+cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream) {
+  ExpertSkinnyArgs a = args;
+  a.plan_ready_early = a.plan_ready_early && skinny_early_w_enabled();
   if (a.n < 1 || a.k <= 0 || a.k % 8 != 0 || a.max_rows < 1 || a.num_slots < 1) return cudaErrorInvalidValue;
   // Exactly one kind of weights: bf16, or e4m3 with their scales (whole 128 x 128 blocks).
   const bool fp8 = a.fp8_weights != nullptr;

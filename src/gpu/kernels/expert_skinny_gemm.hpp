@@ -41,6 +41,10 @@ struct ExpertSkinnyArgs {
                                              // slots: the token count), 0 = max_rows; picks the kernel variant
                                              // (registers), never changes a result; any slot may exceed it
   bool swiglu = false;
+  // offsets and active were written before the kernel launched just before this one (the down GEMM, launched
+  // right after the gate_up one): the kernel may then read them, and load its first weights, before it waits
+  // for that kernel (programmatic dependent launch). bf16 weights only; FULCRUM_SKINNY_EARLY_W=0 ignores it.
+  bool plan_ready_early = false;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
   // FP8 weights (an FP8 checkpoint's experts, weights then null): per slot e4m3 [w_rows, k] (w_rows = 2n with
   // swiglu, else n) and fp32 block scales [k / 128][w_rows / 128] (the FP8 grouped GEMM's layout,

@@ -30,32 +30,49 @@ __device__ __forceinline__ void store_out(void* out, int64_t idx, float v) {
   }
 }
 
-// Tile `tile` (4 / k_split groups of R rows). x [M, k], w [n, k], out [M, n].
-template <int R, int M, bool kBf16Out>
-__device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int n,
-                                            int k, int k_split, void* __restrict__ out, int64_t tile,
-                                            float (*partial)[kRowsPerWarp * kMaxRows]) {
+// The warp's W rows and K slice [begin, end) (in chunks) in tile `tile` (4 / k_split groups of R rows). Rows
+// past n (the last group) read row n - 1 and store nothing.
+template <int R>
+struct TileSlice {
+  const uint4* w_rows[R];
+  int64_t begin, end;
+};
+template <int R>
+__device__ __forceinline__ TileSlice<R> tile_slice(const uint16_t* w, int n, int k, int k_split, int64_t tile) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t first_row = (tile * groups_per_block + warp / k_split) * R;
   const int slice = warp % k_split;
   const int64_t chunks = k / 8;  // per row
-  const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
-
-  // Rows past n (the last group) read row n - 1 and store nothing; every warp still reaches __syncthreads.
-  const uint4* w_rows[R];
+  TileSlice<R> ts;
+  ts.begin = chunks * slice / k_split;
+  ts.end = chunks * (slice + 1) / k_split;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t row = first_row + r < n ? first_row + r : n - 1;
-    w_rows[r] = reinterpret_cast<const uint4*>(w) + row * chunks;
+    ts.w_rows[r] = reinterpret_cast<const uint4*>(w) + row * chunks;
   }
+  return ts;
+}
+
+// Tile `tile`. x [M, k], w [n, k], out [M, n]. With kFirst, `first` holds the warp's first W trip of this
+// tile (load_first_trip); every warp still reaches __syncthreads.
+template <int R, int M, bool kBf16Out, bool kFirst = false>
+__device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int n,
+                                            int k, int k_split, void* __restrict__ out, int64_t tile,
+                                            float (*partial)[kRowsPerWarp * kMaxRows],
+                                            const FirstTrip<R>* first = nullptr) {
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int64_t chunks = k / 8;  // per row
+  const TileSlice<R> ts = tile_slice<R>(w, n, k, k_split, tile);
   const uint4* x_rows[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) x_rows[i] = reinterpret_cast<const uint4*>(x) + i * chunks;
 
   float acc[R][M];
-  warp_dot<R, M>(w_rows, x_rows, begin, end, lane, acc);
+  warp_dot<R, M, kFirst>(ts.w_rows, x_rows, ts.begin, ts.end, lane, acc, first);
   sum_slices<R, M>(acc, warp, lane, k_split, partial);
   const int t = static_cast<int>(threadIdx.x);
   if (t < groups_per_block * R * M) {
@@ -67,17 +84,33 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
   __syncthreads();  // partial is rewritten by the block's next tile
 }
 
-// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). No L2
-// prefetch of W: bulk prefetches of the first and the next 1..4 tiles measured slower at batch 1 and 4
-// (bench/results/skinny_prefetch_sweep_h200.json).
+// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). With one
+// x row the first tile's first W trip is loaded before the wait (FirstTrip), so it overlaps the kernel before; with early_w
+// false (FULCRUM_SKINNY_EARLY_W=0, for measurement) right after it. No bulk L2 prefetch of W: prefetches of the
+// first and the next 1..4 tiles measured slower at batch 1 and 4 (bench/results/skinny_prefetch_sweep_h200.json).
 template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
-                                                               int k_split, int64_t tiles, void* __restrict__ out) {
-  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
+                                                               int k_split, int64_t tiles, bool early_w,
+                                                               void* __restrict__ out) {
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  const int64_t tile = blockIdx.x;  // < tiles: the grid has at most `tiles` blocks
+  if constexpr (M == 1) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const TileSlice<R> ts = tile_slice<R>(w, n, k, k_split, tile);
+    FirstTrip<R> first;
+    if (early_w) load_first_trip<R>(ts.w_rows, ts.begin, ts.end, lane, first);
+    wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
+    if (!early_w) load_first_trip<R>(ts.w_rows, ts.begin, ts.end, lane, first);
+    skinny_tile<R, M, kBf16Out, true>(x, w, n, k, k_split, out, tile, partial, &first);
+  } else {
+    // 2..8 x rows: the peeled first trip took 78 -> 96 .. 128 -> 168 registers (fewer resident blocks), so these
+    // load everything after the wait.
+    wait_then_release();
     skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
+  }
+  for (int64_t next = tile + gridDim.x; next < tiles; next += gridDim.x) {
+    skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, next, partial);
   }
 }
 
@@ -93,10 +126,10 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
     return launch_dependent(skinny_gemm_kernel<R, M, true>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
-                            out);
+                            skinny_early_w_enabled(), out);
   }
   return launch_dependent(skinny_gemm_kernel<R, M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
-                          out);
+                          skinny_early_w_enabled(), out);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -178,6 +211,11 @@ namespace skinny {
 
 bool skinny_wide_enabled() {
   static const bool enabled = env_switch_on("FULCRUM_SKINNY_WIDE");
+  return enabled;
+}
+
+bool skinny_early_w_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_SKINNY_EARLY_W");
   return enabled;
 }
 

@@ -64,6 +64,9 @@ __device__ __forceinline__ uint16_t to_bf16(float v) { return __bfloat16_as_usho
 
 // R for M x rows: wide where registers allow (FULCRUM_SKINNY_WIDE=0 keeps 4, for measurement; read once).
 bool skinny_wide_enabled();
+// Whether the bf16 skinny kernels load their first W trip before the wait (FirstTrip below; FULCRUM_SKINNY_EARLY_W=0:
+// after it, for measurement; read once).
+bool skinny_early_w_enabled();
 inline int rows_per_warp(int m) { return m <= 1 && skinny_wide_enabled() ? kWideRowsPerWarp : kRowsPerWarp; }
 
 // acc[r][i] += w[r] . x[i] over one chunk of 8 values, in value order (explicit FMAs: the same arithmetic for
@@ -89,17 +92,63 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[R][M], const uint4 (&w)[R
   }
 }
 
-// acc[r][i] = w_rows[r] . x_rows[i] over chunks [begin, end) of a row, summed over the warp: every lane ends
-// with the warp's sums (a + b == b + a in the butterfly).
+// The W loads of warp_dot's first loop trip (chunks begin + lane + 32 t, t < kChunksPerTrip, of each row), for a
+// kernel that issues them before its griddepcontrol.wait: no kernel of a step writes the weights, so their first
+// bytes may arrive while the kernel before is finishing instead of after it (the load latency of a short kernel's
+// first trip is a good part of its time at decode sizes). A lane loads them only where its slice has a full first
+// trip, as warp_dot's loop does; warp_dot then starts from them. The loads and the arithmetic are warp_dot's own,
+// so the results do not change.
+template <int R>
+struct FirstTrip {
+  uint4 w[kChunksPerTrip][R];
+};
+
+__device__ __forceinline__ bool has_full_first_trip(int64_t begin, int64_t end, int lane) {
+  return begin + lane + 32 * (kChunksPerTrip - 1) < end;
+}
+
+template <int R>
+__device__ __forceinline__ void load_first_trip(const uint4* const (&w_rows)[R], int64_t begin, int64_t end, int lane,
+                                                FirstTrip<R>& trip) {
+  if (!has_full_first_trip(begin, end, lane)) return;
+#pragma unroll
+  for (int t = 0; t < kChunksPerTrip; ++t) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) trip.w[t][r] = load_w(w_rows[r] + begin + lane + 32 * t);
+  }
+}
+
+// One loop trip of warp_dot from its W chunks: chunks c + 32 t of the x rows, then the FMAs, t in order.
 template <int R, int M>
+__device__ __forceinline__ void fma_trip(float (&acc)[R][M], const uint4 (&wv)[kChunksPerTrip][R],
+                                         const uint4* const (&x_rows)[M], int64_t c) {
+#pragma unroll
+  for (int t = 0; t < kChunksPerTrip; ++t) {
+    uint4 xv[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
+    fma_chunk<R, M>(acc, wv[t], xv);
+  }
+}
+
+// acc[r][i] = w_rows[r] . x_rows[i] over chunks [begin, end) of a row, summed over the warp: every lane ends
+// with the warp's sums (a + b == b + a in the butterfly). With kFirst, the first trip's W chunks are those
+// load_first_trip put in `first` for the same rows and slice (a compile-time choice: a runtime one keeps `first`'s
+// registers live through the rest of the call, measured 128 -> 255 registers in the expert kernel).
+template <int R, int M, bool kFirst = false>
 __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
-                                         int64_t begin, int64_t end, int lane, float (&acc)[R][M]) {
+                                         int64_t begin, int64_t end, int lane, float (&acc)[R][M],
+                                         const FirstTrip<R>* first = nullptr) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
   }
   int64_t c = begin + lane;
+  if (kFirst && has_full_first_trip(begin, end, lane)) {
+    fma_trip<R, M>(acc, first->w, x_rows, c);
+    c += 32 * kChunksPerTrip;
+  }
   for (; c + 32 * (kChunksPerTrip - 1) < end; c += 32 * kChunksPerTrip) {
     uint4 wv[kChunksPerTrip][R];
 #pragma unroll
@@ -107,13 +156,7 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const 
 #pragma unroll
       for (int r = 0; r < R; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
     }
-#pragma unroll
-    for (int t = 0; t < kChunksPerTrip; ++t) {
-      uint4 xv[M];
-#pragma unroll
-      for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
-      fma_chunk<R, M>(acc, wv[t], xv);
-    }
+    fma_trip<R, M>(acc, wv, x_rows, c);
   }
   for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
     uint4 wv[R];

@@ -948,6 +948,7 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.n = shape_.hidden_size;
   gemm.k = shape_.moe_intermediate_size;
   gemm.swiglu = false;
+  gemm.plan_ready_early = true;  // the plan came before the gate_up GEMM
   gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
   FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
