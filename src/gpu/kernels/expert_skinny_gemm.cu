@@ -29,13 +29,11 @@ struct Fp8ScaleCols {
   int64_t stride = 0;  // w_rows / 128
 };
 
-// Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
+// The warp's dot products of rows [r0, r0 + M) of the block's slot with its W rows (acc, summed over the warp).
 template <int R, int M, bool kSwiGlu, bool kFp8, bool kFirst>
-__device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
-                                             const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int warp,
-                                             int lane, int k_split, int64_t first_col,
-                                             float (*partial)[kRowsPerWarp * kMaxRows],
-                                             const FirstTrip<R>* first) {
+__device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
+                                         const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int lane,
+                                         const FirstTrip<R>* first, float (&acc)[R][M]) {
   const int64_t chunks = a.k / 8;
   const uint4* x_rows[M];
 #pragma unroll
@@ -43,12 +41,18 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
     const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
     x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
   }
-  float acc[R][M];
   if constexpr (kFp8) {
     warp_dot_fp8<R, M, kSwiGlu ? 2 : 1>(w_rows, x_rows, scales.col, scales.stride, begin, end, lane, acc);
   } else {
     warp_dot<R, M, kFirst>(w_rows, x_rows, begin, end, lane, acc, first);
   }
+}
+
+// The block's slice sums of rows_dot's products, then its columns of rows [r0, r0 + M) stored.
+template <int R, int M, bool kSwiGlu>
+__device__ __forceinline__ void rows_store(const ExpertSkinnyArgs& a, const float (&acc)[R][M], int r0, int warp,
+                                           int lane, int k_split, int64_t first_col,
+                                           float (*partial)[kRowsPerWarp * kMaxRows]) {
   sum_slices<R, M>(acc, warp, lane, k_split, partial);
   const int t = static_cast<int>(threadIdx.x), groups = kWarpsPerBlock / k_split;
   constexpr int kCols = kColsPerWarp<kSwiGlu, R>;
@@ -73,35 +77,46 @@ __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const ui
   __syncthreads();  // partial is rewritten by the next rows
 }
 
+// Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
+template <int R, int M, bool kSwiGlu, bool kFp8>
+__device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
+                                             const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int warp,
+                                             int lane, int k_split, int64_t first_col,
+                                             float (*partial)[kRowsPerWarp * kMaxRows]) {
+  float acc[R][M];
+  rows_dot<R, M, kSwiGlu, kFp8, false>(a, w_rows, scales, r0, begin, end, lane, nullptr, acc);
+  rows_store<R, M, kSwiGlu>(a, acc, r0, warp, lane, k_split, first_col, partial);
+}
+
 // rows_times_w for the m rows of a chunk (1 <= m <= kChunk; m is uniform over the block). Only the variant
 // depends on kChunk, never a row's result, so kChunk may follow how many rows a slot can hold at most: the kernel
 // for 1-row chunks needs a fraction of the registers of the one for 8 and fits twice the warps per SM.
-template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk, bool kFirst>
+template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk>
 __device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                               const Fp8ScaleCols& scales, int r0, int64_t begin,
                                               int64_t end, int warp, int lane, int k_split, int64_t first_col,
-                                              float (*partial)[kRowsPerWarp * kMaxRows],
-                                              const FirstTrip<R>* first) {
+                                              float (*partial)[kRowsPerWarp * kMaxRows]) {
   if constexpr (M < kChunk) {
     if (m != M) {
-      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk, kFirst>(m, a, w_rows, scales, r0, begin, end, warp, lane,
-                                                             k_split, first_col, partial, first);
+      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk>(m, a, w_rows, scales, r0, begin, end, warp, lane, k_split,
+                                                     first_col, partial);
       return;
     }
   }
-  rows_times_w<R, M, kSwiGlu, kFp8, kFirst>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col, partial,
-                                            first);
+  rows_times_w<R, M, kSwiGlu, kFp8>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col, partial);
 }
 
-// Block b takes items [b * per_block, (b + 1) * per_block) of the active slots' (slot, column tile) items,
-// slot-major, so consecutive items of a block mostly share a slot and its row range. With a.plan_ready_early
-// (bf16, 1-row chunks) the block reads the plan and loads its first item's first W trip before the wait
-// (FirstTrip, skinny_gemm_core.cuh). 1-row chunks: at most 128 registers, so the 4 blocks per SM of the persistent
-// grid (skinny_blocks_per_sm(1)) are all resident (ptxas otherwise gives the FP8 SwiGLU one 161 and the bf16 ones
-// with the first trip 168: 3 blocks per SM); chunks of more rows: no minimum, as tuned.
+// Block b takes a contiguous range of the active slots' (slot, column tile) items, slot-major, so consecutive
+// items of a block mostly share a slot and its row range: b * items / grid on (balanced: every block busy; at
+// batch 1 the gate_up GEMM has 768 items for 528 blocks), or ceil(items / grid) each (FULCRUM_SKINNY_BALANCED=0,
+// for measurement: there 384 blocks take two and 144 none). Which block takes an item never changes its result.
+// With a.plan_ready_early (bf16, 1-row chunks) the block reads the plan and loads its first item's first W trip
+// before the wait (FirstTrip, skinny_gemm_core.cuh). 1-row chunks: at most 128 registers, so the 4 blocks per SM
+// of the persistent grid (skinny_blocks_per_sm(1)) are all resident (ptxas otherwise gives the FP8 SwiGLU one 161
+// and the bf16 ones with the first trip 168: 3 blocks per SM); chunks of more rows: no minimum, as tuned.
 template <bool kSwiGlu, bool kFp8, int kChunk, int R>
 __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
-    expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles) {
+    expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles, bool balanced, bool l2_next) {
   // The first W trip ahead: bf16 with 1-row chunks only (chunks of 2..8 rows went from 120..168 to 127..255 registers
   // with it, fewer resident blocks).
   constexpr bool kFirstTrip = !kFp8 && kChunk == 1;
@@ -109,8 +124,15 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   if (!early) wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
-  const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
-  const int64_t item_begin = blockIdx.x * per_block, item_end = min(items, item_begin + per_block);
+  int64_t item_begin, item_end;
+  if (balanced) {  // within one item of each other
+    item_begin = blockIdx.x * items / gridDim.x;
+    item_end = (blockIdx.x + 1) * items / gridDim.x;
+  } else {  // ceil(items / grid) each: the last blocks may get none
+    const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
+    item_begin = min(items, blockIdx.x * per_block);
+    item_end = min(items, item_begin + per_block);
+  }
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
   constexpr int kColsPerGroup = kColsPerWarp<kSwiGlu, R>;
@@ -157,35 +179,60 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   };
   int64_t item = item_begin;
   if constexpr (kFirstTrip) {
-    // The block's first item's first row chunk starts from its first W trip, loaded before the wait when the
-    // plan allows (a.plan_ready_early), else right after it.
+    // One row a unit (item, row r0). The block's first unit starts from its first W trip, loaded before the wait
+    // when the plan allows (a.plan_ready_early), else right after it; every later unit's first trip is asked of L2
+    // before the slice sums of the unit before (into registers there, the kernel spilled 656 bytes at 128).
     FirstTrip<R> first;
-    if (early) {
+    int r0 = 0;
+    int64_t first_col = 0;
+    const auto settle = [&]() {  // from (item, r0) on to the next unit that has a row
+      while (item < item_end && r0 >= row_end) {
+        if (++item < item_end) {
+          first_col = enter_item(item);
+          r0 = row_begin;
+        }
+      }
+    };
+    const auto start = [&]() {
       if (item < item_end) {
-        enter_item(item);
-        load_first_trip<R>(w_rows, begin, end, lane, first);
+        first_col = enter_item(item);
+        r0 = row_begin;
+        settle();
       }
+      if (item < item_end) load_first_trip<R>(w_rows, begin, end, lane, first);
+    };
+    if (early) {
+      start();
       wait_then_release();  // the x rows come from the previous kernel
-    } else if (item < item_end) {
-      enter_item(item);
-      load_first_trip<R>(w_rows, begin, end, lane, first);
+    } else {
+      start();
     }
+    // A unit's slice sums and stores, once the next unit is found and L2 asked for its first W trip.
+    const auto finish = [&](const float (&acc)[R][1]) {
+      const int row = r0;
+      const int64_t col = first_col;
+      ++r0;
+      settle();
+      if (l2_next && item < item_end) prefetch_first_trip_l2<R>(w_rows, begin, end, lane);
+      rows_store<R, 1, kSwiGlu>(a, acc, row, warp, lane, k_split, col, partial);
+    };
     if (item < item_end) {
-      const int64_t first_col = enter_item(item);
-      rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk, true>(min(kChunk, row_end - row_begin), a, w_rows, scales, row_begin,
-                                                       begin, end, warp, lane, k_split, first_col, partial, &first);
-      for (int r0 = row_begin + kChunk; r0 < row_end; r0 += kChunk) {
-        rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk, false>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end,
-                                                          warp, lane, k_split, first_col, partial, nullptr);
-      }
-      ++item;
+      float acc[R][1];
+      rows_dot<R, 1, kSwiGlu, kFp8, true>(a, w_rows, scales, r0, begin, end, lane, &first, acc);
+      finish(acc);
     }
-  }
-  for (; item < item_end; ++item) {
-    const int64_t first_col = enter_item(item);
-    for (int r0 = row_begin; r0 < row_end; r0 += kChunk) {
-      rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk, false>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end,
-                                                        warp, lane, k_split, first_col, partial, nullptr);
+    while (item < item_end) {
+      float acc[R][1];
+      rows_dot<R, 1, kSwiGlu, kFp8, false>(a, w_rows, scales, r0, begin, end, lane, nullptr, acc);
+      finish(acc);
+    }
+  } else {
+    for (; item < item_end; ++item) {
+      const int64_t first_col = enter_item(item);
+      for (int r0 = row_begin; r0 < row_end; r0 += kChunk) {
+        rows_in_chunk<R, 1, kSwiGlu, kFp8, kChunk>(min(kChunk, row_end - r0), a, w_rows, scales, r0, begin, end, warp,
+                                                   lane, k_split, first_col, partial);
+      }
     }
   }
 }
@@ -197,21 +244,22 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
                            cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
   constexpr int kWide = kWideRowsPerWarp, kNarrow = kRowsPerWarp;
+  const bool balanced = skinny_balanced_enabled(), l2_next = skinny_l2_next_enabled();
   switch (chunk) {
     case 1:
       return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, grid, block, 0, stream, a, k_split,
-                                     tiles)
+                                     tiles, balanced, l2_next)
                   : launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kNarrow>, grid, block, 0, stream, a,
-                                     k_split, tiles);
+                                     k_split, tiles, balanced, l2_next);
     case 2:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 2, kNarrow>, grid, block, 0, stream, a, k_split,
-                              tiles);
+                              tiles, balanced, l2_next);
     case 4:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 4, kNarrow>, grid, block, 0, stream, a, k_split,
-                              tiles);
+                              tiles, balanced, l2_next);
     default:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, kMaxRows, kNarrow>, grid, block, 0, stream, a,
-                              k_split, tiles);
+                              k_split, tiles, balanced, l2_next);
   }
 }
 

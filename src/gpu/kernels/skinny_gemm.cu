@@ -92,7 +92,7 @@ template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
                                                                int k_split, int64_t tiles, bool early_w,
-                                                               void* __restrict__ out) {
+                                                               bool l2_next, void* __restrict__ out) {
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t tile = blockIdx.x;  // < tiles: the grid has at most `tiles` blocks
   if constexpr (M == 1) {
@@ -102,15 +102,24 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
     if (early_w) load_first_trip<R>(ts.w_rows, ts.begin, ts.end, lane, first);
     wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
     if (!early_w) load_first_trip<R>(ts.w_rows, ts.begin, ts.end, lane, first);
+    // Each later tile's first trip is asked of L2 as the tile before starts (no registers held).
+    if (l2_next && tile + gridDim.x < tiles) {
+      const TileSlice<R> next = tile_slice<R>(w, n, k, k_split, tile + gridDim.x);
+      prefetch_first_trip_l2<R>(next.w_rows, next.begin, next.end, lane);
+    }
     skinny_tile<R, M, kBf16Out, true>(x, w, n, k, k_split, out, tile, partial, &first);
+    for (int64_t next = tile + gridDim.x; next < tiles; next += gridDim.x) {
+      if (l2_next && next + gridDim.x < tiles) {
+        const TileSlice<R> after = tile_slice<R>(w, n, k, k_split, next + gridDim.x);
+        prefetch_first_trip_l2<R>(after.w_rows, after.begin, after.end, lane);
+      }
+      skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, next, partial);
+    }
   } else {
     // 2..8 x rows: the peeled first trip took 78 -> 96 .. 128 -> 168 registers (fewer resident blocks), so these
     // load everything after the wait.
     wait_then_release();
-    skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, tile, partial);
-  }
-  for (int64_t next = tile + gridDim.x; next < tiles; next += gridDim.x) {
-    skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, next, partial);
+    for (int64_t t = tile; t < tiles; t += gridDim.x) skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, t, partial);
   }
 }
 
@@ -126,10 +135,10 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   const dim3 grid(static_cast<unsigned>(blocks));
   if (bf16_out) {
     return launch_dependent(skinny_gemm_kernel<R, M, true>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
-                            skinny_early_w_enabled(), out);
+                            skinny_early_w_enabled(), skinny_l2_next_enabled(), out);
   }
   return launch_dependent(skinny_gemm_kernel<R, M, false>, grid, dim3(kThreads), 0, stream, x, w, n, k, k_split, tiles,
-                          skinny_early_w_enabled(), out);
+                          skinny_early_w_enabled(), skinny_l2_next_enabled(), out);
 }
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -216,6 +225,16 @@ bool skinny_wide_enabled() {
 
 bool skinny_early_w_enabled() {
   static const bool enabled = env_switch_on("FULCRUM_SKINNY_EARLY_W");
+  return enabled;
+}
+
+bool skinny_l2_next_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_SKINNY_L2_NEXT");
+  return enabled;
+}
+
+bool skinny_balanced_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_SKINNY_BALANCED");
   return enabled;
 }
 

@@ -67,6 +67,12 @@ bool skinny_wide_enabled();
 // Whether the bf16 skinny kernels load their first W trip before the wait (FirstTrip below; FULCRUM_SKINNY_EARLY_W=0:
 // after it, for measurement; read once).
 bool skinny_early_w_enabled();
+// Whether the expert skinny kernels split their items evenly over the grid (FULCRUM_SKINNY_BALANCED=0: ceil(items /
+// grid) a block, for measurement; read once).
+bool skinny_balanced_enabled();
+// Whether the bf16 one-row skinny kernels ask L2 for the next tile's / unit's first W trip ahead
+// (prefetch_first_trip_l2; FULCRUM_SKINNY_L2_NEXT=0: not, for measurement; read once).
+bool skinny_l2_next_enabled();
 inline int rows_per_warp(int m) { return m <= 1 && skinny_wide_enabled() ? kWideRowsPerWarp : kRowsPerWarp; }
 
 // acc[r][i] += w[r] . x[i] over one chunk of 8 values, in value order (explicit FMAs: the same arithmetic for
@@ -115,6 +121,18 @@ __device__ __forceinline__ void load_first_trip(const uint4* const (&w_rows)[R],
   for (int t = 0; t < kChunksPerTrip; ++t) {
 #pragma unroll
     for (int r = 0; r < R; ++r) trip.w[t][r] = load_w(w_rows[r] + begin + lane + 32 * t);
+  }
+}
+
+// The same chunks asked of L2 without waiting (no registers held): for a unit that starts after a synchronization.
+template <int R>
+__device__ __forceinline__ void prefetch_first_trip_l2(const uint4* const (&w_rows)[R], int64_t begin, int64_t end,
+                                                       int lane) {
+  if (!has_full_first_trip(begin, end, lane)) return;
+#pragma unroll
+  for (int t = 0; t < kChunksPerTrip; ++t) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(w_rows[r] + begin + lane + 32 * t));
   }
 }
 
