@@ -1,5 +1,0 @@
-set -uo pipefail
-out=$OUT; c=$(git rev-parse --short HEAD 2>/dev/null || echo unknown); c=${C:-$c}
-timeout 200 build-cuda/bin/fulcrum_cuda_tests --gtest_filter='*Skinny*:*MoeLayer*:GpuEngineTest*:*GpuGolden*:*PagedAttention*:-*PrintsTimings*' > $out/tests.txt 2>&1; echo "tests rc $?"
-grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED \] [0-9]" $out/tests.txt | head -20
-bench/run_gpu_env_sweep.sh $c FULCRUM_SKINNY_EARLY_W "1 2 4 8" default 0 1
