@@ -274,9 +274,8 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
     EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "max_slot_rows " << bound;
   }
 
-  // The down GEMM with its plan and first weights read before the wait (plan_ready_early, as GpuMoeLayer launches
-  // it after the gate_up GEMM in one stream): the same bits in every kernel variant, launched right after the
-  // gate_up GEMM on one stream as the layer does.
+  // The down GEMM with its plan and first weights read before the wait (plan_ready_early), launched right after
+  // the gate_up GEMM on one stream as GpuMoeLayer does: the same bits in every kernel variant.
   for (const int bound : {0, 1, 2, 4}) {
     gpu::ExpertSkinnyArgs va = a, vb = b;
     va.max_slot_rows = vb.max_slot_rows = bound;

@@ -193,20 +193,13 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
         }
       }
     };
-    const auto start = [&]() {
-      if (item < item_end) {
-        first_col = enter_item(item);
-        r0 = row_begin;
-        settle();
-      }
-      if (item < item_end) load_first_trip<R>(w_rows, begin, end, lane, first);
-    };
-    if (early) {
-      start();
-      wait_then_release();  // the x rows come from the previous kernel
-    } else {
-      start();
+    if (item < item_end) {
+      first_col = enter_item(item);
+      r0 = row_begin;
+      settle();
     }
+    if (item < item_end) load_first_trip<R>(w_rows, begin, end, lane, first);
+    if (early) wait_then_release();  // the x rows come from the previous kernel
     // A unit's slice sums and stores, once the next unit is found and L2 asked for its first W trip.
     const auto finish = [&](const float (&acc)[R][1]) {
       const int row = r0;

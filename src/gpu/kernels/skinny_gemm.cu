@@ -84,9 +84,9 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
   __syncthreads();  // partial is rewritten by the block's next tile
 }
 
-// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). With one
-// x row the first tile's first W trip is loaded before the wait (FirstTrip), so it overlaps the kernel before; with early_w
-// false (FULCRUM_SKINNY_EARLY_W=0, for measurement) right after it. No bulk L2 prefetch of W: prefetches of the
+// Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). With
+// one x row the first tile's first W trip is loaded before the wait (FirstTrip), so it overlaps the kernel before;
+// with early_w false (FULCRUM_SKINNY_EARLY_W=0, for measurement) right after it. No bulk L2 prefetch of W: prefetches of the
 // first and the next 1..4 tiles measured slower at batch 1 and 4 (bench/results/skinny_prefetch_sweep_h200.json).
 template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
@@ -103,16 +103,16 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
     wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
     if (!early_w) load_first_trip<R>(ts.w_rows, ts.begin, ts.end, lane, first);
     // Each later tile's first trip is asked of L2 as the tile before starts (no registers held).
-    if (l2_next && tile + gridDim.x < tiles) {
-      const TileSlice<R> next = tile_slice<R>(w, n, k, k_split, tile + gridDim.x);
-      prefetch_first_trip_l2<R>(next.w_rows, next.begin, next.end, lane);
-    }
-    skinny_tile<R, M, kBf16Out, true>(x, w, n, k, k_split, out, tile, partial, &first);
-    for (int64_t next = tile + gridDim.x; next < tiles; next += gridDim.x) {
-      if (l2_next && next + gridDim.x < tiles) {
-        const TileSlice<R> after = tile_slice<R>(w, n, k, k_split, next + gridDim.x);
+    const auto ask_l2_after = [&](int64_t t) {
+      if (l2_next && t + gridDim.x < tiles) {
+        const TileSlice<R> after = tile_slice<R>(w, n, k, k_split, t + gridDim.x);
         prefetch_first_trip_l2<R>(after.w_rows, after.begin, after.end, lane);
       }
+    };
+    ask_l2_after(tile);
+    skinny_tile<R, M, kBf16Out, true>(x, w, n, k, k_split, out, tile, partial, &first);
+    for (int64_t next = tile + gridDim.x; next < tiles; next += gridDim.x) {
+      ask_l2_after(next);
       skinny_tile<R, M, kBf16Out>(x, w, n, k, k_split, out, next, partial);
     }
   } else {
