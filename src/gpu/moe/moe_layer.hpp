@@ -362,7 +362,8 @@ class GpuMoeLayer {
   void skinny_experts(const uint16_t* x, int64_t num_tokens);
   void skinny_gemms(const uint16_t* x, int64_t num_tokens);
   // Static replicas, a small step: routing and the permutation plan in one launch (launch_small_route_permute).
-  void route_permute_small(const float* logits, int64_t num_tokens);
+  // skinny_next: the skinny expert GEMMs follow (the kernel then asks L2 for their down weights, l2_ahead.hpp).
+  void route_permute_small(const float* logits, int64_t num_tokens, bool skinny_next);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
