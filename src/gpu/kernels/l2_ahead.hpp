@@ -3,9 +3,7 @@
 // (the decode attention asks for the O projection; the router for the next layer's QKV projection), so HBM moves
 // them while that kernel waits on latency instead of while the GEMM waits on HBM. Weights are never written
 // during a step, so the kernel may issue the request before its griddepcontrol.wait; a request changes no result.
-// The small router + permutation kernel also asks for the down-projection weights of the slots it gave rows (up to
-// kL2AheadSlotBytes of them), which the expert down GEMM reads after the gate_up one.
-// FULCRUM_L2_AHEAD_O=0 / _QKV=0 / _DOWN=0 leave the requests out, for measurement (read once).
+// FULCRUM_L2_AHEAD_O=0 / FULCRUM_L2_AHEAD_QKV=0 leave the two requests out, for measurement (read once).
 #include <cstdint>
 
 #include "gpu/env_switch.hpp"
@@ -19,12 +17,6 @@ struct L2Ahead {
 
 inline bool l2_ahead_o_enabled() {
   static const bool enabled = env_switch_on("FULCRUM_L2_AHEAD_O");
-  return enabled;
-}
-constexpr int64_t kL2AheadSlotBytes = int64_t{24} << 20;  // about half the H200's 50 MB L2
-
-inline bool l2_ahead_down_enabled() {
-  static const bool enabled = env_switch_on("FULCRUM_L2_AHEAD_DOWN");
   return enabled;
 }
 inline bool l2_ahead_qkv_enabled() {

@@ -359,14 +359,6 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
   __syncthreads();  // the slots written above, for the whole block
   small_permutation_block(a.slots, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
                           plan_smem);
-  if (a.l2_slot_weights == nullptr || a.l2_slot_bytes <= 0) return;
-  __syncthreads();  // active, written by the block above
-  const int used = active[0];
-  const int64_t fit = gpu::kL2AheadSlotBytes / a.l2_slot_bytes;
-  const int asked = used < fit ? used : static_cast<int>(fit);
-  for (int i = warp; i < asked; i += kSmallPlanThreads / 32) {
-    gpu::ask_l2_ahead_warp({a.l2_slot_weights[active[1 + i]], a.l2_slot_bytes}, 0, 1, lane);
-  }
 }
 
 // bf16(silu(gate) * up) in fp32, the one expression every SwiGLU kernel here evaluates (so their bits agree).

@@ -30,10 +30,6 @@ struct RouterArgs {
   int32_t* multi_draws = nullptr;          // dynamic out [T]: entries of the token with >= 2 replicas
   unsigned long long* histogram = nullptr; // recorder row [E] (+= counts); null: no recording
   gpu::L2Ahead l2_ahead;                   // asked of L2 before the wait (the next layer's QKV weights; l2_ahead.hpp)
-  // Small route + permute only: [P] weight pointers whose first slot_bytes the kernel asks of L2 for the slots it gave
-  // rows, at its end (the down GEMM's weights; at most gpu::kL2AheadSlotBytes in all). Null: none.
-  const void* const* l2_slot_weights = nullptr;
-  int64_t l2_slot_bytes = 0;
 };
 
 // Softmax (double exponentials and sum, fp32 probabilities, as CpuBackend::route), top-k by k warp-wide

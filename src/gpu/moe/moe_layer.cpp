@@ -897,15 +897,10 @@ static bool fused_small_route_enabled() {
   return enabled;
 }
 
-void GpuMoeLayer::route_permute_small(const float* logits, int64_t num_tokens, bool skinny_next) {
+void GpuMoeLayer::route_permute_small(const float* logits, int64_t num_tokens) {
   MoeWorkspace& w = ws();
-  cuda::moe::RouterArgs args = router_args(logits, num_tokens);
-  if (skinny_next && !shape_.fp8_experts && gpu::l2_ahead_down_enabled()) {  // the down GEMM's weights (l2_ahead.hpp)
-    args.l2_slot_weights = down_ptrs_.as<const void* const>();
-    args.l2_slot_bytes = int64_t{shape_.hidden_size} * shape_.moe_intermediate_size * 2;
-  }
   FULCRUM_CUDA_CHECK(cuda::moe::launch_small_route_permute(
-      args, shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
+      router_args(logits, num_tokens), shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(),
       w.entry_row.as<int32_t>(), w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
 }
 
@@ -976,7 +971,7 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
   const bool skinny = uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   if (skinny && num_tokens > 0 && spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled()) {
     // Static replicas: the router and the permutation in one launch (one kernel less per layer in decode).
-    route_permute_small(logits, num_tokens, /*skinny_next=*/true);
+    route_permute_small(logits, num_tokens);
     skinny_gemms(x, num_tokens);
     return;
   }
@@ -985,7 +980,7 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
     // gather of x by the plan's rows, in place of router + count + scan + cursor copy + scatter (five launches and
     // a memset / memcpy node that break the dependent-launch chain).
     MoeWorkspace& w = ws();
-    route_permute_small(logits, num_tokens, /*skinny_next=*/false);
+    route_permute_small(logits, num_tokens);
     FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, w.row_token.as<int32_t>(), num_tokens * shape_.num_experts_per_tok,
                                                      shape_.hidden_size, w.permuted.as<uint16_t>(), stream_));
     fp8_rows_quantized_ = false;

@@ -362,8 +362,7 @@ class GpuMoeLayer {
   void skinny_experts(const uint16_t* x, int64_t num_tokens);
   void skinny_gemms(const uint16_t* x, int64_t num_tokens);
   // Static replicas, a small step: routing and the permutation plan in one launch (launch_small_route_permute).
-  // skinny_next: the skinny expert GEMMs follow (the kernel then asks L2 for their down weights, l2_ahead.hpp).
-  void route_permute_small(const float* logits, int64_t num_tokens, bool skinny_next);
+  void route_permute_small(const float* logits, int64_t num_tokens);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
