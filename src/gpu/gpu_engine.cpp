@@ -14,7 +14,6 @@
 #include "gpu/attention_runner.hpp"
 #include "gpu/dense_gemm.hpp"
 #include "gpu/graph_cache.hpp"
-#include "gpu/kernels/l2_ahead.hpp"
 #include "gpu/kernels/sampler_top_logprobs.hpp"
 #include "gpu/kernels/step_ops.hpp"
 #include "model/backend.hpp"
@@ -408,14 +407,8 @@ void GpuEngine::forward_layers(const StepShape& shape) {
       gemm_->run(x, bf16, t, n, k, out, GemmOut::kF32);
     }
   };
-  // A projection's weights as one L2-ahead span (kernels/l2_ahead.hpp): its e4m3 codes or its bf16 values.
-  const auto span_of = [](bool enabled, const uint16_t* bf16, const Fp8Weight& fp8, int64_t n, int64_t k) {
-    if (!enabled) return L2Ahead{};
-    return fp8.present() ? L2Ahead{fp8.codes, n * k} : L2Ahead{bf16, n * k * 2};
-  };
   for (int l = 0; l < config_.num_hidden_layers; ++l) {
     const LayerWeights& lw = weights_->layer(l);
-    batch.l2_ahead = span_of(l2_ahead_o_enabled(), lw.o, lw.o_fp8, h, int64_t{hq} * hd);
     add_norm(l > 0, lw.input_norm, nullptr, t, w.x, "input RMSNorm");
     project(w.x, lw.qkv, lw.qkv_fp8, qkv_width, h, w.qkv);
     check_launch(launch_qk_norm_rope_kv_append(w.qkv, lw.q_norm, lw.k_norm, eps, d.positions, w.inv_freq, d.kv_rows, t, hq,
@@ -428,10 +421,6 @@ void GpuEngine::forward_layers(const StepShape& shape) {
     add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
     if (lw.moe_layer_idx >= 0) {
       backend::GpuMoeLayer& moe = *moe_[static_cast<size_t>(lw.moe_layer_idx)];
-      if (l + 1 < config_.num_hidden_layers) {
-        const LayerWeights& next = weights_->layer(l + 1);
-        moe.set_l2_ahead(span_of(l2_ahead_qkv_enabled(), next.qkv, next.qkv_fp8, qkv_width, h));
-      }
       if (moe_combine_add_rms_norm_supported(h)) {
         moe.forward_experts(w.x, t);  // its combine runs inside the next add + RMSNorm
         pending_combine_ = &moe;

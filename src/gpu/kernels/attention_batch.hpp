@@ -11,8 +11,6 @@
 // Query head h reads kv head h / (num_heads / num_kv_heads). Softmax in fp32 with scale sm_scale.
 #include <cstdint>
 
-#include "gpu/kernels/l2_ahead.hpp"
-
 namespace fulcrum::gpu {
 
 struct AttentionBatch {
@@ -34,9 +32,6 @@ struct AttentionBatch {
   int head_dim = 0;
   int page_size = 0;
   float sm_scale = 0.0f;
-  // Weights the step streams after this attention (its O projection), asked of L2 by the decode CTAs before they
-  // wait (l2_ahead.hpp); empty: none. FlashInfer ignores it.
-  L2Ahead l2_ahead;
 };
 
 }  // namespace fulcrum::gpu

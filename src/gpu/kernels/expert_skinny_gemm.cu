@@ -44,7 +44,7 @@ __device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4*
   if constexpr (kFp8) {
     warp_dot_fp8<R, M, kSwiGlu ? 2 : 1>(w_rows, x_rows, scales.col, scales.stride, begin, end, lane, acc);
   } else {
-    warp_dot<R, M, kFirst, /*kEvictFirst=*/true>(w_rows, x_rows, begin, end, lane, acc, first);
+    warp_dot<R, M, kFirst>(w_rows, x_rows, begin, end, lane, acc, first);
   }
 }
 
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
       r0 = row_begin;
       settle();
     }
-    if (item < item_end) load_first_trip<R, /*kEvictFirst=*/true>(w_rows, begin, end, lane, first);
+    if (item < item_end) load_first_trip<R>(w_rows, begin, end, lane, first);
     if (early) wait_then_release();  // the x rows come from the previous kernel
     // A unit's slice sums and stores, once the next unit is found and L2 asked for its first W trip.
     const auto finish = [&](const float (&acc)[R][1]) {

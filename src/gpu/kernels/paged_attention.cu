@@ -165,7 +165,6 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   p.split_counters = batch.split_counters;
   p.prefill_splits = plan.prefill_splits;
   p.prefill_rows = plan.prefill_rows;
-  p.l2_ahead = batch.l2_ahead;
   if (layout.total > 0) {
     p.decode_o = reinterpret_cast<float*>(ws + layout.decode_o);
     p.decode_lse = reinterpret_cast<float*>(ws + layout.decode_lse);

@@ -50,7 +50,6 @@ __device__ __forceinline__ int swizzled(int key, int chunk) {
 
 template <int D, bool kDecode, int kStages>
 __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p) {
-  if (kDecode) ask_l2_ahead_decode(p);
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   using Cfg = MmaConfig<D, kDecode, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];

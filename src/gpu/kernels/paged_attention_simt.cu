@@ -39,7 +39,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 template <int D, bool kDecode>
 __global__ void __launch_bounds__(kThreads) simt_attention_kernel(const Params p) {
-  if (kDecode) ask_l2_ahead_decode(p);
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   using Cfg = SimtConfig<D>;
   extern __shared__ __align__(16) unsigned char smem[];

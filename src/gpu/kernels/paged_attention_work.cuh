@@ -11,7 +11,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "gpu/kernels/l2_ahead.cuh"
 #include "gpu/kernels/paged_attention.hpp"
 
 namespace fulcrum::gpu::attention {
@@ -39,15 +38,7 @@ struct Params {
   float* prefill_lse;
   int prefill_splits;
   int prefill_rows;          // rows per prefill tile
-  L2Ahead l2_ahead;          // AttentionBatch::l2_ahead, asked by the decode launch's CTAs
 };
-
-// A decode CTA's share of the L2-ahead request, before its wait (the weights are not written by the step).
-__device__ __forceinline__ void ask_l2_ahead_decode(const Params& p) {
-  const int64_t blocks = int64_t{gridDim.x} * gridDim.y * gridDim.z;
-  const int64_t block = (int64_t{blockIdx.z} * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  ask_l2_ahead(p.l2_ahead, block, blocks);
-}
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

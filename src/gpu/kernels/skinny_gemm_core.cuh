@@ -45,23 +45,12 @@ int skinny_blocks_per_sm(int m);
 // The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles.
 int64_t skinny_grid_blocks(int64_t tiles, int m);
 
-// A 16-byte load of W, read once: through the non-coherent path without allocating in L1. kEvictFirst (the
-// expert GEMMs, whose weights stream past L2) marks the line first to go, so what was asked of L2 ahead for a later
-// kernel (l2_ahead.hpp) outlives the stream.
-template <bool kEvictFirst = false>
+// A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
   uint4 v;
-  if constexpr (kEvictFirst) {
-    uint64_t policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "l"(policy));
-  } else {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-  }
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
@@ -124,14 +113,14 @@ __device__ __forceinline__ bool has_full_first_trip(int64_t begin, int64_t end, 
   return begin + lane + 32 * (kChunksPerTrip - 1) < end;
 }
 
-template <int R, bool kEvictFirst = false>
+template <int R>
 __device__ __forceinline__ void load_first_trip(const uint4* const (&w_rows)[R], int64_t begin, int64_t end, int lane,
                                                 FirstTrip<R>& trip) {
   if (!has_full_first_trip(begin, end, lane)) return;
 #pragma unroll
   for (int t = 0; t < kChunksPerTrip; ++t) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) trip.w[t][r] = load_w<kEvictFirst>(w_rows[r] + begin + lane + 32 * t);
+    for (int r = 0; r < R; ++r) trip.w[t][r] = load_w(w_rows[r] + begin + lane + 32 * t);
   }
 }
 
@@ -164,7 +153,7 @@ __device__ __forceinline__ void fma_trip(float (&acc)[R][M], const uint4 (&wv)[k
 // with the warp's sums (a + b == b + a in the butterfly). With kFirst, the first trip's W chunks are those
 // load_first_trip put in `first` for the same rows and slice (a compile-time choice: a runtime one keeps `first`'s
 // registers live through the rest of the call, measured 128 -> 255 registers in the expert kernel).
-template <int R, int M, bool kFirst = false, bool kEvictFirst = false>
+template <int R, int M, bool kFirst = false>
 __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
                                          int64_t begin, int64_t end, int lane, float (&acc)[R][M],
                                          const FirstTrip<R>* first = nullptr) {
@@ -183,14 +172,14 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const 
 #pragma unroll
     for (int t = 0; t < kChunksPerTrip; ++t) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) wv[t][r] = load_w<kEvictFirst>(w_rows[r] + c + 32 * t);
+      for (int r = 0; r < R; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
     }
     fma_trip<R, M>(acc, wv, x_rows, c);
   }
   for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
     uint4 wv[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) wv[r] = load_w<kEvictFirst>(w_rows[r] + c);
+    for (int r = 0; r < R; ++r) wv[r] = load_w(w_rows[r] + c);
     uint4 xv[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);

@@ -7,7 +7,6 @@
 #include "backend/cuda/launch_util.cuh"
 #include "gpu/moe/moe_kernels.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
-#include "gpu/kernels/l2_ahead.cuh"
 #include "gpu/kernels/fp8_block_quant.cuh"  // unpack8: 8 bf16 of one 16-byte load
 
 namespace fulcrum::cuda::moe {
@@ -127,7 +126,6 @@ __device__ __forceinline__ void flush_histogram(const RouterArgs& a, const unsig
 }
 
 __global__ void moe_router_kernel(RouterArgs a, int tokens_per_block) {
-  gpu::ask_l2_ahead(a.l2_ahead, blockIdx.x, gridDim.x);
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   extern __shared__ unsigned int s_hist[];  // [E] when recording
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -347,7 +345,6 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
 __global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
     const RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
     int32_t* row_token, int32_t* active) {
-  gpu::ask_l2_ahead(a.l2_ahead, 0, 1);
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   extern __shared__ __align__(16) int32_t plan_smem[];
   const int num_entries = static_cast<int>(a.num_tokens) * a.top_k;

@@ -7,8 +7,6 @@
 
 #include <cuda_runtime.h>
 
-#include "gpu/kernels/l2_ahead.hpp"
-
 namespace fulcrum::cuda::moe {
 
 constexpr int kMaxRouterExperts = 256;  // the router keeps E / 32 logits per lane in registers
@@ -29,7 +27,6 @@ struct RouterArgs {
   int32_t* slots = nullptr;                // out [T * k] (static: here; else launch_dynamic_pick / _balanced_pick)
   int32_t* multi_draws = nullptr;          // dynamic out [T]: entries of the token with >= 2 replicas
   unsigned long long* histogram = nullptr; // recorder row [E] (+= counts); null: no recording
-  gpu::L2Ahead l2_ahead;                   // asked of L2 before the wait (the next layer's QKV weights; l2_ahead.hpp)
 };
 
 // Softmax (double exponentials and sum, fp32 probabilities, as CpuBackend::route), top-k by k warp-wide

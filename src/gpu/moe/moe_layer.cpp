@@ -580,7 +580,6 @@ cuda::moe::RouterArgs GpuMoeLayer::router_args(const float* logits, int64_t num_
   args.slots = w.slots.as<int32_t>();
   args.multi_draws = w.multi_draws.as<int32_t>();
   args.histogram = histogram_row_;
-  args.l2_ahead = l2_ahead_;
   return args;
 }
 

@@ -31,7 +31,6 @@
 
 #include "gpu/cutlass/grouped_gemm.hpp"
 #include "gpu/cutlass/grouped_gemm_fp8.hpp"
-#include "gpu/kernels/l2_ahead.hpp"
 #include "model/moe_reference.hpp"
 
 struct CUstream_st;
@@ -241,9 +240,6 @@ class GpuMoeLayer {
   void set_balanced_sources(int source_idx, CountGather gather);
   // Recorder: device row [E] of unsigned 64-bit counts that every forward adds into; null turns it off.
   void set_recorder(unsigned long long* histogram_row) { histogram_row_ = histogram_row; }
-  // Weights the step streams after this layer (the engine's next QKV projection), asked of L2 by the router
-  // kernel of the following forwards (gpu/kernels/l2_ahead.hpp); empty: none.
-  void set_l2_ahead(gpu::L2Ahead next) { l2_ahead_ = next; }
   void set_expert_gemm(ExpertGemm gemm) { expert_gemm_ = gemm; }
   // Entries (T x k) up to which forward / forward_from_logits take the skinny path (0: never).
   void set_skinny_max_entries(int64_t entries) { skinny_max_entries_ = entries; }
@@ -376,7 +372,6 @@ class GpuMoeLayer {
   model::moe::ReplicaChoiceSpec spec_;
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;
-  gpu::L2Ahead l2_ahead_;
   int64_t num_tokens_ = 0;  // of the last route/permute
   std::optional<bool> fp8_fused_permute_;  // set_fp8_fused_permute; empty: FULCRUM_FP8_FUSED_PERMUTE
   std::optional<gpu::Fp8GroupedGemmConfig> fp8_gemm_config_;  // set_fp8_gemm_config; empty: by total rows
