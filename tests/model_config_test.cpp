@@ -127,6 +127,7 @@ TEST(ModelConfig, InvalidValuesNameKeyAndFile) {
       {[](json& c) { c["hidden_size"] = "64"; }, "'hidden_size'"},
       {[](json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }, "'rope_scaling'"},
       {[](json& c) { c["attention_bias"] = true; }, "'attention_bias'"},
+      {[](json& c) { c["num_hidden_layers"] = 2147483647; }, "'num_hidden_layers'"},
   };
   for (const auto& [edit, key] : cases) {
     const std::string message = error_after(edit);

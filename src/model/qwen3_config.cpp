@@ -209,6 +209,11 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& root, const std::string& origi
   config.hidden_size = reader.positive("hidden_size");
   config.intermediate_size = reader.positive("intermediate_size");
   config.num_hidden_layers = reader.positive("num_hidden_layers");
+  // Every per-layer loop runs this many times: a corrupt count must fail here, not spin (the config fuzzer found
+  // 2147483647). The family's deepest model has 94 layers.
+  constexpr int kMaxLayers = 4096;
+  FULCRUM_CHECK(config.num_hidden_layers <= kMaxLayers, "{}: key 'num_hidden_layers' ({}) exceeds {}", origin,
+                config.num_hidden_layers, kMaxLayers);
   config.num_attention_heads = reader.positive("num_attention_heads");
   config.num_key_value_heads =
       reader.has("num_key_value_heads") ? reader.positive("num_key_value_heads") : config.num_attention_heads;
