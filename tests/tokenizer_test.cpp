@@ -84,6 +84,9 @@ TEST(Tokenizer, RefusesUnsupportedFeatures) {
   EXPECT_EQ(with_model("byte_fallback", true), "my/tokenizer.json: BPE byte_fallback is not supported");
   EXPECT_EQ(with_model("merges", {"Ġ Ġ", "zz qq"}),
             "my/tokenizer.json: merge 'zz qq' uses a token missing from the vocab");
+  // A merge's tokens are quoted escaped: one with a newline stays one line (found by fuzz/fuzz_tokenizer_json).
+  EXPECT_EQ(with_model("merges", {"z\nz qq"}),
+            "my/tokenizer.json: merge 'z\\x0az qq' uses a token missing from the vocab");
   nlohmann::json bad_split = base;
   bad_split["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways";
   EXPECT_EQ(load_error(bad_split), "my/tokenizer.json: unsupported Split behavior 'Sideways'");

@@ -69,7 +69,8 @@ BpeModel BpeModel::from_json(const nlohmann::json& model, const std::string& fil
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const auto [left, right] = parse_merge(merges[rank], file);
     const auto l = m.id_of(left), r = m.id_of(right), merged = m.id_of(left + right);
-    FULCRUM_CHECK(l && r && merged, "{}: merge '{} {}' uses a token missing from the vocab", file, left, right);
+    FULCRUM_CHECK(l && r && merged, "{}: merge '{} {}' uses a token missing from the vocab", file,
+                  eplb::printable_excerpt(left), eplb::printable_excerpt(right));
     m.merges_.insert_or_assign(pair_key(*l, *r), Merge{static_cast<uint32_t>(rank), *merged});
   }
   if (model.contains("unk_token") && !model["unk_token"].is_null()) {
