@@ -437,6 +437,7 @@ TEST_F(GpuSamplerTest, RejectsBadArguments) {
   EXPECT_EQ(launch(320, 2, 320, tokens.get(), workspace.get() + 8, workspace_bytes), invalid);
   EXPECT_EQ(launch(320, 2, 320, nullptr, workspace.get(), workspace_bytes), invalid);
   EXPECT_EQ(launch(320, -1, 320, tokens.get(), workspace.get(), workspace_bytes), invalid);
+  EXPECT_EQ(launch(3 << 20, 2, 3 << 20, tokens.get(), workspace.get(), workspace_bytes), invalid) << "vocab > 2^21";
   EXPECT_EQ(gpu::launch_sample(nullptr, 320, 0, 320, nullptr, nullptr, nullptr, nullptr, 0, nullptr), 0) << "no rows";
   FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -1,7 +1,10 @@
-// Device sampling (sampler.hpp): one 512-thread block per row; every sum runs in an order fixed by the row alone.
+// Device sampling (sampler.hpp): every sum runs in an order fixed by the row (and the vocabulary size) alone.
 //
 // Pass A reads the row once: NaN / +inf check, count of finite logits, max and argmax (lowest id), min finite
-// logit, and for logprobs an online log-sum-exp (fp32 exponentials, double sum). Greedy rows end there.
+// logit, and for logprobs an online log-sum-exp (fp32 exponentials, double sum). It runs split: a block per
+// kStatsChunk logits of a row (row_stats_kernel), the partial stats merged in split order by the row's 512-thread
+// block (sample_kernel) — one block reading a 152k-token row alone took 59 us of a 3.2 ms decode step at batch 1
+// (bench/results/decode_kernel_profile_b1_b16_14568e6_h200.txt), latency-bound. Greedy rows end there.
 //
 // Sampling rows sort at most 2048 tokens, never the vocabulary. The definition's order (descending logit, lower
 // id first) is ascending order of the 64-bit entry (~key(logit) << 32) | id, key() being the order-preserving map
@@ -25,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu/kernels/block_primitives.cuh"
+#include "gpu/kernels/dependent_launch.cuh"
 
 namespace fulcrum::gpu {
 namespace {
@@ -35,6 +39,9 @@ constexpr int kBinBits = 10;
 constexpr int kBins = 1 << kBinBits;  // bins of one select level: two per thread in choose_bin
 constexpr int kListCap = 2048;        // tokens sorted in shared memory
 static_assert(kBins == 2 * kThreads, "choose_bin gives each thread two bins");
+constexpr int kStatsThreads = 256;
+constexpr int kStatsChunk = 4096;  // logits per pass-A block: 16 a thread, one trip of 16-byte loads; a multiple of
+                                   // 4, so a row's 16-byte alignment holds for every chunk
 
 struct RowStats {  // plain (no initializers): an array of them lives in shared memory
   float vmax;      // max finite logit, also the log-sum-exp's reference point
@@ -120,10 +127,12 @@ __device__ void merge(RowStats& a, const RowStats& b) {
   a.bad |= b.bad;
 }
 
-// Pass A.
-__device__ RowStats row_stats(Shared& s, const float* row, int n, bool want_lse) {
+// Pass A over row[0, n), ids base + i: one thread's share.
+template <int kT>
+__device__ RowStats thread_stats(const float* row, int n, int base, bool want_lse) {
   RowStats st{-INFINITY, INT_MAX, INFINITY, 0, 0, 0.0};
-  block::for_each_float<kThreads, 8>(row, n, [&](int i, float x) {
+  block::for_each_float<kT, kStatsChunk / (4 * kStatsThreads)>(row, n, [&](int i, float x) {
+    i += base;
     if (!(x < INFINITY)) st.bad = 1;         // NaN or +inf
     if (!(x > -INFINITY && x < INFINITY)) return;  // not finite
     ++st.num_finite;
@@ -136,6 +145,13 @@ __device__ RowStats row_stats(Shared& s, const float* row, int n, bool want_lse)
       if (want_lse) st.lse_sum += (double)expf(x - st.vmax);
     }
   });
+  return st;
+}
+
+// The block's threads' stats merged in a fixed order (lanes by butterfly, then warps in order); every thread
+// gets the result. warp_stats: shared [kT / 32].
+template <int kT>
+__device__ RowStats block_stats(RowStats* warp_stats, RowStats st) {
   for (int o = 16; o > 0; o >>= 1) {
     RowStats other;
     other.vmax = __shfl_xor_sync(~0u, st.vmax, o), other.argmax = __shfl_xor_sync(~0u, st.argmax, o);
@@ -143,11 +159,33 @@ __device__ RowStats row_stats(Shared& s, const float* row, int n, bool want_lse)
     other.bad = __shfl_xor_sync(~0u, st.bad, o), other.lse_sum = __shfl_xor_sync(~0u, st.lse_sum, o);
     merge(st, other);
   }
-  if ((threadIdx.x & 31) == 0) s.warp_stats[threadIdx.x >> 5] = st;
+  if ((threadIdx.x & 31) == 0) warp_stats[threadIdx.x >> 5] = st;
   __syncthreads();
-  RowStats all = s.warp_stats[0];
-  for (int w = 1; w < kWarps; ++w) merge(all, s.warp_stats[w]);
+  RowStats all = warp_stats[0];
+  for (int w = 1; w < kT / 32; ++w) merge(all, warp_stats[w]);
   return all;
+}
+
+int stats_splits(int vocab) { return (vocab + kStatsChunk - 1) / kStatsChunk; }
+
+// Whether pass A runs split (FULCRUM_SAMPLER_SPLIT=0: one block a row, for measurement; read once).
+bool sampler_split_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_SAMPLER_SPLIT");
+  return enabled;
+}
+
+// Pass A, split: block (split, row) writes the stats of logits [split * chunk, +chunk) of its row (chunk a
+// multiple of 4: kStatsChunk, or the whole row when unsplit).
+__global__ void __launch_bounds__(kStatsThreads) row_stats_kernel(const float* __restrict__ logits, int64_t row_stride,
+                                                                  int vocab, int chunk, bool want_lse,
+                                                                  RowStats* __restrict__ out) {
+  wait_then_release();  // dependent_launch.cuh: the logits come from the kernel before
+  __shared__ RowStats warp_stats[kStatsThreads / 32];
+  const int split = blockIdx.x, r = blockIdx.y;
+  const int begin = split * chunk, n = min(vocab - begin, chunk);
+  const RowStats st =
+      block_stats<kStatsThreads>(warp_stats, thread_stats<kStatsThreads>(logits + r * row_stride + begin, n, begin, want_lse));
+  if (threadIdx.x == 0) out[(int64_t)r * gridDim.x + split] = st;
 }
 
 // ---- select machinery ----
@@ -413,12 +451,16 @@ __device__ int sample_row(Shared& s, RowCtx& c, const SamplerRow& p, int num_fin
 
 __global__ void __launch_bounds__(kThreads, 2)
     sample_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab, const SamplerRow* __restrict__ rows,
-                  int32_t* __restrict__ tokens, float* __restrict__ logprobs, double* ws_mass, uint32_t* ws_count) {
+                  int32_t* __restrict__ tokens, float* __restrict__ logprobs, double* ws_mass, uint32_t* ws_count,
+                  const RowStats* __restrict__ partials, int splits) {
+  wait_then_release();  // dependent_launch.cuh: the partial stats come from the kernel before
   __shared__ Shared s;
   const int r = blockIdx.x;
   const float* row = logits + r * row_stride;
   const SamplerRow p = rows[r];
-  const RowStats st = row_stats(s, row, vocab, logprobs != nullptr);
+  RowStats mine{-INFINITY, INT_MAX, INFINITY, 0, 0, 0.0};
+  if ((int)threadIdx.x < splits) mine = partials[(int64_t)r * splits + threadIdx.x];
+  const RowStats st = block_stats<kThreads>(s.warp_stats, mine);
   const bool params_ok = isfinite(p.temperature) && p.temperature >= 0.0f && p.top_p > 0.0f && p.top_p <= 1.0f &&
                          p.top_k >= 0 && p.uniform >= 0.0 && p.uniform < 1.0;
   int token = -1;
@@ -440,23 +482,32 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
-size_t sampler_workspace_bytes(int max_rows, int /*vocab_size*/) {
-  return (size_t)(max_rows > 0 ? max_rows : 0) * kBins * (sizeof(double) + sizeof(uint32_t));
+size_t sampler_workspace_bytes(int max_rows, int vocab_size) {
+  const size_t rows = max_rows > 0 ? max_rows : 0, splits = vocab_size > 0 ? stats_splits(vocab_size) : 0;
+  return rows * kBins * (sizeof(double) + sizeof(uint32_t)) + rows * splits * sizeof(RowStats);
 }
 
 int launch_sample(const float* logits, int64_t logits_row_stride, int num_rows, int vocab_size, const SamplerRow* rows,
                   int32_t* tokens, float* logprobs, void* workspace, size_t workspace_bytes, CUstream_st* stream) {
   if (num_rows == 0) return cudaSuccess;
-  if (num_rows < 0 || vocab_size < 1 || logits_row_stride < vocab_size || !logits || !rows || !tokens || !workspace ||
-      reinterpret_cast<uintptr_t>(workspace) % 16 != 0 ||
+  if (num_rows < 0 || vocab_size < 1 || stats_splits(vocab_size) > kThreads || logits_row_stride < vocab_size ||
+      !logits || !rows || !tokens || !workspace || reinterpret_cast<uintptr_t>(workspace) % 16 != 0 ||
       workspace_bytes < sampler_workspace_bytes(num_rows, vocab_size)) {
     return cudaErrorInvalidValue;
   }
+  const bool split = sampler_split_enabled();
+  const int splits = split ? stats_splits(vocab_size) : 1;
   double* ws_mass = static_cast<double*>(workspace);                                     // [num_rows, kBins]
   uint32_t* ws_count = reinterpret_cast<uint32_t*>(ws_mass + (size_t)num_rows * kBins);  // [num_rows, kBins]
-  sample_kernel<<<num_rows, kThreads, 0, stream>>>(logits, logits_row_stride, vocab_size, rows, tokens, logprobs,
-                                                   ws_mass, ws_count);
-  return cudaGetLastError();
+  // [num_rows, splits]; 8-byte aligned (a row's counts are 4 KiB)
+  RowStats* partials = reinterpret_cast<RowStats*>(ws_count + (size_t)num_rows * kBins);
+  cudaError_t status = launch_dependent(row_stats_kernel, dim3(splits, num_rows), dim3(kStatsThreads), 0, stream, logits,
+                                        logits_row_stride, vocab_size, split ? kStatsChunk : vocab_size,
+                                        logprobs != nullptr, partials);
+  if (status != cudaSuccess) return status;
+  return launch_dependent(sample_kernel, dim3(num_rows), dim3(kThreads), 0, stream, logits, logits_row_stride,
+                          vocab_size, rows, tokens, logprobs, ws_mass, ws_count, static_cast<const RowStats*>(partials),
+                          splits);
 }
 
 }  // namespace fulcrum::gpu

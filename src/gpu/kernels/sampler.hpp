@@ -9,8 +9,9 @@
 //
 // Launcher in the style of src/gpu/moe/moe_kernels.hpp: enqueues on `stream`, returns the launch status
 // (a cudaError_t value, returned as int so that this header includes no CUDA header; 0 is cudaSuccess).
-// CUDA-graph capture: one launch, grid = num_rows, nothing allocated or synchronized; the parameters, uniforms
-// and logits are read from device memory, so a captured graph replays with new ones.
+// CUDA-graph capture: two launches (pass A split over the row, then a block per row), both programmatic dependents
+// (dependent_launch.cuh), nothing allocated or synchronized; the parameters, uniforms and logits are read from
+// device memory, so a captured graph replays with new ones.
 #include <cstddef>
 #include <cstdint>
 
@@ -29,8 +30,8 @@ struct SamplerRow {
 };
 static_assert(sizeof(SamplerRow) == 24, "SamplerRow layout is shared with the device");
 
-// Bytes of the workspace launch_sample needs for up to max_rows rows (a per-row histogram copy, 12 KiB a row;
-// independent of vocab_size). 16-byte aligned memory (cudaMalloc's is).
+// Bytes of the workspace launch_sample needs for up to max_rows rows (a per-row histogram copy, 12 KiB a row, and
+// 32 bytes of partial stats per 4096 logits of a row). 16-byte aligned memory (cudaMalloc's is).
 size_t sampler_workspace_bytes(int max_rows, int vocab_size);
 
 // tokens[r] = the definition's token for row r of logits (row r starts at logits + r * logits_row_stride,
@@ -41,7 +42,7 @@ size_t sampler_workspace_bytes(int max_rows, int vocab_size);
 // token, logit - max - log(sum exp(logit - max)) with the sum in double (an OpenAI `logprobs` value); NaN for a
 // row with token -1.
 // All pointers are device pointers; logits_row_stride >= vocab_size (rows need not be 16-byte aligned: they
-// take vector loads when they are). Returns cudaErrorInvalidValue (as int) for vocab_size < 1, a short or
+// take vector loads when they are). Returns cudaErrorInvalidValue (as int) for vocab_size < 1 or > 2^21, a short or
 // misaligned workspace or a null pointer; num_rows == 0 launches nothing.
 int launch_sample(const float* logits, int64_t logits_row_stride, int num_rows, int vocab_size, const SamplerRow* rows,
                   int32_t* tokens, float* logprobs, void* workspace, size_t workspace_bytes, CUstream_st* stream);
