@@ -324,6 +324,14 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
   const bool balanced = skinny_balanced_enabled(), l2_next = skinny_l2_next_enabled();
   switch (chunk) {
     case 1:
+      if (wide && a.blocks_per_sm > 0) {
+        // Beside the preload kernel: an SM takes blocks of kernels with different shared-memory carve-outs only
+        // after it drains, so this kernel asks for the same (the most shared memory) as the preload kernel does.
+        static const cudaError_t carveout = cudaFuncSetAttribute(
+            expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, cudaFuncAttributePreferredSharedMemoryCarveout,
+            cudaSharedmemCarveoutMaxShared);
+        if (carveout != cudaSuccess) return carveout;
+      }
       return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, grid, block, 0, stream, a, k_split,
                                      tiles, balanced, l2_next)
                   : launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kNarrow>, grid, block, 0, stream, a,
@@ -406,8 +414,12 @@ cudaError_t launch_preload(const ExpertSkinnyArgs& a, const LaunchShape& shape, 
   const auto kernel = expert_skinny_preload_kernel<kWideRowsPerWarp>;
   static size_t opted_in = 0;  // the largest dynamic shared memory asked for so far (one attribute call per size)
   if (smem > opted_in) {
-    const cudaError_t status =
+    cudaError_t status =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (status == cudaSuccess) {
+      status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared);
+    }
     if (status != cudaSuccess) return status;
     opted_in = smem;
   }

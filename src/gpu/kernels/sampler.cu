@@ -1,10 +1,12 @@
-// Device sampling (sampler.hpp): every sum runs in an order fixed by the row (and the vocabulary size) alone.
+// Device sampling (sampler.hpp): every sum runs in an order fixed by the row, the vocabulary size and whether the
+// call has fewer than kSplitBelowRows rows.
 //
 // Pass A reads the row once: NaN / +inf check, count of finite logits, max and argmax (lowest id), min finite
-// logit, and for logprobs an online log-sum-exp (fp32 exponentials, double sum). It runs split: a block per
-// kStatsChunk logits of a row (row_stats_kernel), the partial stats merged in split order by the row's 512-thread
-// block (sample_kernel) — one block reading a 152k-token row alone took 59 us of a 3.2 ms decode step at batch 1
-// (bench/results/decode_kernel_profile_b1_b16_14568e6_h200.txt), latency-bound. Greedy rows end there.
+// logit, and for logprobs an online log-sum-exp (fp32 exponentials, double sum). For fewer than kSplitBelowRows
+// rows it runs split: a block per kStatsChunk logits of a row (row_stats_kernel), the partial stats merged in split
+// order by the row's 512-thread block (sample_kernel) — one block reading a 152k-token row alone took 59 us of a
+// 3.2 ms decode step at batch 1 (bench/results/decode_kernel_profile_b1_b16_14568e6_h200.txt), latency-bound;
+// with more rows, one block a row. Greedy rows end there.
 //
 // Sampling rows sort at most 2048 tokens, never the vocabulary. The definition's order (descending logit, lower
 // id first) is ascending order of the 64-bit entry (~key(logit) << 32) | id, key() being the order-preserving map
@@ -40,6 +42,7 @@ constexpr int kBins = 1 << kBinBits;  // bins of one select level: two per threa
 constexpr int kListCap = 2048;        // tokens sorted in shared memory
 static_assert(kBins == 2 * kThreads, "choose_bin gives each thread two bins");
 constexpr int kStatsThreads = 256;
+constexpr int kSplitBelowRows = 128;  // pass A runs split for fewer rows than this (measured: launch_sample)
 constexpr int kStatsChunk = 4096;  // logits per pass-A block: 16 a thread, one trip of 16-byte loads; a multiple of
                                    // 4, so a row's 16-byte alignment holds for every chunk
 
@@ -495,7 +498,10 @@ int launch_sample(const float* logits, int64_t logits_row_stride, int num_rows, 
       workspace_bytes < sampler_workspace_bytes(num_rows, vocab_size)) {
     return cudaErrorInvalidValue;
   }
-  const bool split = sampler_split_enabled();
+  // Split below 128 rows: GpuSamplerTest.PrintsTimings at fc86ebe (greedy with logprobs, V 151936) took 15.7 /
+  // 71.0 / 237.2 us split against 97.1 / 103.4 / 118.0 us with a block a row at 1 / 64 / 256 rows. The split
+  // changes only the rounding of a logprob's log-sum-exp, never a token (max, argmax, min and counts are exact).
+  const bool split = sampler_split_enabled() && num_rows < kSplitBelowRows;
   const int splits = split ? stats_splits(vocab_size) : 1;
   double* ws_mass = static_cast<double*>(workspace);                                     // [num_rows, kBins]
   uint32_t* ws_count = reinterpret_cast<uint32_t*>(ws_mass + (size_t)num_rows * kBins);  // [num_rows, kBins]
