@@ -11,7 +11,6 @@
 //              ||gpu - ref|| / ||ref|| (kBf16Tolerance: the same bf16 roundings, fp32 sums in another order)
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <numeric>
 #include <random>
 
@@ -276,16 +275,11 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
   }
 
   // The down GEMM with its plan and first weights read before the wait (plan_ready_early), launched right after
-  // the gate_up GEMM on one stream as GpuMoeLayer does: the same bits in every kernel variant. With 1-row slots
-  // it is the preload kernel (all its weights copied into shared memory before the wait: 192 items over the SMs,
-  // at most 2 a block), beside a gate_up grid of kBlocksPerSmBesidePreload blocks per SM, as the layer launches it.
+  // the gate_up GEMM on one stream as GpuMoeLayer does: the same bits in every kernel variant.
   for (const int bound : {0, 1, 2, 4}) {
     gpu::ExpertSkinnyArgs va = a, vb = b;
     va.max_slot_rows = vb.max_slot_rows = bound;
     vb.plan_ready_early = true;
-    const bool preloads = gpu::expert_skinny_preloads_weights(vb);
-    EXPECT_EQ(preloads, bound == 1 && std::getenv("FULCRUM_SKINNY_PRELOAD") == nullptr) << "max_slot_rows " << bound;
-    if (preloads) va.blocks_per_sm = gpu::kBlocksPerSmBesidePreload;
     DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
     va.out = v_act.as<uint16_t>();
     vb.x = v_act.as<uint16_t>();
@@ -301,54 +295,6 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
 
   a.k = 100;  // not a multiple of 8
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
-}
-
-// The down GEMM of a one-token step of the 30B-A3B shape (8 slots of one row, 2048 x 768 weights each): the preload
-// kernel (up to 4 items a block, 192 KiB of shared memory on 132 SMs) gives the reference's values and the bits of
-// the main kernel (plan_ready_early off), whatever slots the token went to.
-TEST_F(MoeSkinnyPathTest, PreloadedDownGemmMatchesMainKernel) {
-  const int h = 2048, i = 768, slots = 12, top_k = 8;
-  std::vector<std::vector<uint16_t>> down;
-  std::vector<DeviceBuffer> d_down;
-  std::vector<const uint16_t*> down_ptrs;
-  for (int s = 0; s < slots; ++s) {
-    down.push_back(to_bits(random_bf16_values(int64_t{h} * i, 40 + s, 1.0f / std::sqrt(float(i)))));
-    d_down.push_back(to_device(down.back()));
-    down_ptrs.push_back(d_down.back().as<uint16_t>());
-  }
-  const std::vector<uint16_t> act = to_bits(random_bf16_values(int64_t{top_k} * i, 7, 1.0f));
-  const DeviceBuffer d_act = to_device(act), d_down_ptrs = to_device(down_ptrs);
-  // Slots 1, 2, 4, 5, 6, 8, 9, 11 hold one row each, listed out of order in `active`.
-  const std::vector<int32_t> offsets{0, 0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 7, 8};
-  const DeviceBuffer d_offsets = to_device(offsets),
-                     d_active = to_device(std::vector<int32_t>{8, 9, 1, 11, 4, 2, 8, 6, 5});
-  gpu::ExpertSkinnyArgs b;
-  b.x = d_act.as<uint16_t>();
-  b.offsets = d_offsets.as<int32_t>();
-  b.active = d_active.as<int32_t>();
-  b.weights = d_down_ptrs.as<const uint16_t* const>();
-  b.n = h;
-  b.k = i;
-  b.max_rows = top_k;
-  b.num_slots = slots;
-  b.max_slot_rows = 1;
-  b.plan_ready_early = true;
-  DeviceBuffer out(sizeof(uint16_t) * top_k * h), main_out(sizeof(uint16_t) * top_k * h);
-  b.out = out.as<uint16_t>();
-  if (std::getenv("FULCRUM_SKINNY_PRELOAD") == nullptr) EXPECT_TRUE(gpu::expert_skinny_preloads_weights(b));
-  ASSERT_EQ(gpu::launch_expert_skinny_gemm(b, nullptr), cudaSuccess);
-  gpu::ExpertSkinnyArgs m = b;
-  m.plan_ready_early = false;
-  EXPECT_FALSE(gpu::expert_skinny_preloads_weights(m));
-  m.out = main_out.as<uint16_t>();
-  ASSERT_EQ(gpu::launch_expert_skinny_gemm(m, nullptr), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<int32_t> identity(top_k);
-  std::iota(identity.begin(), identity.end(), 0);
-  const std::vector<uint16_t> bits = to_host(out.as<uint16_t>(), int64_t{top_k} * h);
-  const double error = relative_error(to_floats(bits), expected_rows(act, identity, offsets, down, h, i, false));
-  EXPECT_LE(error, kBf16Tolerance);
-  EXPECT_EQ(bits, to_host(main_out.as<uint16_t>(), int64_t{top_k} * h));
 }
 
 // The layer on the skinny path (up to 136 entries, past the default bound) vs the bf16 reference and vs its

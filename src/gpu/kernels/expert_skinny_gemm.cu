@@ -230,90 +230,6 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   }
 }
 
-// ---- The preload kernel (expert_skinny_preloads_weights): plain bf16, one-row slots, plan ready early ----
-constexpr int kMaxPreloadItems = 4;  // items a block may hold in shared memory (one cp.async group each)
-
-// A 16-byte cp.async into shared memory that skips L1 (W is read once).
-__device__ __forceinline__ void copy_async_16(uint4* smem, const uint4* gmem) {
-  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most `pending` of the thread's groups are still in flight (pending < kMaxPreloadItems).
-__device__ __forceinline__ void copy_async_wait(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-  }
-}
-static_assert(kMaxPreloadItems == 4, "copy_async_wait covers 0..3 pending groups");
-
-// Block b's items as the main kernel's balanced split; each lane copies the W chunks warp_dot will read (chunks
-// begin + lane + 32 j of its R rows), item i into w_smem[i][warp][r][0, slice_stride), one commit group per
-// item, all before the wait (the plan was written before the kernel before this one: a.plan_ready_early). After
-// the wait (the x rows are the kernel before's output) it computes item by item as each group lands. A lane reads
-// only what it copied, so no block barrier guards the copies.
-template <int R>
-__global__ void __launch_bounds__(kThreads, 1)
-    expert_skinny_preload_kernel(const ExpertSkinnyArgs a, int k_split, int tiles, int slice_stride) {
-  extern __shared__ uint4 w_smem[];
-  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
-  const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
-  const int64_t item_begin = blockIdx.x * items / gridDim.x, item_end = (blockIdx.x + 1) * items / gridDim.x;
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
-  const int64_t chunks = a.k / 8;
-  const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
-  const int count = static_cast<int>(item_end - item_begin);  // <= kMaxPreloadItems (the host's bound)
-  // Item i's slot, first output column and the warp's W rows (global), as the main kernel's enter_item.
-  const auto item_rows = [&](int i, int& slot, int64_t& first_col, const uint4* (&w_rows)[R]) {
-    const int64_t item = item_begin + i;
-    slot = __ldg(a.active + 1 + static_cast<int>(item / tiles));
-    first_col = (item % tiles) * groups_per_block * R;
-    const uint4* w = reinterpret_cast<const uint4*>(a.weights[slot]);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      w_rows[r] = w + min(first_col + group * R + r, static_cast<int64_t>(a.n - 1)) * chunks;
-    }
-  };
-  const auto smem_row = [&](int i, int r) {
-    return w_smem + ((static_cast<int64_t>(i) * kWarpsPerBlock + warp) * R + r) * slice_stride;
-  };
-  for (int i = 0; i < count; ++i) {
-    int slot;
-    int64_t first_col;
-    const uint4* w_rows[R];
-    item_rows(i, slot, first_col, w_rows);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      uint4* dst = smem_row(i, r);
-      for (int64_t c = begin + lane; c < end; c += 32) copy_async_16(dst + (c - begin), w_rows[r] + c);
-    }
-    copy_async_commit();
-  }
-  wait_then_release();  // dependent_launch.cuh: the x rows come from the previous kernel
-  for (int i = 0; i < count; ++i) {
-    int slot;
-    int64_t first_col;
-    const uint4* unused[R];
-    item_rows(i, slot, first_col, unused);
-    const int row_begin = __ldg(a.offsets + slot), row_end = __ldg(a.offsets + slot + 1);
-    const uint4* w_rows[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) w_rows[r] = smem_row(i, r);
-    copy_async_wait(count - 1 - i);
-    for (int r0 = row_begin; r0 < row_end; ++r0) {
-      const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0) : r0;
-      const uint4* const x_rows[1] = {reinterpret_cast<const uint4*>(a.x) + src * chunks};
-      float acc[R][1];
-      warp_dot<R, 1, false, true>(w_rows, x_rows, begin, end, lane, acc);
-      rows_store<R, 1, false>(a, acc, r0, warp, lane, k_split, first_col, partial);
-    }
-  }
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <bool kSwiGlu, bool kFp8 = false>
@@ -324,14 +240,6 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
   const bool balanced = skinny_balanced_enabled(), l2_next = skinny_l2_next_enabled();
   switch (chunk) {
     case 1:
-      if (wide && a.blocks_per_sm > 0) {
-        // Beside the preload kernel: an SM takes blocks of kernels with different shared-memory carve-outs only
-        // after it drains, so this kernel asks for the same (the most shared memory) as the preload kernel does.
-        static const cudaError_t carveout = cudaFuncSetAttribute(
-            expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, cudaFuncAttributePreferredSharedMemoryCarveout,
-            cudaSharedmemCarveoutMaxShared);
-        if (carveout != cudaSuccess) return carveout;
-      }
       return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, grid, block, 0, stream, a, k_split,
                                      tiles, balanced, l2_next)
                   : launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kNarrow>, grid, block, 0, stream, a,
@@ -348,15 +256,11 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
   }
 }
 
-// The launch shape of a call (the same for every placement: it depends on n, k, max_rows, num_slots, the device).
-struct LaunchShape {
-  bool fp8 = false, wide = false;
-  int chunk = 1, k_split = 1;
-  int64_t tiles = 0, max_items = 0;
-};
+}  // namespace
 
-// cudaErrorInvalidValue for the arguments the header lists; else the shape.
-cudaError_t launch_shape(const ExpertSkinnyArgs& a, LaunchShape& shape) {
+cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream) {
+  ExpertSkinnyArgs a = args;
+  a.plan_ready_early = a.plan_ready_early && skinny_early_w_enabled();
   if (a.n < 1 || a.k <= 0 || a.k % 8 != 0 || a.max_rows < 1 || a.num_slots < 1) return cudaErrorInvalidValue;
   // Exactly one kind of weights: bf16, or e4m3 with their scales (whole 128 x 128 blocks).
   const bool fp8 = a.fp8_weights != nullptr;
@@ -370,88 +274,26 @@ cudaError_t launch_shape(const ExpertSkinnyArgs& a, LaunchShape& shape) {
   }
   if (!aligned16(a.x) || reinterpret_cast<uintptr_t>(a.out) % alignof(uint16_t) != 0) return cudaErrorInvalidValue;
   const int slot_rows = a.max_slot_rows > 0 ? std::min(a.max_slot_rows, a.max_rows) : a.max_rows;
-  shape.fp8 = fp8;
-  shape.chunk = slot_rows <= 1 ? 1 : slot_rows <= 2 ? 2 : slot_rows <= 4 ? 4 : kMaxRows;
-  const int rows_per_group = rows_per_warp(shape.chunk);
+  const int chunk = slot_rows <= 1 ? 1 : slot_rows <= 2 ? 2 : slot_rows <= 4 ? 4 : kMaxRows;
+  const int rows_per_group = rows_per_warp(chunk);
   // The K split from groups of 4 W rows whatever R (so R never changes a result), and the grid's warps if every
   // row had its own slot: at most max_rows slots have rows.
   const auto columns_of = [&](int w_rows) { return a.swiglu ? w_rows / 2 : w_rows; };
   const int64_t split_groups = (static_cast<int64_t>(a.n) + columns_of(kRowsPerWarp) - 1) / columns_of(kRowsPerWarp);
-  shape.k_split = choose_k_split(split_groups * a.max_rows, fp8 ? a.k / kFp8ChunkValues : a.k / 8);
+  const int k_split = choose_k_split(split_groups * a.max_rows, fp8 ? a.k / kFp8ChunkValues : a.k / 8);
   const int64_t col_groups = (static_cast<int64_t>(a.n) + columns_of(rows_per_group) - 1) / columns_of(rows_per_group);
-  const int groups_per_block = kWarpsPerBlock / shape.k_split;
-  shape.tiles = (col_groups + groups_per_block - 1) / groups_per_block;
-  shape.max_items = shape.tiles * std::min(a.max_rows, a.num_slots);
-  shape.wide = rows_per_group == kWideRowsPerWarp;
-  if (shape.tiles > INT32_MAX) return cudaErrorInvalidValue;
-  return cudaSuccess;
-}
-
-// The preload kernel's shared memory for `shape` on this device, or 0 where it does not apply or fit.
-size_t preload_smem_bytes(const ExpertSkinnyArgs& a, const LaunchShape& shape) {
-  if (!skinny_preload_enabled() || !a.plan_ready_early || !skinny_early_w_enabled() || shape.fp8 || a.swiglu ||
-      shape.chunk != 1 || !shape.wide) {
-    return 0;
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int64_t tiles = (col_groups + groups_per_block - 1) / groups_per_block;
+  const int64_t max_items = tiles * std::min(a.max_rows, a.num_slots);
+  const int64_t blocks = skinny_grid_blocks(max_items, chunk);
+  if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const bool wide = rows_per_group == kWideRowsPerWarp;
+  if (fp8) {
+    return a.swiglu ? launch_chunked<true, true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)
+                    : launch_chunked<false, true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream);
   }
-  const int64_t sms = current_device_sms();
-  const int64_t block_items = (shape.max_items + sms - 1) / sms;
-  if (block_items > kMaxPreloadItems) return 0;
-  const int64_t chunks = a.k / 8, slice_stride = (chunks + shape.k_split - 1) / shape.k_split;
-  const int64_t bytes = block_items * kWarpsPerBlock * kWideRowsPerWarp * slice_stride * int64_t{sizeof(uint4)};
-  static const int64_t limit = [] {
-    int device = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return int64_t{0};
-    }
-    return int64_t{optin} - int64_t{sizeof(float) * kWarpsPerBlock * kRowsPerWarp * kMaxRows};  // less `partial`
-  }();
-  return bytes <= limit ? static_cast<size_t>(bytes) : 0;
-}
-
-cudaError_t launch_preload(const ExpertSkinnyArgs& a, const LaunchShape& shape, size_t smem, cudaStream_t stream) {
-  const auto kernel = expert_skinny_preload_kernel<kWideRowsPerWarp>;
-  static size_t opted_in = 0;  // the largest dynamic shared memory asked for so far (one attribute call per size)
-  if (smem > opted_in) {
-    cudaError_t status =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (status == cudaSuccess) {
-      status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    cudaSharedmemCarveoutMaxShared);
-    }
-    if (status != cudaSuccess) return status;
-    opted_in = smem;
-  }
-  const int64_t chunks = a.k / 8, slice_stride = (chunks + shape.k_split - 1) / shape.k_split;
-  return launch_dependent(kernel, dim3(static_cast<unsigned>(current_device_sms())), dim3(kThreads), smem, stream, a,
-                          shape.k_split, static_cast<int>(shape.tiles), static_cast<int>(slice_stride));
-}
-
-}  // namespace
-
-bool expert_skinny_preloads_weights(const ExpertSkinnyArgs& args) {
-  LaunchShape shape;
-  return launch_shape(args, shape) == cudaSuccess && preload_smem_bytes(args, shape) > 0;
-}
-
-cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream) {
-  ExpertSkinnyArgs a = args;
-  a.plan_ready_early = a.plan_ready_early && skinny_early_w_enabled();
-  LaunchShape shape;
-  if (const cudaError_t status = launch_shape(a, shape); status != cudaSuccess) return status;
-  if (const size_t smem = preload_smem_bytes(a, shape); smem > 0) return launch_preload(a, shape, smem, stream);
-  const int64_t per_sm = a.blocks_per_sm > 0 ? a.blocks_per_sm : skinny_blocks_per_sm(shape.chunk);
-  const int64_t blocks = per_sm == 0 ? shape.max_items
-                                     : std::max<int64_t>(1, std::min<int64_t>(shape.max_items, current_device_sms() * per_sm));
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const int tiles = static_cast<int>(shape.tiles);
-  if (shape.fp8) {
-    return a.swiglu ? launch_chunked<true, true>(shape.chunk, shape.wide, a, blocks, shape.k_split, tiles, stream)
-                    : launch_chunked<false, true>(shape.chunk, shape.wide, a, blocks, shape.k_split, tiles, stream);
-  }
-  return a.swiglu ? launch_chunked<true>(shape.chunk, shape.wide, a, blocks, shape.k_split, tiles, stream)
-                  : launch_chunked<false>(shape.chunk, shape.wide, a, blocks, shape.k_split, tiles, stream);
+  return a.swiglu ? launch_chunked<true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)
+                  : launch_chunked<false>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream);
 }
 
 }  // namespace fulcrum::gpu

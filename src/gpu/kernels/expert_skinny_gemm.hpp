@@ -45,11 +45,6 @@ struct ExpertSkinnyArgs {
   // right after the gate_up one): the kernel may then read them, and load its first weights, before it waits
   // for that kernel (programmatic dependent launch). bf16 weights only; FULCRUM_SKINNY_EARLY_W=0 ignores it.
   bool plan_ready_early = false;
-  // Blocks per SM of the persistent grid, 0 = the default (skinny_blocks_per_sm). The gate_up GEMM before a down
-  // GEMM that preloads its weights (expert_skinny_preloads_weights) takes kBlocksPerSmBesidePreload, so that the
-  // down GEMM's block fits beside its blocks on every SM and copies its weights while the gate_up GEMM streams.
-  // Never changes a result.
-  int blocks_per_sm = 0;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
   // FP8 weights (an FP8 checkpoint's experts, weights then null): per slot e4m3 [w_rows, k] (w_rows = 2n with
   // swiglu, else n) and fp32 block scales [k / 128][w_rows / 128] (the FP8 grouped GEMM's layout,
@@ -60,14 +55,5 @@ struct ExpertSkinnyArgs {
 };
 
 cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream);
-
-// Whether launch_expert_skinny_gemm runs `args` as the preload kernel: a plain (not SwiGLU) bf16 GEMM of one-row
-// slots whose plan is ready early (the down GEMM of a one-token step), whose weights fit in the shared memory of
-// one block per SM (the 30B-A3B shape at batch 1: 8 experts x 3 MiB, 192 KiB a block over 132 SMs).
-// That kernel copies all of its block's weights into shared memory before its wait, so they arrive while the
-// gate_up GEMM before it streams instead of after it; the same arithmetic (warp_dot from shared memory), so the
-// same bits. FULCRUM_SKINNY_PRELOAD=0 turns it off (for measurement).
-bool expert_skinny_preloads_weights(const ExpertSkinnyArgs& args);
-constexpr int kBlocksPerSmBesidePreload = 3;
 
 }  // namespace fulcrum::gpu

@@ -233,11 +233,6 @@ bool skinny_l2_next_enabled() {
   return enabled;
 }
 
-bool skinny_preload_enabled() {
-  static const bool enabled = env_switch_on("FULCRUM_SKINNY_PRELOAD");
-  return enabled;
-}
-
 bool skinny_balanced_enabled() {
   static const bool enabled = env_switch_on("FULCRUM_SKINNY_BALANCED");
   return enabled;
@@ -253,7 +248,7 @@ int skinny_blocks_per_sm(int m) {
 }
 
 // The current device's SM count, read once per device (a launch only looks it up).
-int current_device_sms() {
+static int current_device_sms() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> sms_of[kMaxDevices] = {};
   int device = 0;

@@ -44,8 +44,6 @@ inline int choose_k_split(int64_t row_groups, int64_t chunks) {
 int skinny_blocks_per_sm(int m);
 // The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles.
 int64_t skinny_grid_blocks(int64_t tiles, int m);
-// The current device's SM count (read once per device).
-int current_device_sms();
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
@@ -72,9 +70,6 @@ bool skinny_early_w_enabled();
 // Whether the expert skinny kernels split their items evenly over the grid (FULCRUM_SKINNY_BALANCED=0: ceil(items /
 // grid) a block, for measurement; read once).
 bool skinny_balanced_enabled();
-// Whether the expert down GEMM of a one-token step copies all its weights into shared memory before its wait
-// (expert_skinny_gemm.cu, preload kernel; FULCRUM_SKINNY_PRELOAD=0: not, for measurement; read once).
-bool skinny_preload_enabled();
 // Whether the bf16 one-row skinny kernels ask L2 for the next tile's / unit's first W trip ahead
 // (prefetch_first_trip_l2; FULCRUM_SKINNY_L2_NEXT=0: not, for measurement; read once).
 bool skinny_l2_next_enabled();
@@ -154,28 +149,14 @@ __device__ __forceinline__ void fma_trip(float (&acc)[R][M], const uint4 (&wv)[k
   }
 }
 
-// A W chunk: from global memory (load_w), or from the block's shared-memory copy of it (kShared).
-template <bool kShared>
-__device__ __forceinline__ uint4 w_chunk(const uint4* p) {
-  if constexpr (kShared) {
-    return *p;
-  } else {
-    return load_w(p);
-  }
-}
-
 // acc[r][i] = w_rows[r] . x_rows[i] over chunks [begin, end) of a row, summed over the warp: every lane ends
 // with the warp's sums (a + b == b + a in the butterfly). With kFirst, the first trip's W chunks are those
 // load_first_trip put in `first` for the same rows and slice (a compile-time choice: a runtime one keeps `first`'s
-// registers live through the rest of the call, measured 128 -> 255 registers in the expert kernel). With kShared,
-// w_rows point at shared memory holding chunks [begin, end) of each row from index 0 (chunk c at c - begin); the
-// loads and the arithmetic are otherwise the same, so are the results.
-template <int R, int M, bool kFirst = false, bool kShared = false>
+// registers live through the rest of the call, measured 128 -> 255 registers in the expert kernel).
+template <int R, int M, bool kFirst = false>
 __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
                                          int64_t begin, int64_t end, int lane, float (&acc)[R][M],
                                          const FirstTrip<R>* first = nullptr) {
-  static_assert(!(kFirst && kShared), "the first trip is a global-memory load");
-  const int64_t w_base = kShared ? begin : 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -191,14 +172,14 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const 
 #pragma unroll
     for (int t = 0; t < kChunksPerTrip; ++t) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) wv[t][r] = w_chunk<kShared>(w_rows[r] + (c - w_base) + 32 * t);
+      for (int r = 0; r < R; ++r) wv[t][r] = load_w(w_rows[r] + c + 32 * t);
     }
     fma_trip<R, M>(acc, wv, x_rows, c);
   }
   for (; c < end; c += 32) {  // the slice's last chunk of this lane when its count is odd
     uint4 wv[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) wv[r] = w_chunk<kShared>(w_rows[r] + (c - w_base));
+    for (int r = 0; r < R; ++r) wv[r] = load_w(w_rows[r] + c);
     uint4 xv[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);

@@ -936,24 +936,21 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.max_slot_rows = static_cast<int>(num_tokens);
   gemm.swiglu = true;
   gemm.out = w.act.as<uint16_t>();  // [rows, I]
-  gpu::ExpertSkinnyArgs down = gemm;
-  down.x = w.act.as<uint16_t>();
-  down.row_source = nullptr;
-  down.weights = down_ptrs_.as<const uint16_t* const>();
-  if (shape_.fp8_experts) {
-    down.weights = nullptr;
-    down.fp8_weights = down_ptrs_.as<const uint8_t* const>();
-    down.fp8_scales = down_scale_ptrs_.as<const float* const>();
-  }
-  down.n = shape_.hidden_size;
-  down.k = shape_.moe_intermediate_size;
-  down.swiglu = false;
-  down.plan_ready_early = true;  // the plan came before the gate_up GEMM
-  down.out = w.expert_out.as<uint16_t>();  // [rows, H]
-  // A down GEMM that copies its weights into shared memory before its wait needs room beside the gate_up blocks.
-  if (gpu::expert_skinny_preloads_weights(down)) gemm.blocks_per_sm = gpu::kBlocksPerSmBesidePreload;
   FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
-  FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(down, stream_));
+  gemm.x = w.act.as<uint16_t>();
+  gemm.row_source = nullptr;
+  gemm.weights = down_ptrs_.as<const uint16_t* const>();
+  if (shape_.fp8_experts) {
+    gemm.weights = nullptr;
+    gemm.fp8_weights = down_ptrs_.as<const uint8_t* const>();
+    gemm.fp8_scales = down_scale_ptrs_.as<const float* const>();
+  }
+  gemm.n = shape_.hidden_size;
+  gemm.k = shape_.moe_intermediate_size;
+  gemm.swiglu = false;
+  gemm.plan_ready_early = true;  // the plan came before the gate_up GEMM
+  gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
+  FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
 
 bool GpuMoeLayer::fused_cutlass_route_default() {
