@@ -248,7 +248,7 @@ int skinny_blocks_per_sm(int m) {
 }
 
 // The current device's SM count, read once per device (a launch only looks it up).
-int current_device_sms() {
+static int current_device_sms() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> sms_of[kMaxDevices] = {};
   int device = 0;

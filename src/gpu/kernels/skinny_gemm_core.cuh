@@ -44,8 +44,6 @@ inline int choose_k_split(int64_t row_groups, int64_t chunks) {
 int skinny_blocks_per_sm(int m);
 // The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles.
 int64_t skinny_grid_blocks(int64_t tiles, int m);
-// The current device's SM count (read once per device).
-int current_device_sms();
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
