@@ -130,11 +130,10 @@ __device__ void merge(RowStats& a, const RowStats& b) {
   a.bad |= b.bad;
 }
 
-// Pass A over row[0, n), ids base + i: one thread's share.
-template <int kT>
+// Pass A over row[0, n), ids base + i: one thread's share of a kStatsThreads block.
 __device__ RowStats thread_stats(const float* row, int n, int base, bool want_lse) {
   RowStats st{-INFINITY, INT_MAX, INFINITY, 0, 0, 0.0};
-  block::for_each_float<kT, kStatsChunk / (4 * kStatsThreads)>(row, n, [&](int i, float x) {
+  block::for_each_float<kStatsThreads, kStatsChunk / (4 * kStatsThreads)>(row, n, [&](int i, float x) {
     i += base;
     if (!(x < INFINITY)) st.bad = 1;         // NaN or +inf
     if (!(x > -INFINITY && x < INFINITY)) return;  // not finite
@@ -177,18 +176,18 @@ bool sampler_split_enabled() {
   return enabled;
 }
 
-// Pass A, split: block (split, row) writes the stats of logits [split * chunk, +chunk) of its row (chunk a
-// multiple of 4: kStatsChunk, or the whole row when unsplit).
+// Pass A, split: block (row, split) writes the stats of logits [split * chunk, +chunk) of its row (chunk a
+// multiple of 4: kStatsChunk, or the whole row when unsplit). Rows on x: a call may have more than 65535.
 __global__ void __launch_bounds__(kStatsThreads) row_stats_kernel(const float* __restrict__ logits, int64_t row_stride,
                                                                   int vocab, int chunk, bool want_lse,
                                                                   RowStats* __restrict__ out) {
   wait_then_release();  // dependent_launch.cuh: the logits come from the kernel before
   __shared__ RowStats warp_stats[kStatsThreads / 32];
-  const int split = blockIdx.x, r = blockIdx.y;
+  const int r = blockIdx.x, split = blockIdx.y;
   const int begin = split * chunk, n = min(vocab - begin, chunk);
   const RowStats st =
-      block_stats<kStatsThreads>(warp_stats, thread_stats<kStatsThreads>(logits + r * row_stride + begin, n, begin, want_lse));
-  if (threadIdx.x == 0) out[(int64_t)r * gridDim.x + split] = st;
+      block_stats<kStatsThreads>(warp_stats, thread_stats(logits + r * row_stride + begin, n, begin, want_lse));
+  if (threadIdx.x == 0) out[(int64_t)r * gridDim.y + split] = st;
 }
 
 // ---- select machinery ----
@@ -507,9 +506,9 @@ int launch_sample(const float* logits, int64_t logits_row_stride, int num_rows, 
   uint32_t* ws_count = reinterpret_cast<uint32_t*>(ws_mass + (size_t)num_rows * kBins);  // [num_rows, kBins]
   // [num_rows, splits]; 8-byte aligned (a row's counts are 4 KiB)
   RowStats* partials = reinterpret_cast<RowStats*>(ws_count + (size_t)num_rows * kBins);
-  cudaError_t status = launch_dependent(row_stats_kernel, dim3(splits, num_rows), dim3(kStatsThreads), 0, stream, logits,
-                                        logits_row_stride, vocab_size, split ? kStatsChunk : vocab_size,
-                                        logprobs != nullptr, partials);
+  const cudaError_t status =
+      launch_dependent(row_stats_kernel, dim3(num_rows, splits), dim3(kStatsThreads), 0, stream, logits,
+                       logits_row_stride, vocab_size, split ? kStatsChunk : vocab_size, logprobs != nullptr, partials);
   if (status != cudaSuccess) return status;
   return launch_dependent(sample_kernel, dim3(num_rows), dim3(kThreads), 0, stream, logits, logits_row_stride,
                           vocab_size, rows, tokens, logprobs, ws_mass, ws_count, static_cast<const RowStats*>(partials),
