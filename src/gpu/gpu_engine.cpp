@@ -5,12 +5,15 @@
 #include <filesystem>
 #include <cmath>
 #include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <set>
 
 #include "backend/cuda/cuda_check.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "eplb/error.hpp"
+#include "gpu/ablation.hpp"
 #include "gpu/attention_runner.hpp"
 #include "gpu/dense_gemm.hpp"
 #include "gpu/graph_cache.hpp"
@@ -134,6 +137,10 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
                 "GPU engine: batch capacity {} tokens / {} sequences", options_.max_batch_tokens, options_.max_batch_seqs);
   FULCRUM_CHECK(options_.page_size >= 1, "GPU engine: page size {} must be positive", options_.page_size);
   FULCRUM_CHECK(config.head_dim % 2 == 0, "GPU engine: head_dim {} must be even", config.head_dim);
+  if (ablation_mask() != 0) {
+    std::fprintf(stderr, "fulcrum: FULCRUM_ABLATE=%s skips launches for measurement: outputs are wrong\n",
+                 std::getenv("FULCRUM_ABLATE"));
+  }
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
@@ -409,17 +416,21 @@ void GpuEngine::forward_layers(const StepShape& shape) {
   };
   for (int l = 0; l < config_.num_hidden_layers; ++l) {
     const LayerWeights& lw = weights_->layer(l);
-    add_norm(l > 0, lw.input_norm, nullptr, t, w.x, "input RMSNorm");
-    project(w.x, lw.qkv, lw.qkv_fp8, qkv_width, h, w.qkv);
-    check_launch(launch_qk_norm_rope_kv_append(w.qkv, lw.q_norm, lw.k_norm, eps, d.positions, w.inv_freq, d.kv_rows, t, hq,
-                                               hkv, hd, w.q, kv_->k(l), kv_->v(l), stream_),
-                 "q/k norm + RoPE + KV append");
+    if (!ablated(AblatePart::kInputNorm)) add_norm(l > 0, lw.input_norm, nullptr, t, w.x, "input RMSNorm");
+    if (!ablated(AblatePart::kQkv)) project(w.x, lw.qkv, lw.qkv_fp8, qkv_width, h, w.qkv);
+    if (!ablated(AblatePart::kRope)) {
+      check_launch(launch_qk_norm_rope_kv_append(w.qkv, lw.q_norm, lw.k_norm, eps, d.positions, w.inv_freq, d.kv_rows, t,
+                                                 hq, hkv, hd, w.q, kv_->k(l), kv_->v(l), stream_),
+                   "q/k norm + RoPE + KV append");
+    }
     batch.k_pool = kv_->k(l);
     batch.v_pool = kv_->v(l);
-    attention_->run(batch, stream_);
-    project(w.attn, lw.o, lw.o_fp8, h, int64_t{hq} * hd, w.delta);
-    add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
-    if (lw.moe_layer_idx >= 0) {
+    if (!ablated(AblatePart::kAttention)) attention_->run(batch, stream_);
+    if (!ablated(AblatePart::kOProj)) project(w.attn, lw.o, lw.o_fp8, h, int64_t{hq} * hd, w.delta);
+    if (!ablated(AblatePart::kPostNorm)) add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
+    if (lw.moe_layer_idx >= 0 && ablated(AblatePart::kMoe)) {
+      pending_combine_ = nullptr;
+    } else if (lw.moe_layer_idx >= 0) {
       backend::GpuMoeLayer& moe = *moe_[static_cast<size_t>(lw.moe_layer_idx)];
       if (moe_combine_add_rms_norm_supported(h)) {
         moe.forward_experts(w.x, t);  // its combine runs inside the next add + RMSNorm

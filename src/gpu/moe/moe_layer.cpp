@@ -13,6 +13,7 @@
 #include "gpu/moe/gpu_slot_pool.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
+#include "gpu/ablation.hpp"
 #include "gpu/env_switch.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
@@ -936,7 +937,7 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.max_slot_rows = static_cast<int>(num_tokens);
   gemm.swiglu = true;
   gemm.out = w.act.as<uint16_t>();  // [rows, I]
-  FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
+  if (!gpu::ablated(gpu::AblatePart::kGateUp)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
   gemm.x = w.act.as<uint16_t>();
   gemm.row_source = nullptr;
   gemm.weights = down_ptrs_.as<const uint16_t* const>();
@@ -950,7 +951,7 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.swiglu = false;
   gemm.plan_ready_early = true;  // the plan came before the gate_up GEMM
   gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
-  FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
+  if (!gpu::ablated(gpu::AblatePart::kDown)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
 
 bool GpuMoeLayer::fused_cutlass_route_default() {
@@ -970,7 +971,7 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
   const bool skinny = uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   if (skinny && num_tokens > 0 && spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled()) {
     // Static replicas: the router and the permutation in one launch (one kernel less per layer in decode).
-    route_permute_small(logits, num_tokens);
+    if (!gpu::ablated(gpu::AblatePart::kRoute)) route_permute_small(logits, num_tokens);
     skinny_gemms(x, num_tokens);
     return;
   }
@@ -979,12 +980,15 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
     // gather of x by the plan's rows, in place of router + count + scan + cursor copy + scatter (five launches and
     // a memset / memcpy node that break the dependent-launch chain).
     MoeWorkspace& w = ws();
-    route_permute_small(logits, num_tokens);
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, w.row_token.as<int32_t>(), num_tokens * shape_.num_experts_per_tok,
-                                                     shape_.hidden_size, w.permuted.as<uint16_t>(), stream_));
+    if (!gpu::ablated(gpu::AblatePart::kRoute)) {
+      route_permute_small(logits, num_tokens);
+      FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, w.row_token.as<int32_t>(),
+                                                       num_tokens * shape_.num_experts_per_tok, shape_.hidden_size,
+                                                       w.permuted.as<uint16_t>(), stream_));
+    }
     fp8_rows_quantized_ = false;
     own_problems_built_ = false;
-    run_experts(0, shape_.num_slots);
+    if (!gpu::ablated(gpu::AblatePart::kGateUp)) run_experts(0, shape_.num_slots);
     return;
   }
   route(logits, num_tokens);
@@ -1003,7 +1007,7 @@ void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, in
 
 void GpuMoeLayer::forward_experts(const uint16_t* x, int64_t num_tokens) {
   check_holds_all_slots();
-  router_logits(x, num_tokens);
+  if (!gpu::ablated(gpu::AblatePart::kRouter)) router_logits(x, num_tokens);
   experts_from_logits(x, ws().logits.as<float>(), num_tokens);
 }
 
