@@ -22,6 +22,7 @@
 // keys) at the queries it touches; the inputs make attention peaky (q scaled so scores spread over several
 // units), which keeps that far above both bounds.
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -273,10 +274,13 @@ class GpuPagedAttentionTest : public ::testing::Test {
   }
 
   // Poisons the output, plans, launches, returns the output.
-  std::vector<uint16_t> run(const HostBatch& b, bool force_cuda_cores, int max_q_len = -1) {
+  // `adjust` may change the plan before the launch (another decode path for the same splits).
+  std::vector<uint16_t> run(const HostBatch& b, bool force_cuda_cores, int max_q_len = -1,
+                            const std::function<void(PagedAttentionPlan&)>& adjust = {}) {
     DeviceBatch d(b);
     d.poison();
-    const PagedAttentionPlan plan = gpu::plan_paged_attention(shape_of(b, force_cuda_cores, max_q_len));
+    PagedAttentionPlan plan = gpu::plan_paged_attention(shape_of(b, force_cuda_cores, max_q_len));
+    if (adjust) adjust(plan);
     EXPECT_EQ(plan.tensor_cores, !force_cuda_cores && (b.spec.head_dim == 64 || b.spec.head_dim == 128));
     Buffer workspace(gpu::paged_attention_workspace_bytes(plan));
     EXPECT_EQ(gpu::launch_paged_attention(d.view, plan, workspace.as<void>(), workspace.bytes(), stream_), cudaSuccess);
@@ -331,7 +335,15 @@ class GpuPagedAttentionTest : public ::testing::Test {
     const std::vector<uint16_t> ref = reference_output(b);
     const bool has_mma = spec.head_dim == 64 || spec.head_dim == 128;
     expect_matches(b, run(b, /*force_cuda_cores=*/true), ref, false, spec.name() + " cuda cores");
-    if (has_mma) expect_matches(b, run(b, false), ref, true, spec.name() + " tensor cores");
+    if (!has_mma) return;
+    const std::vector<uint16_t> tensor = run(b, false);
+    expect_matches(b, tensor, ref, true, spec.name() + " tensor cores");
+    // The other decode paths for the same splits: page ids and K / V read after the wait (the same arithmetic, so
+    // the same bits), and splits merged through the workspace by the last CTA instead of inside a cluster.
+    EXPECT_EQ(count_differences(run(b, false, -1, [](PagedAttentionPlan& p) { p.early_kv = false; }), tensor), 0)
+        << "K / V read after the wait";
+    expect_matches(b, run(b, false, -1, [](PagedAttentionPlan& p) { p.decode_cluster = 1; }), ref, true,
+                   spec.name() + " tensor cores, splits merged through the workspace");
   }
 
   cudaStream_t stream_ = nullptr;
@@ -485,9 +497,17 @@ TEST_F(GpuPagedAttentionTest, LauncherRefusesMismatches) {
   EXPECT_EQ(gpu::launch_paged_attention(other, plan, workspace.as<void>(), bytes, stream_), cudaErrorInvalidValue);
   EXPECT_EQ(gpu::launch_paged_attention(d.view, plan, workspace.as<void>(), bytes - 1, stream_), cudaErrorInvalidValue);
   ASSERT_GT(plan.decode_splits, 1);
+  PagedAttentionPlan no_cluster = plan;  // splits merged through the workspace need their counters
+  no_cluster.decode_cluster = 1;
+  const size_t no_cluster_bytes = gpu::paged_attention_workspace_bytes(no_cluster);
+  Buffer no_cluster_workspace(no_cluster_bytes);
   other = d.view;
-  other.split_counters = nullptr;  // decode splits need their counters
-  EXPECT_EQ(gpu::launch_paged_attention(other, plan, workspace.as<void>(), bytes, stream_), cudaErrorInvalidValue);
+  other.split_counters = nullptr;
+  EXPECT_EQ(gpu::launch_paged_attention(other, no_cluster, no_cluster_workspace.as<void>(), no_cluster_bytes, stream_),
+            cudaErrorInvalidValue);
+  PagedAttentionPlan bad_cluster = plan;  // a cluster must hold the splits of one (sequence, kv head)
+  bad_cluster.decode_cluster = plan.decode_splits + 1;
+  EXPECT_EQ(gpu::launch_paged_attention(d.view, bad_cluster, workspace.as<void>(), bytes, stream_), cudaErrorInvalidValue);
   EXPECT_EQ(gpu::launch_paged_attention(d.view, plan, workspace.as<unsigned char>() + 16, bytes, stream_),
             cudaErrorInvalidValue);
   PagedAttentionShape odd = shape_of(b, false);
@@ -510,9 +530,22 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   s.max_q_len = 1;
   PagedAttentionPlan p = gpu::plan_paged_attention(s);
   EXPECT_TRUE(p.tensor_cores);
-  EXPECT_EQ(p.decode_splits, 32);  // 4 kv heads x 32 splits of 64 keys = 128 CTAs: one wave on 132 SMs
+  // Up to 2048 planned positions the splits are cut to one cluster: 4 kv heads x 8 splits of 256 keys = 32 CTAs,
+  // merged in DSMEM (no workspace), every tile in flight (4 stages: one wave).
+  EXPECT_EQ(p.decode_splits, 8);
+  EXPECT_EQ(p.decode_cluster, 8);
+  EXPECT_EQ(p.decode_stages, 4);
+  EXPECT_TRUE(p.early_kv);
   EXPECT_EQ(p.prefill_tiles, 0);
-  EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), size_t{32} * 32 * 128 * 4 + size_t{32} * 32 * 4);
+  EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), 0u);
+
+  s.max_kv_len = 4096;  // longer: 33 splits of 128 keys (132 CTAs: one per SM), merged through the workspace
+  p = gpu::plan_paged_attention(s);
+  EXPECT_EQ(p.decode_splits, 33);
+  EXPECT_EQ(p.decode_cluster, 1);
+  EXPECT_EQ(p.decode_stages, 2);
+  EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), (size_t{33} * 32 * 128 * 4 + size_t{33} * 32 * 4 + 255) / 256 * 256);
+  s.max_kv_len = 2048;
 
   s.num_seqs = s.num_tokens = 64;
   p = gpu::plan_paged_attention(s);
@@ -521,6 +554,8 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   s.num_seqs = s.num_tokens = 16;
   p = gpu::plan_paged_attention(s);
   EXPECT_EQ(p.decode_splits, 3);  // 16 x 4 = 64 CTAs, 3 splits: 192 (one wave at 1-2 per SM)
+  EXPECT_EQ(p.decode_cluster, 3);
+  EXPECT_EQ(p.decode_stages, 2);  // more CTAs than SMs: two stages keep 3 resident per SM
 
   s.num_seqs = s.num_tokens = 256;
   p = gpu::plan_paged_attention(s);

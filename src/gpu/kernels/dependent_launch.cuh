@@ -27,20 +27,35 @@ __device__ __forceinline__ void wait_then_release() {
 #endif
 }
 
+// The launch with programmatic stream serialization; `cluster_z` > 1 also groups the grid's blocks into thread block
+// clusters of (1, 1, cluster_z) (the grid's z must be a multiple of it).
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
-                             Args&&... args) {
+cudaError_t launch_dependent_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                                       cudaStream_t stream, unsigned cluster_z, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = dependent_launch_enabled() ? 1 : 0;
-  config.attrs = &attribute;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = dependent_launch_enabled() ? 1 : 0;
+  config.attrs = attributes;
   config.numAttrs = 1;
+  if (cluster_z > 1) {
+    attributes[1].id = cudaLaunchAttributeClusterDimension;
+    attributes[1].val.clusterDim.x = 1;
+    attributes[1].val.clusterDim.y = 1;
+    attributes[1].val.clusterDim.z = cluster_z;
+    config.numAttrs = 2;
+  }
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                             Args&&... args) {
+  return launch_dependent_clustered(kernel, grid, block, shared_bytes, stream, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace fulcrum::gpu

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "gpu/kernels/paged_attention.hpp"
+#include "gpu/env_switch.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/paged_attention_work.cuh"
 
@@ -39,6 +40,27 @@ int decode_ctas_per_sm() {
   return per_sm;
 }
 
+// Measurement switches (read once): FULCRUM_ATTENTION_CLUSTER=0 merges every decode split through the workspace
+// (and keeps the splits uncut), FULCRUM_ATTENTION_EARLY_KV=0 reads page ids and cached K / V after the wait,
+// FULCRUM_ATTENTION_DECODE_STAGES=2, 3 or 4 forces the decode kernel's stages (4 only with clusters).
+bool decode_cluster_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_ATTENTION_CLUSTER");
+  return enabled;
+}
+bool early_kv_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_ATTENTION_EARLY_KV");
+  return enabled;
+}
+int forced_decode_stages() {
+  static const int forced = [] {
+    const char* value = std::getenv("FULCRUM_ATTENTION_DECODE_STAGES");
+    if (value == nullptr) return 0;
+    const int v = std::atoi(value);
+    return v >= 2 && v <= 4 ? v : 0;
+  }();
+  return forced;
+}
+
 size_t align_up(size_t bytes) {
   return (bytes + kPagedAttentionWorkspaceAlign - 1) / kPagedAttentionWorkspaceAlign * kPagedAttentionWorkspaceAlign;
 }
@@ -50,7 +72,8 @@ struct WorkspaceLayout {
 WorkspaceLayout workspace_layout(const PagedAttentionPlan& plan) {
   const PagedAttentionShape& s = plan.shape;
   const size_t per_row = static_cast<size_t>(s.num_heads);  // (row, split) entries have num_heads heads
-  const size_t decode_rows = plan.decode_splits > 1 ? static_cast<size_t>(s.num_seqs) * plan.decode_splits : 0;
+  const size_t decode_rows =
+      plan.decode_splits > 1 && plan.decode_cluster == 1 ? static_cast<size_t>(s.num_seqs) * plan.decode_splits : 0;
   const size_t prefill_rows =
       plan.prefill_tiles > 0 && plan.prefill_splits > 1 ? static_cast<size_t>(s.num_tokens) * plan.prefill_splits : 0;
   WorkspaceLayout w;
@@ -112,6 +135,22 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   const int64_t decode_target = int64_t{decode_ctas_per_sm()} * std::max(1, s.num_sms);
   plan.decode_splits = static_cast<int>(std::clamp<int64_t>(ceil_div64(decode_target, decode_ctas), 1,
                                                             std::min<int64_t>(kPagedAttentionMaxSplits, splits_by_len)));
+  // Clusters (tensor cores): up to kPagedAttentionClusterMaxKv planned positions the splits are cut to one cluster
+  // (each then holds up to four 64-key tiles, all in flight at once when the grid fits one wave), so a small
+  // batch merges through DSMEM instead of a fence, an atomic and a read of the workspace from L2.
+  const bool clusters = plan.tensor_cores && decode_cluster_enabled();
+  if (clusters && plan.decode_splits > kPagedAttentionMaxCluster && s.max_kv_len <= kPagedAttentionClusterMaxKv) {
+    plan.decode_splits = kPagedAttentionMaxCluster;
+  }
+  plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= kPagedAttentionMaxCluster
+                            ? plan.decode_splits
+                            : 1;
+  const bool one_wave = decode_ctas * plan.decode_splits <= std::max(1, s.num_sms);
+  plan.decode_stages = plan.decode_splits == 1 ? 3 : plan.decode_cluster > 1 && one_wave ? 4 : 2;
+  if (forced_decode_stages() != 0 && (forced_decode_stages() < 4 || plan.decode_cluster > 1)) {
+    plan.decode_stages = forced_decode_stages();
+  }
+  plan.early_kv = plan.tensor_cores && early_kv_enabled();
 
   if (std::min(s.max_q_len, s.num_tokens) >= 2) {
     // Tiles of sequences with n_s >= 2: sum of ceil(n_s G / rows) <= ceil(T G / rows) + (such sequences).
@@ -143,7 +182,7 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   if (!aligned16(batch.q) || !aligned16(batch.out) || !aligned16(batch.k_pool) || !aligned16(batch.v_pool)) {
     return cudaErrorInvalidValue;
   }
-  if (plan.decode_splits > 1 && batch.split_counters == nullptr) return cudaErrorInvalidValue;
+  if (plan.decode_splits > 1 && plan.decode_cluster == 1 && batch.split_counters == nullptr) return cudaErrorInvalidValue;
 
   unsigned char* ws = static_cast<unsigned char*>(workspace);
   Params p{};
@@ -163,6 +202,9 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
   p.scale_log2 = batch.sm_scale * 1.4426950408889634f;
   p.decode_splits = plan.decode_splits;
   p.split_counters = batch.split_counters;
+  p.decode_cluster = plan.decode_cluster;
+  p.decode_stages = plan.decode_stages;
+  p.early_kv = plan.early_kv;
   p.prefill_splits = plan.prefill_splits;
   p.prefill_rows = plan.prefill_rows;
   if (layout.total > 0) {

@@ -31,6 +31,8 @@ namespace fulcrum::gpu {
 constexpr int kPagedAttentionMaxGroup = 16;  // num_heads / num_kv_heads: the decode rows of one 16-row tile
 constexpr int kPagedAttentionMaxSplits = 64;
 constexpr int kPagedAttentionSplitAlign = 64;          // keys of a split: a multiple of this (except the last)
+constexpr int kPagedAttentionMaxCluster = 8;           // decode splits merged in one cluster (the portable size)
+constexpr int kPagedAttentionClusterMaxKv = 2048;      // planned kv length up to which decode splits are cut to fit one
 constexpr size_t kPagedAttentionWorkspaceAlign = 256;  // the workspace pointer's alignment
 
 constexpr bool paged_attention_supports_head_dim(int head_dim) {
@@ -54,6 +56,12 @@ struct PagedAttentionPlan {
   PagedAttentionShape shape;  // what was planned for; the launcher checks the batch against it
   bool tensor_cores = false;  // mma.sync kernels (head_dim 64 / 128) or the CUDA-core ones
   int decode_splits = 1;      // grid z of the decode launch: at most this many KV splits per 1-token sequence
+  // > 1 (= decode_splits): the splits of a (sequence, kv head) run as one thread block cluster and merge their
+  // partials through distributed shared memory (no workspace, no counters); 1: the last split to finish merges
+  // them from the workspace (AttentionBatch::split_counters).
+  int decode_cluster = 1;
+  int decode_stages = 2;      // K / V tiles of 64 keys in flight per decode CTA (tensor cores: 2, 3 or 4)
+  bool early_kv = true;       // decode CTAs load page ids and cached K / V before waiting for the kernel before
   int prefill_rows = 0;       // query rows (token x group head) per prefill CTA: 64 tensor cores, 16 CUDA cores
   int prefill_tiles = 0;      // grid x of the prefill launch (a bound on the batch's tiles); 0: no prefill launch
   int prefill_splits = 1;     // grid z of the prefill launch: at most this many KV splits per tile

@@ -3,18 +3,21 @@
 //
 // A CTA (4 warps) holds up to 16 * kWarpsM query rows of one kv head and walks its key range in tiles of 64
 // positions, K and V staged in shared memory by cp.async (16-byte copies, positions past the range zero-filled; two
-// stages for prefill, two or three for decode: decode_stages) and read by ldmatrix from an XOR-swizzled layout
+// stages for prefill, two to four for decode: PagedAttentionPlan::decode_stages) and read by ldmatrix from an XOR-swizzled layout
 // (16-byte chunk c of key k at c ^ (k % 8): no bank conflicts). Each warp owns 16 rows; Q stays in registers as
 // mma A fragments, S = Q K^T in fp32 accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the
 // A fragment of O += P V (the row sum l adds the rounded values, so O / l is a weighted mean with the weights
 // actually used).
 //   prefill: kWarpsM = 4 (64 rows), every warp takes the whole 64-key tile;
 //   decode:  kWarpsM = 1 (the group's q heads, <= 16 rows), the 4 warps take 16 keys each of every tile and
-//            their (m, l, O) are merged through shared memory at the end, warps in order; with KV splits the
-//            last split's CTA merges the splits (finish_decode_splits).
-#include <cstdlib>
-#include <cstring>
-
+//            their (m, l, O) are merged through shared memory at the end, warps in order; with KV splits either
+//            the splits of a (sequence, kv head) form one thread block cluster and each CTA merges some of the
+//            rows from its peers' shared memory (kCluster), or the last split's CTA merges them from the workspace
+//            (finish_decode_splits). With p.early_kv a decode CTA finds its work, reads the page ids and starts
+//            the copies of its first tiles before griddepcontrol.wait: none of that is written by this step's
+//            earlier kernels (the step's inputs were copied before its first kernel, and every position below
+//            kv_len - 1 was appended by an earlier step); Q and the new key's K / V row are read after it.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include "gpu/kernels/paged_attention_ptx.cuh"
@@ -26,7 +29,7 @@ namespace {
 
 constexpr int kTileKeys = 64;
 
-template <int D, bool kDecode, int kPipeStages>
+template <int D, bool kDecode, int kPipeStages, bool kCluster = false>
 struct MmaConfig {
   static constexpr int kWarpsM = kDecode ? 1 : 4;
   static constexpr int kWarpsN = kDecode ? 4 : 1;
@@ -36,7 +39,9 @@ struct MmaConfig {
   static constexpr int kOStride = D + 4;                 // fp32 row stride of the decode merge buffer
   static constexpr int kStages = kPipeStages;
   static constexpr size_t kPipeBytes = size_t{kStages} * 2 * kStageElems * sizeof(uint16_t);  // K and V stages
-  static constexpr size_t kMergeBytes = kDecode ? size_t{kWarpsN} * 16 * (kOStride + 2) * sizeof(float) : 0;
+  static constexpr size_t kWarpMergeFloats = size_t{kWarpsN} * 16 * (kOStride + 2);  // m, l, O of each warp
+  static constexpr size_t kClusterFloats = kCluster ? size_t{16} * (D + 1) : 0;         // the CTA's O rows, lse
+  static constexpr size_t kMergeBytes = kDecode ? (kWarpMergeFloats + kClusterFloats) * sizeof(float) : 0;
   static constexpr size_t kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(D == 64 || D == 128, "the swizzle needs >= 8 chunks per row; registers cap D at 128");
   static_assert(kWarpsM * kWarpsN * 32 == kThreads);
@@ -48,14 +53,27 @@ __device__ __forceinline__ int swizzled(int key, int chunk) {
   return key * D + ((chunk ^ (key & 7)) << 3);
 }
 
-template <int D, bool kDecode, int kStages>
+template <int D, bool kDecode, int kStages, bool kCluster>
 __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p) {
-  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
-  using Cfg = MmaConfig<D, kDecode, kStages>;
+  static_assert(!kCluster || kDecode);
+  namespace cg = cooperative_groups;
+  const bool early = kDecode && p.early_kv;
+  if (!early) wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
+  using Cfg = MmaConfig<D, kDecode, kStages, kCluster>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int scratch[kThreads / 32 + 2];
   const WorkItem w = find_work<kDecode>(p, scratch);
-  if (!w.valid) return;
+  // The CTAs of a cluster share one (sequence, kv head): all of them take part in its two cluster barriers when the
+  // sequence decodes, those without keys too (their peers only wait for them).
+  const bool in_cluster = kCluster && w.n == 1;
+  if (!w.valid) {
+    if (early) wait_then_release();
+    if (in_cluster) {
+      cg::this_cluster().sync();
+      cg::this_cluster().sync();
+    }
+    return;
+  }
 
   constexpr int S = Cfg::kStages;
   uint16_t* const k_tiles = reinterpret_cast<uint16_t*>(smem);  // [S][kTileKeys][D], swizzled
@@ -76,28 +94,19 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
     // Padding rows (Q = 0) keep every key of the range, so they stay finite; they are never stored.
     last[half] = row_ok[half] ? w.kv_len - w.n + row[half] / G : 0x7fffffff;
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t* q_row =
-        reinterpret_cast<const uint32_t*>(p.q + (row_token(w, row[half], G) * H + row_head(w, row[half], G)) * D);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      qf[kk][half] = row_ok[half] ? q_row[8 * kk + tq] : 0u;          // a0a1 / a2a3: d = 16 kk + 2 tq
-      qf[kk][2 + half] = row_ok[half] ? q_row[8 * kk + 4 + tq] : 0u;  // a4a5 / a6a7: d + 8
-    }
-  }
-
   // K / V tile loader: thread tid copies chunk tid % kChunks of keys tid / kChunks + i * (kThreads / kChunks),
   // from the pool offsets that key_offset holds for the tile (-1: past the range, zero-filled).
   const int64_t pool_stride = static_cast<int64_t>(p.num_kv_heads) * D;
   const uint16_t* const k_head = p.k_pool + static_cast<int64_t>(w.kv_head) * D;
   const uint16_t* const v_head = p.v_pool + static_cast<int64_t>(w.kv_head) * D;
-  const auto load_tile = [&](int stage, const int64_t* offsets) {
+  // `skip`: a key of the tile not copied (the new key, before the wait; -1: none).
+  const auto load_tile = [&](int stage, const int64_t* offsets, int skip) {
     constexpr int kKeysPerPass = kThreads / Cfg::kChunks;
     const int chunk = tid % Cfg::kChunks;
 #pragma unroll
     for (int pass = 0; pass < kTileKeys / kKeysPerPass; ++pass) {
       const int key = tid / Cfg::kChunks + pass * kKeysPerPass;
+      if (key == skip) continue;
       const int64_t offset = offsets[key];
       const bool ok = offset >= 0;
       const int64_t at = (ok ? offset : 0) + chunk * 8;
@@ -129,19 +138,50 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's columns only, summed at the end
 
   // Tile t goes to stage t % S; tiles 0 .. S - 2 are loaded ahead, one copy group each (empty past the range).
+  // Before the wait (early) the new key is left out; it is the last key of the range, so its tile is the last.
+  const int new_key = early && w.key_end == w.kv_len ? w.kv_len - 1 - w.key_begin : -1;  // in the range
+  const int new_tile = new_key >= 0 ? new_key / kTileKeys : -1;
 #pragma unroll
   for (int t = 0; t + 1 < S; ++t) {
-    if (t < num_tiles) load_tile(t, key_offset[t]);
+    if (t < num_tiles) load_tile(t, key_offset[t], t == new_tile ? new_key % kTileKeys : -1);
+    cp_async_commit();
+  }
+  if (early) wait_then_release();  // Q and the new key's row come from the kernel before
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t* q_row =
+        reinterpret_cast<const uint32_t*>(p.q + (row_token(w, row[half], G) * H + row_head(w, row[half], G)) * D);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      qf[kk][half] = row_ok[half] ? q_row[8 * kk + tq] : 0u;          // a0a1 / a2a3: d = 16 kk + 2 tq
+      qf[kk][2 + half] = row_ok[half] ? q_row[8 * kk + 4 + tq] : 0u;  // a4a5 / a6a7: d + 8
+    }
+  }
+
+  if (new_tile >= 0 && new_tile + 1 < S) {
+    // The new key's row into its stage, in a group of its own (waited for with every group at the last tile).
+    if (tid < Cfg::kChunks) {
+      const int key = new_key % kTileKeys;
+      const int64_t at = key_offset[new_tile][key] + tid * 8;
+      const int dst = new_tile * Cfg::kStageElems + swizzled<D>(key, tid);
+      cp_async_16(k_tiles + dst, k_head + at, true);
+      cp_async_16(v_tiles + dst, v_head + at, true);
+    }
     cp_async_commit();
   }
   for (int it = 0; it < num_tiles; ++it) {
     const int ahead = it + S - 1;  // its stage held tile it - 1, whose math ended with the last __syncthreads
-    if (ahead < num_tiles) load_tile(ahead % S, key_offset[ahead % S]);
+    if (ahead < num_tiles) load_tile(ahead % S, key_offset[ahead % S], -1);
     cp_async_commit();
     const bool fetch = tid < kTileKeys && it + S < num_tiles;
     const int next_pos = w.key_begin + (it + S) * kTileKeys + tid;
     const int next_page = fetch ? page_of(next_pos) : 0;  // used after this tile's math
-    cp_async_wait<S - 1>();  // tile it has landed (the S - 1 later groups may still be in flight)
+    // Tile it has landed (the S - 1 later groups may still be in flight; at the last tile, every group).
+    if (it + 1 == num_tiles) {
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<S - 1>();
+    }
     __syncthreads();
     const uint16_t* const ks = k_tiles + (it % S) * Cfg::kStageElems;
     const uint16_t* const vs = v_tiles + (it % S) * Cfg::kStageElems;
@@ -258,6 +298,8 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
     float* const merge_m = reinterpret_cast<float*>(smem);  // [kWarpsN][16]
     float* const merge_l = merge_m + Cfg::kWarpsN * 16;     // [kWarpsN][16]
     float* const merge_o = merge_l + Cfg::kWarpsN * 16;     // [kWarpsN][16][kOStride]
+    float* const cluster_o = merge_m + Cfg::kWarpMergeFloats;  // kCluster: [16][D] this split's rows, then lse [16]
+    float* const cluster_lse = cluster_o + 16 * D;
     __syncthreads();  // every warp is done reading the K / V stages this buffer overlays
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -305,6 +347,12 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
                                           pack_bf16(val[dd + 4], val[dd + 5]), pack_bf16(val[dd + 6], val[dd + 7]));
           *reinterpret_cast<uint4*>(dst + dd) = packed;
         }
+      } else if constexpr (kCluster) {
+#pragma unroll
+        for (int dd = 0; dd < kPerThread; dd += 4) {
+          *reinterpret_cast<float4*>(cluster_o + r * D + d0 + dd) = make_float4(val[dd], val[dd + 1], val[dd + 2], val[dd + 3]);
+        }
+        if (tid % 8 == 0) cluster_lse[r] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;
       } else {
         const int64_t slot = partial_slot(w, R, G, H);
         float* dst = w.part_o + slot * D + d0;
@@ -315,41 +363,68 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
         if (tid % 8 == 0) w.part_lse[slot] = l_all > 0.0f ? m_all + log2f(l_all) : -INFINITY;
       }
     }
-    if (w.num_splits > 1) {
+    if constexpr (kCluster) {
+      // Every split's rows are in its CTA's shared memory after the first barrier; rank z merges rows z, z + Z, ...
+      // (thread d: dimension d), splits in order with the weights of merge_head_splits; the second barrier keeps
+      // each CTA's shared memory alive until its peers have read it.
+      cg::cluster_group cluster = cg::this_cluster();
+      cluster.sync();
+      if (w.num_splits > 1 && tid < D) {
+        const int d = tid;
+        for (int r2 = static_cast<int>(cluster.block_rank()); r2 < w.row_end - w.row_begin;
+             r2 += static_cast<int>(cluster.num_blocks())) {
+          float lse[kPagedAttentionMaxCluster];
+          float max_lse = -INFINITY;
+#pragma unroll
+          for (int z = 0; z < kPagedAttentionMaxCluster; ++z) {
+            lse[z] = z < w.num_splits ? *cluster.map_shared_rank(cluster_lse + r2, z) : -INFINITY;
+            max_lse = fmaxf(max_lse, lse[z]);
+          }
+          const float base = max_lse == -INFINITY ? 0.0f : max_lse;
+          float total = 0.0f, acc = 0.0f;
+#pragma unroll
+          for (int z = 0; z < kPagedAttentionMaxCluster; ++z) {
+            if (z < w.num_splits) {
+              const float wz = exp2f(lse[z] - base);
+              total += wz;
+              acc += wz * *cluster.map_shared_rank(cluster_o + r2 * D + d, z);
+            }
+          }
+          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+          const int R = w.row_begin + r2;
+          p.out[(row_token(w, R, G) * H + row_head(w, R, G)) * D + d] = f32_to_bf16(acc * inv);
+        }
+      }
+      cluster.sync();
+    } else if (w.num_splits > 1) {
       __shared__ float merge_weights[kThreads / 32][kPagedAttentionMaxSplits];
       finish_decode_splits(p, w, D, merge_weights);
     }
   }
 }
 
-template <int D, bool kDecode, int kStages>
+template <int D, bool kDecode, int kStages, bool kCluster = false>
 cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr size_t kSmem = MmaConfig<D, kDecode, kStages>::kSmemBytes;
-  cudaError_t status = cudaFuncSetAttribute(mma_attention_kernel<D, kDecode, kStages>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  constexpr size_t kSmem = MmaConfig<D, kDecode, kStages, kCluster>::kSmemBytes;
+  const auto kernel = mma_attention_kernel<D, kDecode, kStages, kCluster>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (status != cudaSuccess) return status;
-  return launch_dependent(mma_attention_kernel<D, kDecode, kStages>, grid, dim3(kThreads), kSmem, stream, p);
+  return launch_dependent_clustered(kernel, grid, dim3(kThreads), kSmem, stream, kCluster ? grid.z : 1u, p);
 }
 
-// K / V stages of the decode kernel. Three (at D 128, 96 KB: two CTAs per SM, two tiles in flight each) when the
-// plan does not split the keys: then the CTAs are few per SM and each walks a whole context, waiting on HBM. Two
-// (64 KB, three CTAs per SM) when it splits them. Measured on one H200 (bench/results/attention_decode_stages_*,
-// 30B-A3B decode steps): three stages 3.2% faster at batch 64 context 2048 (one split), within 0.3% at batch 16
-// (three splits), 0.2-1.1% slower at batch 1 and 4 (eight splits and more). FULCRUM_ATTENTION_DECODE_STAGES=2 or 3
-// (read once) forces one for measurement.
-int decode_stages(const Params& p) {
-  static const int forced = [] {
-    const char* value = std::getenv("FULCRUM_ATTENTION_DECODE_STAGES");
-    if (value == nullptr) return 0;
-    return std::strcmp(value, "2") == 0 ? 2 : std::strcmp(value, "3") == 0 ? 3 : 0;
-  }();
-  if (forced != 0) return forced;
-  return p.decode_splits == 1 ? 3 : 2;
-}
-
+// The decode kernel as planned (PagedAttentionPlan::decode_stages, decode_cluster): with clusters 4 stages (one
+// wave: every tile of a split of up to 256 keys in flight) or 2, without them 3 (no split: few CTAs, each walking
+// a whole context) or 2. Three stages were measured 3.2% faster at batch 64 context 2048 (one split), within 0.3%
+// at batch 16, 0.2-1.1% slower at batch 1 and 4 (bench/results/attention_decode_stages_*).
 template <int D>
 cudaError_t launch_decode(const Params& p, dim3 grid, cudaStream_t stream) {
-  return decode_stages(p) == 2 ? launch_mma<D, true, 2>(p, grid, stream) : launch_mma<D, true, 3>(p, grid, stream);
+  if (p.decode_cluster > 1) {
+    if (static_cast<int>(grid.z) != p.decode_cluster || p.decode_cluster > kPagedAttentionMaxCluster) {
+      return cudaErrorInvalidValue;
+    }
+    return p.decode_stages == 4 ? launch_mma<D, true, 4, true>(p, grid, stream) : launch_mma<D, true, 2, true>(p, grid, stream);
+  }
+  return p.decode_stages == 3 ? launch_mma<D, true, 3>(p, grid, stream) : launch_mma<D, true, 2>(p, grid, stream);
 }
 
 }  // namespace

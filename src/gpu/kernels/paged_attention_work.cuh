@@ -34,6 +34,9 @@ struct Params {
   float* decode_lse;
   int decode_splits;
   int32_t* split_counters;   // [S][Hkv]: finished decode splits (AttentionBatch::split_counters)
+  int decode_cluster;        // > 1: the decode_splits CTAs of a (sequence, kv head) are one cluster, merged in DSMEM
+  int decode_stages;         // K / V stages of the decode kernel (PagedAttentionPlan::decode_stages)
+  bool early_kv;             // decode: cached K / V tiles and page ids read before the wait (PagedAttentionPlan)
   float* prefill_o;
   float* prefill_lse;
   int prefill_splits;
