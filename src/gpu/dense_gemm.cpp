@@ -2,18 +2,13 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <tuple>
 #include <vector>
-
-#include <cublasLt.h>
 
 #include <fmt/format.h>
 
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
 #include "gpu/cutlass/grouped_gemm_fp8.hpp"
-#include "gpu/env_switch.hpp"
 #include "gpu/kernels/fp8_quant.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/moe/moe_kernels.hpp"
@@ -22,70 +17,7 @@ namespace fulcrum::gpu {
 namespace {
 // cuBLAS's recommendation for Hopper is 32 MiB; a captured graph must not make cuBLAS allocate.
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
-
-bool lt_enabled() {
-  static const bool enabled = env_switch_on("FULCRUM_DENSE_GEMM_LT");
-  return enabled;
-}
 }  // namespace
-
-// cuBLASLt's descriptors and chosen algorithm per (m, n, k, output type). cublasGemmEx re-derives its choice on
-// every call and picked slower kernels for the engine's projections: measured on one H200 with W from HBM
-// (tests_cuda/gpu_dense_gemm_lt_timings_test.cpp, bench/results/dense_lt_timings_a561c53_h200.txt), cuBLASLt's first
-// heuristic took 10.6 against 12.4 us for QKV at 16 rows and 15.7 against 16.3 us for O. Creating the descriptors
-// and asking the heuristic touch no device memory, so a first call inside a graph capture is fine.
-struct LtGemmCache {
-  struct Plan {
-    cublasLtMatmulDesc_t op = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-    bool usable = false;  // the heuristic offered an algorithm
-  };
-  cublasLtHandle_t handle = nullptr;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int>, Plan> plans;
-
-  LtGemmCache() { FULCRUM_CUBLAS_CHECK(cublasLtCreate(&handle)); }
-  ~LtGemmCache() {
-    for (auto& [key, plan] : plans) {
-      if (plan.op != nullptr) cublasLtMatmulDescDestroy(plan.op);
-      for (cublasLtMatrixLayout_t l : {plan.a, plan.b, plan.c}) {
-        if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
-      }
-    }
-    if (handle != nullptr) cublasLtDestroy(handle);
-  }
-  LtGemmCache(const LtGemmCache&) = delete;
-  LtGemmCache& operator=(const LtGemmCache&) = delete;
-
-  // Column-major out^T [n, m] = W^T (op T on the column-major [k, n] view of W) x^T, as the cublasGemmEx call.
-  const Plan& plan_for(int64_t m, int64_t n, int64_t k, bool f32_out) {
-    const auto key = std::make_tuple(m, n, k, f32_out ? 1 : 0);
-    const auto found = plans.find(key);
-    if (found != plans.end()) return found->second;
-    Plan& plan = plans[key];
-    FULCRUM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-    FULCRUM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
-    FULCRUM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)));
-    FULCRUM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(n), k));
-    FULCRUM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, static_cast<uint64_t>(k), static_cast<uint64_t>(m), k));
-    FULCRUM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, f32_out ? CUDA_R_32F : CUDA_R_16BF, static_cast<uint64_t>(n),
-                                                    static_cast<uint64_t>(m), n));
-    cublasLtMatmulPreference_t preference = nullptr;
-    FULCRUM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
-    const size_t workspace = kWorkspaceBytes;
-    FULCRUM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                              &workspace, sizeof(workspace)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found_count = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.c, plan.c,
-                                                                 preference, 1, &result, &found_count);
-    cublasLtMatmulPreferenceDestroy(preference);
-    plan.usable = status == CUBLAS_STATUS_SUCCESS && found_count > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-    if (plan.usable) plan.algo = result.algo;
-    return plan;
-  }
-};
 
 DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity& fp8) : stream_(stream), fp8_(fp8) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
@@ -93,7 +25,6 @@ DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity
   FULCRUM_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
   FULCRUM_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
   FULCRUM_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kWorkspaceBytes));
-  if (lt_enabled()) lt_ = std::make_unique<LtGemmCache>();
   if (fp8_.max_rows <= 0) {
     fp8_ = {};
     return;
@@ -167,14 +98,6 @@ void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, 
   FULCRUM_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "dense GEMM [{}, {}] x [{}, {}]^T too large", m, k, n, k);
   // Row-major out [m, n] is column-major out^T [n, m] = W^T (op T on the column-major [k, n] view of W) x x^T.
   const float alpha = 1.0f, beta = 0.0f;
-  if (lt_ != nullptr) {
-    const LtGemmCache::Plan& plan = lt_->plan_for(m, n, k, out_type == GemmOut::kF32);
-    if (plan.usable) {
-      FULCRUM_CUBLAS_CHECK(cublasLtMatmul(lt_->handle, plan.op, &alpha, w, plan.a, x, plan.b, &beta, out, plan.c, out,
-                                          plan.c, &plan.algo, workspace_, kWorkspaceBytes, stream_));
-      return;
-    }
-  }
   FULCRUM_CUBLAS_CHECK(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
                                     static_cast<int>(k), &alpha, w, CUDA_R_16BF, static_cast<int>(k), x, CUDA_R_16BF,
                                     static_cast<int>(k), &beta, out, out_type == GemmOut::kF32 ? CUDA_R_32F : CUDA_R_16BF,

@@ -2,9 +2,7 @@
 // The engine's dense GEMMs (attention projections, dense MLP, LM head): row-major out [M, N] = x [M, K] @ W [N, K]^T,
 // fp32 accumulation, fp32 or bf16 output, on the engine's stream with fixed workspaces (so calls can be captured
 // in a CUDA graph).
-//   run:     bf16 W, through the skinny GEMM or cuBLASLt (its first heuristic algorithm for the shape, descriptors
-//            cached per (m, n, k, output type); cublasGemmEx where the heuristic offers none or
-//            FULCRUM_DENSE_GEMM_LT=0, for measurement).
+//   run:     bf16 W, through the skinny GEMM or cuBLAS.
 //   run_fp8: FP8 W (an FP8 checkpoint's projections, gpu/fp8_weight.hpp), x still bf16. Up to
 //            fp8_skinny_max_rows() rows the FP8 skinny GEMM (bf16 activations, no quantization; one launch per 8
 //            rows, the later ones reading the weight mostly from L2); more rows: x quantized per 1x128 block to e4m3
@@ -28,7 +26,6 @@ namespace fulcrum::gpu {
 enum class GemmOut { kF32, kBf16 };
 
 struct Fp8GroupedGemmLimits;
-struct LtGemmCache;
 
 // What run_fp8's quantized path (more than 8 rows) is sized for, fixed at construction: rows (the engine's
 // max tokens of a step), the widest K of an FP8 projection (the quantized x [max_rows, max_k] and its scales),
@@ -73,7 +70,6 @@ class DenseGemm {
   CUstream_st* stream_ = nullptr;
   cublasContext* handle_ = nullptr;
   void* workspace_ = nullptr;
-  std::unique_ptr<LtGemmCache> lt_;
   bool use_skinny_ = true;
   int64_t fp8_skinny_max_rows_ = kDefaultFp8SkinnyMaxRows;
 

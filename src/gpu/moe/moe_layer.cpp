@@ -540,18 +540,10 @@ void GpuMoeLayer::router_logits(const uint16_t* x, int64_t num_tokens) {
                 shape_.max_tokens);
   FULCRUM_CHECK(router_ != nullptr, "MoE layer: no router weights (external_weights: set_router_weights first)");
   if (num_tokens == 0) return;
-  // Up to kSkinnyRouterMaxRows tokens the skinny GEMM, 8 rows a launch (each row's logits are the same bits in any
-  // launch): the router is 0.5 MB, so these steps are latency-bound, and at 16 rows two skinny launches took 8.5 us
-  // against cuBLAS's 12.7 on one H200 (bench/results/dense_lt_timings_a561c53_h200.txt).
-  if (num_tokens <= kSkinnyRouterMaxRows && shape_.hidden_size % 8 == 0 &&
-      reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(router_) % 16 == 0 &&
-      (shape_.hidden_size * sizeof(uint16_t)) % 16 == 0) {
-    for (int64_t r = 0; r < num_tokens; r += gpu::kSkinnyGemmMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(gpu::kSkinnyGemmMaxRows, num_tokens - r));
-      FULCRUM_CUDA_CHECK(gpu::launch_skinny_gemm(x + r * shape_.hidden_size, router_, rows, shape_.num_experts,
-                                                 shape_.hidden_size, ws().logits.as<float>() + r * shape_.num_experts,
-                                                 nullptr, stream_));
-    }
+  if (num_tokens <= gpu::kSkinnyGemmMaxRows && shape_.hidden_size % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(router_) % 16 == 0) {
+    FULCRUM_CUDA_CHECK(gpu::launch_skinny_gemm(x, router_, static_cast<int>(num_tokens), shape_.num_experts,
+                                               shape_.hidden_size, ws().logits.as<float>(), nullptr, stream_));
     return;
   }
   // Row-major logits [T, E] = x [T, H] @ router [E, H]^T, i.e. column-major logits^T = router^T(op T) x.

@@ -7,7 +7,7 @@
 // Expert GEMMs: CUTLASS's grouped GEMM with the group sizes read on the device (gpu/cutlass/grouped_gemm.hpp,
 // ExpertGemm::kCutlass, the default for a layer holding all its slots), or cuBLAS, which takes the per-slot
 // row counts as host arrays; small steps of a layer holding all its slots take the skinny path
-// (kDefaultSkinnyMaxEntries). Router logits of up to kSkinnyRouterMaxRows tokens come from the skinny GEMM, else cuBLAS.
+// (kDefaultSkinnyMaxEntries). Router logits of up to 8 tokens come from the skinny GEMM, else cuBLAS.
 //
 // Host synchronization and CUDA graphs: with CUTLASS and static or dynamic replica choice, forward /
 // forward_from_logits issue only kernels, a device-to-device copy, a memset and cuBLAS's router GEMM on the
@@ -100,8 +100,6 @@ constexpr int64_t kDefaultSkinnyMaxEntries = 32;
 // bench/results/fused_cutlass_route_sweep_*_3cb94a5_h200.json): the single block 1.8% faster at 16 tokens, 0.8% at
 // 24, 0.7% at 32, 1.1% slower at 48 and 2.2% at 64, where one block routes 64 tokens in two rounds of its 32 warps.
 constexpr int64_t kFusedCutlassRouteMaxEntries = 256;
-// Tokens up to which the router logits come from the skinny GEMM (8 rows a launch), above it from cuBLAS.
-constexpr int64_t kSkinnyRouterMaxRows = 16;
 
 // A device allocation freed with the object.
 class DeviceBuffer {
