@@ -531,7 +531,7 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   PagedAttentionPlan p = gpu::plan_paged_attention(s);
   EXPECT_TRUE(p.tensor_cores);
   // Up to 2048 planned positions the splits are cut to one cluster: 4 kv heads x 8 splits of 256 keys = 32 CTAs,
-  // merged in DSMEM (no workspace), every tile in flight (4 stages: one wave).
+  // merged in DSMEM (no workspace), every tile in flight (4 stages: at most half the SMs busy).
   EXPECT_EQ(p.decode_splits, 8);
   EXPECT_EQ(p.decode_cluster, 8);
   EXPECT_EQ(p.decode_stages, 4);
@@ -555,7 +555,7 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   p = gpu::plan_paged_attention(s);
   EXPECT_EQ(p.decode_splits, 3);  // 16 x 4 = 64 CTAs, 3 splits: 192 (one wave at 1-2 per SM)
   EXPECT_EQ(p.decode_cluster, 3);
-  EXPECT_EQ(p.decode_stages, 2);  // more CTAs than SMs: two stages keep 3 resident per SM
+  EXPECT_EQ(p.decode_stages, 3);  // 192 CTAs: three stages, two resident per SM
 
   s.num_seqs = s.num_tokens = 256;
   p = gpu::plan_paged_attention(s);

@@ -145,8 +145,14 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= kPagedAttentionMaxCluster
                             ? plan.decode_splits
                             : 1;
-  const bool one_wave = decode_ctas * plan.decode_splits <= std::max(1, s.num_sms);
-  plan.decode_stages = plan.decode_splits == 1 ? 3 : plan.decode_cluster > 1 && one_wave ? 4 : 2;
+  // Stages with clusters: 4 (128 KB at head_dim 128, one CTA per SM) while the grid fills at most half the SMs,
+  // so every tile of a split of up to 256 keys is in flight; 3 (two CTAs per SM) up to two per SM; else 2.
+  const int64_t decode_grid = decode_ctas * plan.decode_splits, sms = std::max(1, s.num_sms);
+  plan.decode_stages = plan.decode_splits == 1    ? 3
+                       : plan.decode_cluster == 1 ? 2
+                       : 2 * decode_grid <= sms   ? 4
+                       : decode_grid <= 2 * sms   ? 3
+                                                  : 2;
   if (forced_decode_stages() != 0 && (forced_decode_stages() < 4 || plan.decode_cluster > 1)) {
     plan.decode_stages = forced_decode_stages();
   }

@@ -364,15 +364,14 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
       }
     }
     if constexpr (kCluster) {
-      // Every split's rows are in its CTA's shared memory after the first barrier; rank z merges rows z, z + Z, ...
-      // (thread d: dimension d), splits in order with the weights of merge_head_splits; the second barrier keeps
-      // each CTA's shared memory alive until its peers have read it.
+      // Every split's rows are in its CTA's shared memory after the first barrier; split z of the n with keys (its
+      // cluster rank) merges rows z, z + n, ... (thread d: dimension d), splits in order with the weights of
+      // merge_head_splits; the second barrier keeps each CTA's shared memory alive until its peers have read it.
       cg::cluster_group cluster = cg::this_cluster();
       cluster.sync();
       if (w.num_splits > 1 && tid < D) {
         const int d = tid;
-        for (int r2 = static_cast<int>(cluster.block_rank()); r2 < w.row_end - w.row_begin;
-             r2 += static_cast<int>(cluster.num_blocks())) {
+        for (int r2 = static_cast<int>(cluster.block_rank()); r2 < w.row_end - w.row_begin; r2 += w.num_splits) {
           float lse[kPagedAttentionMaxCluster];
           float max_lse = -INFINITY;
 #pragma unroll
@@ -412,9 +411,8 @@ cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
   return launch_dependent_clustered(kernel, grid, dim3(kThreads), kSmem, stream, kCluster ? grid.z : 1u, p);
 }
 
-// The decode kernel as planned (PagedAttentionPlan::decode_stages, decode_cluster): with clusters 4 stages (one
-// wave: every tile of a split of up to 256 keys in flight) or 2, without them 3 (no split: few CTAs, each walking
-// a whole context) or 2. Three stages were measured 3.2% faster at batch 64 context 2048 (one split), within 0.3%
+// The decode kernel as planned (PagedAttentionPlan::decode_stages, decode_cluster): with clusters 2, 3 or 4 stages,
+// without them 3 (no split: few CTAs, each walking a whole context) or 2. Three stages were measured 3.2% faster at batch 64 context 2048 (one split), within 0.3%
 // at batch 16, 0.2-1.1% slower at batch 1 and 4 (bench/results/attention_decode_stages_*).
 template <int D>
 cudaError_t launch_decode(const Params& p, dim3 grid, cudaStream_t stream) {
@@ -422,7 +420,11 @@ cudaError_t launch_decode(const Params& p, dim3 grid, cudaStream_t stream) {
     if (static_cast<int>(grid.z) != p.decode_cluster || p.decode_cluster > kPagedAttentionMaxCluster) {
       return cudaErrorInvalidValue;
     }
-    return p.decode_stages == 4 ? launch_mma<D, true, 4, true>(p, grid, stream) : launch_mma<D, true, 2, true>(p, grid, stream);
+    switch (p.decode_stages) {
+      case 4: return launch_mma<D, true, 4, true>(p, grid, stream);
+      case 3: return launch_mma<D, true, 3, true>(p, grid, stream);
+      default: return launch_mma<D, true, 2, true>(p, grid, stream);
+    }
   }
   return p.decode_stages == 3 ? launch_mma<D, true, 3>(p, grid, stream) : launch_mma<D, true, 2>(p, grid, stream);
 }
