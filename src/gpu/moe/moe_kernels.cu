@@ -264,31 +264,36 @@ __global__ void gather_rows_kernel(const uint16_t* x, const int32_t* row_token, 
   }
 }
 
-// One block of kSmallPlanThreads: counts in shared memory, block scans over the slots in chunks of the block
-// (offsets, and which slots have rows), then each entry's rank among the earlier entries of its slot.
+// One block of kThreads (kSmallPlanThreads, or kTinyPlanThreads for a step of at most that many entries): counts in
+// shared memory, block scans over the slots in chunks of the block (offsets, and which slots have rows), then each
+// entry's rank among the earlier entries of its slot. The outputs do not depend on the block size.
 constexpr int kSmallPlanThreads = 1024;
+// Decode steps of up to 4 tokens at top-8 (the skinny path's): a block of 4 warps, whose barriers and scans cost a
+// fraction of the 1024-thread block's on a step that has 8..32 entries.
+constexpr int kTinyPlanThreads = 128;
 // Where the entries' slots start in plan_smem: after counts [P] and first rows [P], rounded up to 4 int32 so that the
 // rank loop reads them 16 bytes at a time.
 __host__ __device__ constexpr int plan_entry_slot_offset(int num_slots) { return (2 * num_slots + 3) & ~3; }
 // plan_smem: [plan_entry_slot_offset(P) + N] int32. Every thread of the block calls it; slots may have been written
 // by this block (the caller synchronized after).
+template <int kThreads>
 __device__ __forceinline__ void small_permutation_block(const int32_t* slots, int num_entries, int top_k,
                                                         int num_slots, int32_t* slot_counts, int32_t* offsets,
                                                         int32_t* entry_row, int32_t* row_token, int32_t* active,
                                                         int32_t* plan_smem) {
-  using Scan = cub::BlockScan<int, kSmallPlanThreads>;
+  using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   int32_t* counts = plan_smem;                 // [P]
   int32_t* first_row = counts + num_slots;     // [P]
   int32_t* entry_slot = plan_smem + plan_entry_slot_offset(num_slots);  // [N], 16-byte aligned
   const int tid = static_cast<int>(threadIdx.x);
-  for (int q = tid; q < num_slots; q += kSmallPlanThreads) counts[q] = 0;
-  for (int e = tid; e < num_entries; e += kSmallPlanThreads) entry_slot[e] = slots[e];
+  for (int q = tid; q < num_slots; q += kThreads) counts[q] = 0;
+  for (int e = tid; e < num_entries; e += kThreads) entry_slot[e] = slots[e];
   __syncthreads();
-  for (int e = tid; e < num_entries; e += kSmallPlanThreads) atomicAdd(&counts[entry_slot[e]], 1);
+  for (int e = tid; e < num_entries; e += kThreads) atomicAdd(&counts[entry_slot[e]], 1);
   __syncthreads();
   int rows_before = 0, active_before = 0;
-  for (int base = 0; base < num_slots; base += kSmallPlanThreads) {
+  for (int base = 0; base < num_slots; base += kThreads) {
     const int q = base + tid;
     const int count = q < num_slots ? counts[q] : 0;
     int row = 0, rows_total = 0, rank = 0, active_total = 0;
@@ -314,7 +319,7 @@ __device__ __forceinline__ void small_permutation_block(const int32_t* slots, in
   // same words: broadcasts), unrolled so that several reads are in flight, where one slot a read made a
   // shared-memory round trip per earlier entry (up to 1023). Its own effect was not measured apart.
   const int4* slots4 = reinterpret_cast<const int4*>(entry_slot);
-  for (int e = tid; e < num_entries; e += kSmallPlanThreads) {
+  for (int e = tid; e < num_entries; e += kThreads) {
     const int slot = entry_slot[e];
     int rank = 0;
     const int quads = e / 4;
@@ -335,14 +340,15 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
     int32_t* entry_row, int32_t* row_token, int32_t* active) {
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   extern __shared__ __align__(16) int32_t plan_smem[];
-  small_permutation_block(slots, num_entries, top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
-                          plan_smem);
+  small_permutation_block<kSmallPlanThreads>(slots, num_entries, top_k, num_slots, slot_counts, offsets, entry_row,
+                                             row_token, active, plan_smem);
 }
 
 // Routing (static replicas) and the permutation of a small step in one block: warp w routes tokens w, w + 32, ...,
 // then the block permutes the slots it wrote. Dynamic shared memory: [plan_entry_slot_offset(P) + N] int32, then [E]
 // histogram counts.
-__global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
     const RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
     int32_t* row_token, int32_t* active) {
   gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
@@ -351,11 +357,11 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_route_permute_kernel(
   unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + plan_entry_slot_offset(num_slots) + num_entries);
   clear_histogram(a, s_hist);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t t = warp; t < a.num_tokens; t += kSmallPlanThreads / 32) route_token(a, t, lane, s_hist);
+  for (int64_t t = warp; t < a.num_tokens; t += kThreads / 32) route_token(a, t, lane, s_hist);
   flush_histogram(a, s_hist);
   __syncthreads();  // the slots written above, for the whole block
-  small_permutation_block(a.slots, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row, row_token, active,
-                          plan_smem);
+  small_permutation_block<kThreads>(a.slots, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row,
+                                    row_token, active, plan_smem);
 }
 
 // bf16(silu(gate) * up) in fp32, the one expression every SwiGLU kernel here evaluates (so their bits agree).
@@ -660,6 +666,12 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
                                row_token, active);
 }
 
+// FULCRUM_TINY_PLAN=0: the 1024-thread block for every small step (measurement; read once).
+static bool tiny_plan_enabled() {
+  static const bool enabled = gpu::env_switch_on("FULCRUM_TINY_PLAN");
+  return enabled;
+}
+
 cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
                                       int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream) {
   const int64_t num_entries = args.num_tokens * args.top_k;
@@ -670,10 +682,11 @@ cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, in
   const size_t smem = sizeof(int32_t) * (static_cast<size_t>(plan_entry_slot_offset(num_slots)) +
                                          static_cast<size_t>(num_entries)) +
                       (args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0);
-  cudaError_t status = cudaFuncSetAttribute(small_route_permute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem));
+  const bool tiny = num_entries <= kTinyPlanThreads / 4 && tiny_plan_enabled();
+  const auto kernel = tiny ? small_route_permute_kernel<kTinyPlanThreads> : small_route_permute_kernel<kSmallPlanThreads>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (status != cudaSuccess) return status;
-  return gpu::launch_dependent(small_route_permute_kernel, dim3(1), dim3(kSmallPlanThreads), smem, stream, args,
+  return gpu::launch_dependent(kernel, dim3(1), dim3(tiny ? kTinyPlanThreads : kSmallPlanThreads), smem, stream, args,
                                num_slots, slot_counts, offsets, entry_row, row_token, active);
 }
 
