@@ -91,17 +91,22 @@ def prefix_cache(doc):
 
 
 def sweep(doc):
-    """A tuning sweep: {"what", "command" or "commands", "runs_by_value" or "runs": {label: bench generate JSON}}."""
+    """A tuning sweep: {"what", "command" or "commands", "runs_by_value" or "runs": {label: bench generate JSON}}.
+    Columns are batches, or (batch, context) pairs when the runs cover several contexts."""
     by_label = doc.get("runs_by_value") or doc["runs"]
-    batches = sorted({r["batch"] for d in by_label.values() for r in d["runs"] if r["phase"] == "decode"})
+    decode = [r for d in by_label.values() for r in d["runs"] if r["phase"] == "decode"]
+    several = len({r["context"] for r in decode}) > 1
+    key = (lambda r: (r["batch"], r["context"])) if several else (lambda r: r["batch"])
+    columns = sorted({key(r) for r in decode}, key=lambda k: (k[1], k[0]) if several else k)
     commands = doc.get("commands") or [doc["command"]]
     print(f"{doc['what']}\n\nRun: " + "; ".join(f"`{c}`" for c in commands) + "\n")
-    print(row(["setting"] + [f"batch {b} ms/step (of roofline)" for b in batches]))
-    print(row(["---"] + ["---:"] * len(batches)))
+    print(row(["setting"] + [(f"batch {c[0]} context {c[1]}" if several else f"batch {c}") + " ms/step (of roofline)"
+                             for c in columns]))
+    print(row(["---"] + ["---:"] * len(columns)))
     for label, d in by_label.items():
-        cells = {r["batch"]: r for r in d["runs"] if r["phase"] == "decode"}
-        print(row([label] + [f"{cells[b]['ms_per_step']:.3f} ({100 * cells[b]['roofline_ms'] / cells[b]['ms_per_step']:.1f}%)"
-                             if b in cells else "" for b in batches]))
+        cells = {key(r): r for r in d["runs"] if r["phase"] == "decode"}
+        print(row([label] + [f"{cells[c]['ms_per_step']:.3f} ({100 * cells[c]['roofline_ms'] / cells[c]['ms_per_step']:.1f}%)"
+                             if c in cells else "" for c in columns]))
     print()
 
 

@@ -9,10 +9,11 @@
 //   decode  (n_s == 1): one CTA per (sequence, kv head, KV split) holds the group's q heads as the rows of one
 //           16-row tile, so every K/V row is read once for all of them;
 //   prefill (n_s >= 2): CTAs over tiles of query rows (row = token x group head; rows of one kv head), causal.
-// When a row's keys are cut into splits, each split writes (normalized partial output, log2-sum-exp) into the
-// workspace and they are merged in split order: for decode rows by the last CTA of the (sequence, kv head) to
-// finish (counted in AttentionBatch::split_counters; no third launch, which cost more than the attention itself at
-// batch 1), for prefill rows by a third launch. Splits cut positions at multiples of 64 chosen from
+// When a row's keys are cut into splits, each split makes (normalized partial output, log2-sum-exp) and they are
+// merged in split order: for decode rows inside the decode launch, either within a thread block cluster holding the
+// (sequence, kv head)'s splits (PagedAttentionPlan::decode_cluster: through distributed shared memory) or from the
+// workspace by the last CTA to finish (counted in AttentionBatch::split_counters; no third launch, which cost more
+// than the attention itself at batch 1); for prefill rows from the workspace by a third launch. Splits cut positions at multiples of 64 chosen from
 // kv_len and the plan alone, every sum runs in position order: the output does not depend on the page layout
 // (page ids, page size), bit for bit.
 //
@@ -68,8 +69,10 @@ struct PagedAttentionPlan {
 };
 
 // The plan from host values only. Decode splits aim at one CTA per SM, prefill splits at about four; each split
-// holds >= 64 positions (a lone decode sequence with 2048 positions and 4 kv heads: 32 splits of 64 keys, 128
-// CTAs; 16 sequences: 3 splits, 192 CTAs; 64 sequences: no split).
+// holds >= 64 positions; up to kPagedAttentionClusterMaxKv planned positions (tensor cores) decode splits are cut to
+// kPagedAttentionMaxCluster and merged in a cluster (a lone decode sequence with 2048 positions and 4 kv heads: 8
+// splits of 256 keys, 32 CTAs; with 4096: 33 splits of 128, merged through the workspace; 16 sequences: 3 splits in
+// clusters of 3, 192 CTAs; 64 sequences: no split).
 // An unsupported shape (head_dim, group above kPagedAttentionMaxGroup, num_heads % num_kv_heads) gives a plan
 // that the launcher refuses.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
@@ -84,7 +87,8 @@ size_t paged_attention_workspace_bytes(const PagedAttentionPlan& plan);
 // tokens is not computed. The workspace (device, 256-byte aligned, at least paged_attention_workspace_bytes) is
 // scratch, overwritten; q, out, k_pool and v_pool must be 16-byte aligned.
 // cudaErrorInvalidValue for a batch that does not match the plan, an unsupported shape, page_size < 1, a
-// small / misaligned workspace or decode splits without split_counters; otherwise the launch status.
+// small / misaligned workspace, decode splits merged through the workspace without split_counters, or a cluster
+// size other than the decode splits; otherwise the launch status.
 cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAttentionPlan& plan, void* workspace,
                                    size_t workspace_bytes, CUstream_st* stream);
 
