@@ -58,29 +58,29 @@ __device__ __forceinline__ void route_token(const RouterArgs& a, int64_t t, int 
   for (int i = 0; i < kLogitsPerLane; ++i) {
     prob[i] = lane + 32 * i < num_experts ? static_cast<float>(ex[i] / denom) : -1.0f;
   }
-  // k rounds of warp-wide argmax; ties go to the lower expert index, as the CPU's sort.
+  // k rounds of warp-wide argmax; ties go to the lower expert index, as the CPU's sort. A probability (>= 0)
+  // orders as its bits, so each round is two warp reductions (redux.sync): the largest key (bits + 1; 0 for a
+  // lane without a candidate), then the lowest expert holding it; the same choice as a butterfly of
+  // (probability, expert) pairs in two instructions instead of ten shuffles.
   float my_prob = 0.0f, sum = 0.0f;
   int my_expert = -1;
 #pragma unroll
   for (int j = 0; j < kMaxTopK; ++j) {
     if (j >= top_k) break;
-    float best = -2.0f;
-    int best_e = 0x7fffffff;
+    float lane_best = -2.0f;
+    int lane_e = 0x7fffffff;
 #pragma unroll
     for (int i = 0; i < kLogitsPerLane; ++i) {
-      if (prob[i] > best) {
-        best = prob[i];
-        best_e = lane + 32 * i;
+      if (prob[i] > lane_best) {
+        lane_best = prob[i];
+        lane_e = lane + 32 * i;
       }
     }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int other_e = __shfl_xor_sync(0xffffffffu, best_e, offset);
-      if (other > best || (other == best && other_e < best_e)) {
-        best = other;
-        best_e = other_e;
-      }
-    }
+    const unsigned key = lane_best >= 0.0f ? __float_as_uint(lane_best) + 1u : 0u;
+    const unsigned best_key = __reduce_max_sync(0xffffffffu, key);
+    const int best_e = static_cast<int>(
+        __reduce_min_sync(0xffffffffu, key == best_key ? static_cast<unsigned>(lane_e) : 0x7fffffffu));
+    const float best = __uint_as_float(best_key - 1u);
 #pragma unroll
     for (int i = 0; i < kLogitsPerLane; ++i) {
       if (lane + 32 * i == best_e) prob[i] = -1.0f;
@@ -271,6 +271,8 @@ constexpr int kSmallPlanThreads = 1024;
 // Decode steps of up to 4 tokens at top-8 (the skinny path's): a block of 4 warps, whose barriers and scans cost a
 // fraction of the 1024-thread block's on a step that has 8..32 entries.
 constexpr int kTinyPlanThreads = 128;
+// Static dispatch entries (sources x experts) the small route copies to shared memory before its wait.
+constexpr int kSmallPlanSlotRows = 1024;
 // Where the entries' slots start in plan_smem: after counts [P] and first rows [P], rounded up to 4 int32 so that the
 // rank loop reads them 16 bytes at a time.
 __host__ __device__ constexpr int plan_entry_slot_offset(int num_slots) { return (2 * num_slots + 3) & ~3; }
@@ -349,13 +351,23 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
 // histogram counts.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
-    const RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
+    RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
     int32_t* row_token, int32_t* active) {
-  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   extern __shared__ __align__(16) int32_t plan_smem[];
   const int num_entries = static_cast<int>(a.num_tokens) * a.top_k;
   unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + plan_entry_slot_offset(num_slots) + num_entries);
+  // Before the wait, what no kernel of the step writes: the histogram cleared and, for a step of few sources, the
+  // static dispatch rows of its sources copied to shared memory (they change only between steps), so the lookup
+  // after the routing is not a global round trip.
   clear_histogram(a, s_hist);
+  const int64_t sources = (a.num_tokens + a.tokens_per_source - 1) / a.tokens_per_source;
+  if (sources * a.num_experts <= kSmallPlanSlotRows) {
+    __shared__ int32_t s_slot_of[kSmallPlanSlotRows];
+    for (int i = threadIdx.x; i < sources * a.num_experts; i += kThreads) s_slot_of[i] = __ldg(a.static_slot_of + i);
+    __syncthreads();
+    a.static_slot_of = s_slot_of;
+  }
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t t = warp; t < a.num_tokens; t += kThreads / 32) route_token(a, t, lane, s_hist);
   flush_histogram(a, s_hist);
