@@ -77,7 +77,8 @@ struct SequencePages {
   std::span<const int32_t> page_ids;  // ceil(capacity / page_size) distinct pages, in position order
   // Positions [0, num_cached_tokens) already hold K/V of the sequence's first tokens, and the first step
   // appends after them. Less than capacity. Its first num_cached_tokens / page_size pages were written by an
-  // earlier sequence; they are read, never written again.
+  // earlier sequence in an earlier step (the GPU engine's decode attention reads them before its kernel's
+  // dependency wait); they are read, never written again.
   int64_t num_cached_tokens = 0;
   // Copy on write of a partly shared page: when num_cached_tokens % page_size = r > 0, the allocation first
   // copies rows [0, r) of pool page copy_source_page (cached, not in page_ids) into the sequence's own page

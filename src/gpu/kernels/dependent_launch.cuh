@@ -4,8 +4,12 @@
 // kernels (a decode step issues ~12 per layer) overlap instead of adding up. Contract for every kernel launched
 // this way: each of its blocks calls wait_then_release() before it reads anything an earlier kernel wrote (the
 // wait returns when the previous grid has completed and its writes are visible; since every block of that grid
-// waited in turn, every earlier kernel has completed too), and before it exits. Kernels launched the ordinary
-// way keep ordinary stream order. FULCRUM_PDL=0 launches everything the ordinary way (for measurement); read once.
+// waited in turn, every earlier kernel has completed too), and before it exits. Exceptions read before the wait
+// only what no kernel of the same step writes: weights, and (the decode attention's early_kv) the step's input
+// arrays, which only the step's host-to-device copy writes, and K / V of positions an earlier step appended (a
+// shared prefix page is read only once its owner's step has written it: server/prefix_cache.hpp); a kernel that
+// wrote either inside a step would have to turn those reads off. Kernels launched the ordinary way keep ordinary
+// stream order. FULCRUM_PDL=0 launches everything the ordinary way (for measurement); read once.
 #include <utility>
 
 #include <cuda_runtime.h>

@@ -189,6 +189,11 @@ cudaError_t launch_paged_attention(const AttentionBatch& batch, const PagedAtten
     return cudaErrorInvalidValue;
   }
   if (plan.decode_splits > 1 && plan.decode_cluster == 1 && batch.split_counters == nullptr) return cudaErrorInvalidValue;
+  // Clusters are the tensor-core decode kernel's only, and hold exactly a (sequence, kv head)'s splits.
+  if (plan.decode_cluster > 1 && (!plan.tensor_cores || plan.decode_cluster != plan.decode_splits ||
+                                  plan.decode_cluster > kPagedAttentionMaxCluster)) {
+    return cudaErrorInvalidValue;
+  }
 
   unsigned char* ws = static_cast<unsigned char*>(workspace);
   Params p{};

@@ -365,8 +365,10 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(const Params p)
     }
     if constexpr (kCluster) {
       // Every split's rows are in its CTA's shared memory after the first barrier; split z of the n with keys (its
-      // cluster rank) merges rows z, z + n, ... (thread d: dimension d), splits in order with the weights of
-      // merge_head_splits; the second barrier keeps each CTA's shared memory alive until its peers have read it.
+      // cluster rank) merges rows z, z + n, ... (thread d: dimension d), splits in order with merge_head_splits'
+      // weights exp2(lse_z - max), their total summed in split order (merge_head_splits sums it by butterfly: the
+      // two merges may differ in the last bf16 bit); the second barrier keeps each CTA's shared memory alive
+      // until its peers have read it.
       cg::cluster_group cluster = cg::this_cluster();
       cluster.sync();
       if (w.num_splits > 1 && tid < D) {
