@@ -7,6 +7,7 @@
 // Parts: input_norm, qkv, rope, attention, o_proj, post_norm (GpuEngine), router (router logits GEMM), route (the
 // routing / permutation launches), gate_up, down (the expert GEMMs: the skinny kernels, or CUTLASS's whole expert
 // stage for gate_up), moe (the whole MoE layer).
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -51,8 +52,11 @@ inline uint32_t parse_ablation(const std::string& list) {
           found = true;
         }
       }
-      FULCRUM_CHECK(found, "FULCRUM_ABLATE: unknown part '{}' (input_norm, qkv, rope, attention, o_proj, post_norm, "
-                           "router, route, gate_up, down, moe)", name);
+      if (!found) {
+        std::string known;
+        for (const auto& p : kParts) known += (known.empty() ? "" : ", ") + std::string(p.name);
+        FULCRUM_CHECK(false, "FULCRUM_ABLATE: unknown part '{}' ({})", name, known);
+      }
     }
     begin = end + 1;
   }

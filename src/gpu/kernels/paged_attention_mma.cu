@@ -3,11 +3,11 @@
 //
 // A CTA (4 warps) holds up to 16 * kWarpsM query rows of one kv head and walks its key range in tiles of 64
 // positions, K and V staged in shared memory by cp.async (16-byte copies, positions past the range zero-filled; two
-// stages for prefill, two to four for decode: PagedAttentionPlan::decode_stages) and read by ldmatrix from an XOR-swizzled layout
-// (16-byte chunk c of key k at c ^ (k % 8): no bank conflicts). Each warp owns 16 rows; Q stays in registers as
-// mma A fragments, S = Q K^T in fp32 accumulators, online softmax in the log2 domain, P rounded to bf16 becomes the
-// A fragment of O += P V (the row sum l adds the rounded values, so O / l is a weighted mean with the weights
-// actually used).
+// stages for prefill, two to four for decode: PagedAttentionPlan::decode_stages) and read by ldmatrix from an
+// XOR-swizzled layout (16-byte chunk c of key k at c ^ (k % 8): no bank conflicts). Each warp owns 16 rows; Q stays
+// in registers as mma A fragments, S = Q K^T in fp32 accumulators, online softmax in the log2 domain, P rounded to
+// bf16 becomes the A fragment of O += P V (the row sum l adds the rounded values, so O / l is a weighted mean with
+// the weights actually used).
 //   prefill: kWarpsM = 4 (64 rows), every warp takes the whole 64-key tile;
 //   decode:  kWarpsM = 1 (the group's q heads, <= 16 rows), the 4 warps take 16 keys each of every tile and
 //            their (m, l, O) are merged through shared memory at the end, warps in order; with KV splits either
@@ -413,15 +413,13 @@ cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
   return launch_dependent_clustered(kernel, grid, dim3(kThreads), kSmem, stream, kCluster ? grid.z : 1u, p);
 }
 
-// The decode kernel as planned (PagedAttentionPlan::decode_stages, decode_cluster): with clusters 2, 3 or 4 stages,
-// without them 3 (no split: few CTAs, each walking a whole context) or 2. Three stages were measured 3.2% faster at batch 64 context 2048 (one split), within 0.3%
-// at batch 16, 0.2-1.1% slower at batch 1 and 4 (bench/results/attention_decode_stages_*).
+// The decode kernel as planned (PagedAttentionPlan::decode_stages, decode_cluster; launch_paged_attention checked
+// that a cluster is the grid's z): with clusters 2, 3 or 4 stages, without them 3 (no split: few CTAs, each walking
+// a whole context) or 2. Three stages were measured 3.2% faster at batch 64 context 2048 (one split), within 0.3% at
+// batch 16, 0.2-1.1% slower at batch 1 and 4 (bench/results/attention_decode_stages_*).
 template <int D>
 cudaError_t launch_decode(const Params& p, dim3 grid, cudaStream_t stream) {
   if (p.decode_cluster > 1) {
-    if (static_cast<int>(grid.z) != p.decode_cluster || p.decode_cluster > kPagedAttentionMaxCluster) {
-      return cudaErrorInvalidValue;
-    }
     switch (p.decode_stages) {
       case 4: return launch_mma<D, true, 4, true>(p, grid, stream);
       case 3: return launch_mma<D, true, 3, true>(p, grid, stream);

@@ -264,7 +264,7 @@ __global__ void gather_rows_kernel(const uint16_t* x, const int32_t* row_token, 
   }
 }
 
-// One block of kThreads (kSmallPlanThreads, or kTinyPlanThreads for a step of at most that many entries): counts in
+// One block of kThreads (kSmallPlanThreads, or kTinyPlanThreads for a step of at most 32 entries): counts in
 // shared memory, block scans over the slots in chunks of the block (offsets, and which slots have rows), then each
 // entry's rank among the earlier entries of its slot. The outputs do not depend on the block size.
 constexpr int kSmallPlanThreads = 1024;
@@ -272,7 +272,7 @@ constexpr int kSmallPlanThreads = 1024;
 // fraction of the 1024-thread block's on a step that has 8..32 entries.
 constexpr int kTinyPlanThreads = 128;
 // Static dispatch entries (sources x experts) the small route copies to shared memory before its wait.
-constexpr int kSmallPlanSlotRows = 1024;
+constexpr int kSmallRouteSlotEntries = 1024;
 // Where the entries' slots start in plan_smem: after counts [P] and first rows [P], rounded up to 4 int32 so that the
 // rank loop reads them 16 bytes at a time.
 __host__ __device__ constexpr int plan_entry_slot_offset(int num_slots) { return (2 * num_slots + 3) & ~3; }
@@ -361,8 +361,8 @@ __global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
   // after the routing is not a global round trip.
   clear_histogram(a, s_hist);
   const int64_t sources = (a.num_tokens + a.tokens_per_source - 1) / a.tokens_per_source;
-  if (sources * a.num_experts <= kSmallPlanSlotRows) {
-    __shared__ int32_t s_slot_of[kSmallPlanSlotRows];
+  if (sources * a.num_experts <= kSmallRouteSlotEntries) {
+    __shared__ int32_t s_slot_of[kSmallRouteSlotEntries];
     for (int i = threadIdx.x; i < sources * a.num_experts; i += kThreads) s_slot_of[i] = __ldg(a.static_slot_of + i);
     __syncthreads();
     a.static_slot_of = s_slot_of;
