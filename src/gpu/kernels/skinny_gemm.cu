@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 
 #include "gpu/env_switch.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
@@ -267,10 +268,29 @@ static int current_device_sms() {
   return sms;
 }
 
+int64_t skinny_target_warps() {
+  static const int64_t target = [] {
+    const char* env = std::getenv("FULCRUM_SKINNY_TARGET_WARPS");
+    return env != nullptr && *env != '\0' ? std::max<int64_t>(1, std::atoll(env)) : kTargetWarps;
+  }();
+  return target;
+}
+
+static bool skinny_even_grid() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("FULCRUM_SKINNY_EVEN_GRID");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+  }();
+  return enabled;
+}
+
 int64_t skinny_grid_blocks(int64_t tiles, int m) {
   const int per_sm = skinny_blocks_per_sm(m);
   if (per_sm == 0) return tiles;
-  return std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_device_sms()} * per_sm));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_device_sms()} * per_sm));
+  if (!skinny_even_grid() || blocks >= tiles) return blocks;
+  const int64_t per_block = (tiles + blocks - 1) / blocks;
+  return (tiles + per_block - 1) / per_block;
 }
 
 }  // namespace skinny

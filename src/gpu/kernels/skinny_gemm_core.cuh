@@ -24,14 +24,18 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kMaxKSplit = kWarpsPerBlock;
 constexpr int kMaxRows = 8;
 constexpr int64_t kTargetWarps = 4096;  // ~2 waves of 132 SMs x 12..16 resident warps
+// kTargetWarps, or FULCRUM_SKINNY_TARGET_WARPS (for measurement: it changes K splits, so results within the
+// stated tolerance, placement invariance kept); read once.
+int64_t skinny_target_warps();
 constexpr int kMinSliceChunks = 64;     // 2 chunks per lane: one full loop trip
 constexpr int kChunksPerTrip = 2;
 
-// K slices per row group (1, 2 or 4): more while the grid has fewer than kTargetWarps warps and each slice keeps
-// at least kMinSliceChunks chunks, so small-N shapes still fill the GPU.
+// K slices per row group (1, 2 or 4): more while the grid has fewer than skinny_target_warps() warps and each
+// slice keeps at least kMinSliceChunks chunks, so small-N shapes still fill the GPU.
 inline int choose_k_split(int64_t row_groups, int64_t chunks) {
   int k_split = 1;
-  while (k_split < kMaxKSplit && row_groups * k_split < kTargetWarps && chunks / (2 * k_split) >= kMinSliceChunks) {
+  const int64_t target = skinny_target_warps();
+  while (k_split < kMaxKSplit && row_groups * k_split < target && chunks / (2 * k_split) >= kMinSliceChunks) {
     k_split *= 2;
   }
   return k_split;
@@ -42,7 +46,10 @@ inline int choose_k_split(int64_t row_groups, int64_t chunks) {
 // 6 from 3 rows (measured side by side at batch 1 / 2 / 4: bench/results/skinny_grid_h200.json).
 // FULCRUM_SKINNY_BLOCKS_PER_SM overrides it for measurement (0: one block per tile); read once.
 int skinny_blocks_per_sm(int m);
-// The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles.
+// The grid of `tiles` tiles on the current device: min(tiles, SMs x skinny_blocks_per_sm(m)), or tiles. With
+// FULCRUM_SKINNY_EVEN_GRID=1 (read once) a grid below `tiles` is cut to ceil(tiles / q) blocks, q = the tiles a
+// block then takes at most, so every block takes q or q - 1 (768 tiles on 528 blocks: 384 blocks of 2, not 240
+// of 2 and 288 of 1, which leaves SMs with 4 to 8 tiles depending on where the 2s land).
 int64_t skinny_grid_blocks(int64_t tiles, int m);
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
