@@ -5,7 +5,8 @@
 // Outputs are poisoned (all bits set: NaN in fp32 and bf16) before each run, with a guard past m x n that must stay
 // poisoned. Row i must be bitwise the same for every m (batch invariance), and the bf16 output must be exactly
 // the bf16 rounding of the fp32 one. Bad arguments are refused; a launch captured in a CUDA graph replays to the
-// same bits. PrintsTimings times the kernel beside cuBLAS (DenseGemm) at m = 1, 4, 8: no assertion on time.
+// same bits; the bulk-copy and register W paths give the same bits. PrintsTimings times the kernel (its default
+// path and the register path) beside cuBLAS (DenseGemm) at m = 1, 4, 8: no assertion on time.
 //
 // Tolerances and why:
 //   fp32  |gpu - ref| <= 1e-5 * sum_k |x_k w_k|. The reference is the correctly rounded sum (double). The kernel
@@ -140,6 +141,38 @@ TEST_F(SkinnyGemmTest, MatchesReferenceAtModelShapes) {
   }
 }
 
+// The bulk-copy path (W tiles into shared memory) and the register path compute the same tiles, K slices and
+// sums in the same order: the same bits for every shape and m, fp32 and bf16 (which of them kAuto picks depends on
+// the tile size: the LM head shape's 1-row tiles stay on the register path, its wider ones do not).
+TEST_F(SkinnyGemmTest, BulkLoadsGiveTheRegisterPathsBits) {
+  uint64_t seed = 101;
+  for (const Shape& shape : kShapes) {
+    const int n = shape.n, k = shape.k;
+    SCOPED_TRACE(::testing::Message() << shape.name << ": n " << n << ", k " << k);
+    DeviceBuffer x_dev = upload(random_bf16(static_cast<size_t>(kMaxRows) * k, seed++));
+    DeviceBuffer w_dev = upload(random_bf16(static_cast<size_t>(n) * k, seed++));
+    const size_t most = static_cast<size_t>(kMaxRows) * n + kGuard;
+    DeviceBuffer out_dev(sizeof(float) * most);
+    const auto run = [&](int m, bool bf16, gpu::SkinnyWeightLoads loads) {
+      EXPECT_EQ(cudaMemset(out_dev.as<float>(), 0xff, sizeof(float) * most), cudaSuccess);
+      float* f32 = bf16 ? nullptr : out_dev.as<float>();
+      uint16_t* b16 = bf16 ? reinterpret_cast<uint16_t*>(out_dev.as<float>()) : nullptr;
+      EXPECT_EQ(gpu::launch_skinny_gemm(x_dev.as<uint16_t>(), w_dev.as<uint16_t>(), m, n, k, f32, b16, nullptr, loads),
+                cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return download(out_dev.as<float>(), most);  // bf16 outputs compared as raw words, guard included
+    };
+    for (int m = 1; m <= kMaxRows; ++m) {
+      for (const bool bf16 : {false, true}) {
+        const std::vector<float> bulk = run(m, bf16, gpu::SkinnyWeightLoads::kAuto);
+        const std::vector<float> regs = run(m, bf16, gpu::SkinnyWeightLoads::kRegisters);
+        EXPECT_EQ(std::memcmp(bulk.data(), regs.data(), sizeof(float) * most), 0)
+            << "m " << m << (bf16 ? " bf16" : " fp32") << ": the two paths differ";
+      }
+    }
+  }
+}
+
 TEST_F(SkinnyGemmTest, RefusesBadArguments) {
   const int n = 64, k = 64;
   DeviceBuffer x_dev = upload(random_bf16(static_cast<size_t>(kMaxRows) * k + 8, 11));
@@ -215,8 +248,8 @@ TEST_F(SkinnyGemmTest, PrintsTimings) {
   {
     gpu::DenseGemm cublas(stream, 0);
     cublas.set_skinny(false);  // cuBLAS for every m: the comparison
-    std::printf("%-8s %6s %5s %2s %10s %10s %9s %9s\n", "shape", "n", "k", "m", "skinny us", "cublas us", "skinny %",
-                "cublas %");
+    std::printf("%-8s %6s %5s %2s %10s %10s %10s %9s %9s\n", "shape", "n", "k", "m", "skinny us", "regs us",
+                "cublas us", "skinny %", "cublas %");
     for (int shape_idx = 0; shape_idx < kNumModelShapes; ++shape_idx) {
       const Shape& shape = kShapes[shape_idx];
       const int n = shape.n, k = shape.k;
@@ -233,12 +266,17 @@ TEST_F(SkinnyGemmTest, PrintsTimings) {
                                             stream),
                     cudaSuccess);
         });
+        const double regs = median_us(stream, copies, [&](int copy) {
+          EXPECT_EQ(gpu::launch_skinny_gemm(x_dev.as<uint16_t>(), w_copy(copy), m, n, k, out_dev.as<float>(), nullptr,
+                                            stream, gpu::SkinnyWeightLoads::kRegisters),
+                    cudaSuccess);
+        });
         const double cublas_us = median_us(stream, copies, [&](int copy) {
           cublas.run(x_dev.as<uint16_t>(), w_copy(copy), m, n, k, out_dev.as<float>(), gpu::GemmOut::kF32);
         });
         const double roofline_us = 1e6 * static_cast<double>(w_bytes) / kHbmBytesPerSecond;
-        std::printf("%-8s %6d %5d %2d %10.2f %10.2f %8.0f%% %8.0f%%\n", shape.name, n, k, m, skinny, cublas_us,
-                    100 * roofline_us / skinny, 100 * roofline_us / cublas_us);
+        std::printf("%-8s %6d %5d %2d %10.2f %10.2f %10.2f %8.0f%% %8.0f%%\n", shape.name, n, k, m, skinny, regs,
+                    cublas_us, 100 * roofline_us / skinny, 100 * roofline_us / cublas_us);
       }
     }
   }

@@ -11,8 +11,11 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "gpu/env_switch.hpp"
+#include "gpu/kernels/bulk_copy.cuh"
 #include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm_core.cuh"
@@ -56,6 +59,22 @@ __device__ __forceinline__ TileSlice<R> tile_slice(const uint16_t* w, int n, int
   return ts;
 }
 
+// The block's sums of tile `tile` (sum_slices' partial) stored to out [M, n]; then a barrier, since partial is
+// rewritten by the block's next tile.
+template <int R, int M, bool kBf16Out>
+__device__ __forceinline__ void store_tile(void* __restrict__ out, int n, int k_split, int64_t tile,
+                                           const float (*partial)[kRowsPerWarp * kMaxRows]) {
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < groups_per_block * R * M) {
+    const int group = t / (R * M), j = t % (R * M);
+    const int r = j / M, i = j % M;
+    const int64_t row = (tile * groups_per_block + group) * R + r;
+    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
+  }
+  __syncthreads();
+}
+
 // Tile `tile`. x [M, k], w [n, k], out [M, n]. With kFirst, `first` holds the warp's first W trip of this
 // tile (load_first_trip); every warp still reaches __syncthreads.
 template <int R, int M, bool kBf16Out, bool kFirst = false>
@@ -65,7 +84,6 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
                                             const FirstTrip<R>* first = nullptr) {
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t chunks = k / 8;  // per row
   const TileSlice<R> ts = tile_slice<R>(w, n, k, k_split, tile);
   const uint4* x_rows[M];
@@ -75,14 +93,7 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
   float acc[R][M];
   warp_dot<R, M, kFirst>(ts.w_rows, x_rows, ts.begin, ts.end, lane, acc, first);
   sum_slices<R, M>(acc, warp, lane, k_split, partial);
-  const int t = static_cast<int>(threadIdx.x);
-  if (t < groups_per_block * R * M) {
-    const int group = t / (R * M), j = t % (R * M);
-    const int r = j / M, i = j % M;
-    const int64_t row = (tile * groups_per_block + group) * R + r;
-    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
-  }
-  __syncthreads();  // partial is rewritten by the block's next tile
+  store_tile<R, M, kBf16Out>(out, n, k_split, tile, partial);
 }
 
 // Persistent grid: block b takes tiles b, b + gridDim.x, ... of `tiles` (a tile: 4 / k_split row groups). With
@@ -124,13 +135,129 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
   }
 }
 
+// ---- W through bulk copies (FULCRUM_SKINNY_BULK, on unless "0") ----
+// The same tiles, warps, K slices and arithmetic as skinny_gemm_kernel (so the same bits), but a tile's W rows,
+// contiguous in memory, reach shared memory by one bulk copy (bulk_copy.cuh) into one of kBulkStages buffers: a
+// block asks for its first kBulkStages tiles before the PDL wait (W is no kernel's output) and for tile j +
+// kBulkStages as soon as its warps are done reading tile j, so all of a tile is in flight at once with no register
+// held for it; the register path keeps at most two 16-byte loads per lane and row in flight, and only its first
+// trip before the wait. Lanes read 16-byte chunks of a row side by side (conflict-free), x through L1 as before.
+constexpr int kBulkStages = 2;
+constexpr int64_t kBulkMaxTileBytes = 96 * 1024;  // two stages within the 227 KB of shared memory a block may use
+constexpr int kBulkMaxBlocksPerSm = 8;
+
+template <int R, int M, bool kBf16Out>
+__global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* __restrict__ x,
+                                                               const uint16_t* __restrict__ w, int n, int k,
+                                                               int k_split, int64_t tiles, void* __restrict__ out) {
+  extern __shared__ __align__(128) uint4 stage_chunks[];  // [kBulkStages][tile_rows][k / 8]
+  __shared__ __align__(8) uint64_t full[kBulkStages];
+  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int tile_rows = kWarpsPerBlock / k_split * R;
+  const int64_t chunks = k / 8;  // per row
+  const int64_t per_stage = tile_rows * chunks;
+  const int64_t grid = gridDim.x;
+  const auto rows_of = [&](int64_t tile) { return static_cast<int>(min(static_cast<int64_t>(tile_rows), n - tile * tile_rows)); };
+  const auto ask = [&](int stage, int64_t tile) {  // one thread
+    bulk::copy_to_shared(stage_chunks + stage * per_stage, reinterpret_cast<const uint4*>(w) + tile * per_stage,
+                         static_cast<uint32_t>(rows_of(tile) * chunks * 16), &full[stage]);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) bulk::barrier_init(&full[s]);
+    for (int s = 0; s < kBulkStages && blockIdx.x + s * grid < tiles; ++s) ask(s, blockIdx.x + s * grid);
+  }
+  __syncthreads();  // the barriers are initialized before anyone waits on them
+  wait_then_release();  // dependent_launch.cuh: x comes from the previous kernel
+  const int group = warp / k_split, slice = warp % k_split;
+  const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
+  const uint4* x_rows[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) x_rows[i] = reinterpret_cast<const uint4*>(x) + i * chunks;
+  int use = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += grid, ++use) {
+    const int stage = use % kBulkStages;
+    bulk::wait_phase(&full[stage], static_cast<uint32_t>(use / kBulkStages) & 1u);
+    const int last = rows_of(tile) - 1;  // rows past n read the tile's last row and store nothing
+    const uint4* w_rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) w_rows[r] = stage_chunks + stage * per_stage + min(group * R + r, last) * chunks;
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
+    }
+    for (int64_t c = begin + lane; c < end; c += 32) {  // warp_dot's order: a lane's chunks ascending
+      uint4 wv[R], xv[M];
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[r] = w_rows[r][c];
+#pragma unroll
+      for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
+      fma_chunk<R, M>(acc, wv, xv);
+    }
+    warp_sum<R, M>(acc);
+    sum_slices<R, M>(acc, warp, lane, k_split, partial);  // its barrier: every warp is done with the stage
+    if (threadIdx.x == 0 && tile + kBulkStages * grid < tiles) {
+      bulk::fence_before_async_write();
+      ask(stage, tile + kBulkStages * grid);
+    }
+    store_tile<R, M, kBf16Out>(out, n, k_split, tile, partial);
+  }
+}
+
+bool skinny_bulk_enabled() {
+  static const bool enabled = env_switch_on("FULCRUM_SKINNY_BULK");
+  return enabled;
+}
+
+// Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),
+// asked of the runtime once per size; 0 on error.
+template <typename Kernel>
+int bulk_blocks_per_sm(Kernel kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::map<size_t, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(smem); it != known.end()) return it->second;
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    blocks = 0;
+  }
+  known.emplace(smem, blocks);
+  return blocks;
+}
+
+// The bulk kernel for these tiles, or cudaErrorNotSupported when it does not apply (switched off, or a tile
+// larger than kBulkMaxTileBytes: the LM head's 32-row tiles of 2048), for the register path.
+template <int R, int M, bool kBf16Out>
+cudaError_t launch_bulk(const uint16_t* x, const uint16_t* w, int n, int k, int k_split, int64_t tiles, void* out,
+                        cudaStream_t stream) {
+  const int64_t tile_bytes = int64_t{kWarpsPerBlock / k_split * R} * k * 2;
+  if (!skinny_bulk_enabled() || tile_bytes > kBulkMaxTileBytes) return cudaErrorNotSupported;
+  const size_t smem = static_cast<size_t>(kBulkStages * tile_bytes);
+  const auto kernel = skinny_bulk_kernel<R, M, kBf16Out>;
+  const int per_sm = std::min(bulk_blocks_per_sm(kernel, smem), kBulkMaxBlocksPerSm);
+  if (per_sm < 1) return cudaErrorNotSupported;
+  const int64_t blocks = std::min<int64_t>(tiles, int64_t{device_sms()} * per_sm);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, x, w, n, k,
+                          k_split, tiles, out);
+}
+
 template <int R, int M>
 cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void* out, bool bf16_out,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, SkinnyWeightLoads loads) {
   const int k_split = choose_k_split((static_cast<int64_t>(n) + kRowsPerWarp - 1) / kRowsPerWarp, k / 8);
   const int64_t row_groups = (static_cast<int64_t>(n) + R - 1) / R;
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
+  if (loads == SkinnyWeightLoads::kAuto) {
+    const cudaError_t bulk = bf16_out ? launch_bulk<R, M, true>(x, w, n, k, k_split, tiles, out, stream)
+                                      : launch_bulk<R, M, false>(x, w, n, k, k_split, tiles, out, stream);
+    if (bulk != cudaErrorNotSupported) return bulk;
+  }
   const int64_t blocks = skinny_grid_blocks(tiles, M);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
@@ -249,7 +376,7 @@ int skinny_blocks_per_sm(int m) {
 }
 
 // The current device's SM count, read once per device (a launch only looks it up).
-static int current_device_sms() {
+int device_sms() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> sms_of[kMaxDevices] = {};
   int device = 0;
@@ -287,7 +414,7 @@ static bool skinny_even_grid() {
 int64_t skinny_grid_blocks(int64_t tiles, int m) {
   const int per_sm = skinny_blocks_per_sm(m);
   if (per_sm == 0) return tiles;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{current_device_sms()} * per_sm));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t{device_sms()} * per_sm));
   if (!skinny_even_grid() || blocks >= tiles) return blocks;
   const int64_t per_block = (tiles + blocks - 1) / blocks;
   return (tiles + per_block - 1) / per_block;
@@ -296,7 +423,7 @@ int64_t skinny_grid_blocks(int64_t tiles, int m) {
 }  // namespace skinny
 
 cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int n, int k, float* out_f32,
-                               uint16_t* out_bf16, cudaStream_t stream) {
+                               uint16_t* out_bf16, cudaStream_t stream, SkinnyWeightLoads loads) {
   if (m < 1 || m > kSkinnyGemmMaxRows || n < 0 || k <= 0 || k % 8 != 0) return cudaErrorInvalidValue;
   if ((out_f32 == nullptr) == (out_bf16 == nullptr)) return cudaErrorInvalidValue;
   if (x == nullptr || w == nullptr || !aligned(x, 16) || !aligned(w, 16)) return cudaErrorInvalidValue;
@@ -307,15 +434,15 @@ cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int 
   const bool wide = rows_per_warp(m) == kWideRowsPerWarp;
   switch (m) {
     case 1:
-      return wide ? launch_rows<kWideRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream)
-                  : launch_rows<kRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream);
-    case 2: return launch_rows<kRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream);
-    case 3: return launch_rows<kRowsPerWarp, 3>(x, w, n, k, out, bf16_out, stream);
-    case 4: return launch_rows<kRowsPerWarp, 4>(x, w, n, k, out, bf16_out, stream);
-    case 5: return launch_rows<kRowsPerWarp, 5>(x, w, n, k, out, bf16_out, stream);
-    case 6: return launch_rows<kRowsPerWarp, 6>(x, w, n, k, out, bf16_out, stream);
-    case 7: return launch_rows<kRowsPerWarp, 7>(x, w, n, k, out, bf16_out, stream);
-    default: return launch_rows<kRowsPerWarp, 8>(x, w, n, k, out, bf16_out, stream);
+      return wide ? launch_rows<kWideRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream, loads)
+                  : launch_rows<kRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream, loads);
+    case 2: return launch_rows<kRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream, loads);
+    case 3: return launch_rows<kRowsPerWarp, 3>(x, w, n, k, out, bf16_out, stream, loads);
+    case 4: return launch_rows<kRowsPerWarp, 4>(x, w, n, k, out, bf16_out, stream, loads);
+    case 5: return launch_rows<kRowsPerWarp, 5>(x, w, n, k, out, bf16_out, stream, loads);
+    case 6: return launch_rows<kRowsPerWarp, 6>(x, w, n, k, out, bf16_out, stream, loads);
+    case 7: return launch_rows<kRowsPerWarp, 7>(x, w, n, k, out, bf16_out, stream, loads);
+    default: return launch_rows<kRowsPerWarp, 8>(x, w, n, k, out, bf16_out, stream, loads);
   }
 }
 

@@ -20,8 +20,14 @@ namespace fulcrum::gpu {
 
 constexpr int kSkinnyGemmMaxRows = 8;
 
+// How W reaches the warps: kAuto takes bulk copies into shared memory where a tile of W rows fits twice (up to
+// 96 KB a tile; FULCRUM_SKINNY_BULK=0 turns them off, for measurement), else 16-byte register loads; kRegisters
+// always the latter. Both give the same bits (the same tiles, K slices and arithmetic): a test compares them.
+enum class SkinnyWeightLoads { kAuto, kRegisters };
+
 cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int n, int k, float* out_f32,
-                               uint16_t* out_bf16, cudaStream_t stream);
+                               uint16_t* out_bf16, cudaStream_t stream,
+                               SkinnyWeightLoads loads = SkinnyWeightLoads::kAuto);
 
 // The same with FP8 weights (an FP8 checkpoint's dense projections): w e4m3 [n, k] row-major, w_scales fp32
 // [ceil(k / 128)][ceil(n / 128)] (128 x 128 blocks, n blocks contiguous, as the FP8 grouped GEMM's;

@@ -51,6 +51,8 @@ int skinny_blocks_per_sm(int m);
 // block then takes at most, so every block takes q or q - 1 (768 tiles on 528 blocks: 384 blocks of 2, not 240
 // of 2 and 288 of 1, which leaves SMs with 4 to 8 tiles depending on where the 2s land).
 int64_t skinny_grid_blocks(int64_t tiles, int m);
+// The current device's SM count (queried once per device).
+int device_sms();
 
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
@@ -100,6 +102,21 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[R][M], const uint4 (&w)[R
           const float wv = half == 0 ? lo_bf16(ww) : hi_bf16(ww);
           acc[r][i] = __fmaf_rn(wv, xv, acc[r][i]);
         }
+      }
+    }
+  }
+}
+
+// Every lane's acc summed over the warp by an xor butterfly: every lane ends with the warp's sums (a + b == b + a).
+template <int R, int M>
+__device__ __forceinline__ void warp_sum(float (&acc)[R][M]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        acc[r][i] = __fadd_rn(acc[r][i], __shfl_xor_sync(0xffffffffu, acc[r][i], offset));
       }
     }
   }
@@ -192,16 +209,7 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const 
     for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
     fma_chunk<R, M>(acc, wv, xv);
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        acc[r][i] = __fadd_rn(acc[r][i], __shfl_xor_sync(0xffffffffu, acc[r][i], offset));
-      }
-    }
-  }
+  warp_sum<R, M>(acc);
 }
 
 // The block's K slices summed in slice order: warp w holds slice w % k_split of row group w / k_split; after
@@ -340,16 +348,7 @@ __device__ __forceinline__ void warp_dot_fp8(const uint4* const (&w_rows)[R], co
     }
     fma_chunk_fp8<R, M, S>(acc, wv, xv, sv);
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        acc[r][i] = __fadd_rn(acc[r][i], __shfl_xor_sync(0xffffffffu, acc[r][i], offset));
-      }
-    }
-  }
+  warp_sum<R, M>(acc);
 }
 
 }  // namespace fulcrum::gpu::skinny
