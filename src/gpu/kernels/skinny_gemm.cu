@@ -142,6 +142,10 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
 // kBulkStages as soon as its warps are done reading tile j, so all of a tile is in flight at once with no register
 // held for it; the register path keeps at most two 16-byte loads per lane and row in flight, and only its first
 // trip before the wait. Lanes read 16-byte chunks of a row side by side (conflict-free), x through L1 as before.
+// A block takes its tiles in `stages` (1 or kBulkStages) buffers: one when the grid holds every tile at once
+// (then each block has one tile and asks for all of it before the wait, and fewer bytes of shared memory a block
+// let more blocks sit beside the kernel before), else two (FULCRUM_SKINNY_BULK_STAGES=1 / 2 forces either, and
+// FULCRUM_SKINNY_BULK_MAX_TILE=bytes lowers kBulkMaxTileBytes, for measurement; read once).
 constexpr int kBulkStages = 2;
 constexpr int64_t kBulkMaxTileBytes = 96 * 1024;  // two stages within the 227 KB of shared memory a block may use
 constexpr int kBulkMaxBlocksPerSm = 8;
@@ -149,8 +153,9 @@ constexpr int kBulkMaxBlocksPerSm = 8;
 template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
-                                                               int k_split, int64_t tiles, void* __restrict__ out) {
-  extern __shared__ __align__(128) uint4 stage_chunks[];  // [kBulkStages][tile_rows][k / 8]
+                                                               int k_split, int64_t tiles, int stages,
+                                                               void* __restrict__ out) {
+  extern __shared__ __align__(128) uint4 stage_chunks[];  // [stages][tile_rows][k / 8]
   __shared__ __align__(8) uint64_t full[kBulkStages];
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -164,8 +169,8 @@ __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* _
                          static_cast<uint32_t>(rows_of(tile) * chunks * 16), &full[stage]);
   };
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kBulkStages; ++s) bulk::barrier_init(&full[s]);
-    for (int s = 0; s < kBulkStages && blockIdx.x + s * grid < tiles; ++s) ask(s, blockIdx.x + s * grid);
+    for (int s = 0; s < stages; ++s) bulk::barrier_init(&full[s]);
+    for (int s = 0; s < stages && blockIdx.x + s * grid < tiles; ++s) ask(s, blockIdx.x + s * grid);
   }
   __syncthreads();  // the barriers are initialized before anyone waits on them
   wait_then_release();  // dependent_launch.cuh: x comes from the previous kernel
@@ -176,8 +181,8 @@ __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* _
   for (int i = 0; i < M; ++i) x_rows[i] = reinterpret_cast<const uint4*>(x) + i * chunks;
   int use = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += grid, ++use) {
-    const int stage = use % kBulkStages;
-    bulk::wait_phase(&full[stage], static_cast<uint32_t>(use / kBulkStages) & 1u);
+    const int stage = use % stages;
+    bulk::wait_phase(&full[stage], static_cast<uint32_t>(use / stages) & 1u);
     const int last = rows_of(tile) - 1;  // rows past n read the tile's last row and store nothing
     const uint4* w_rows[R];
 #pragma unroll
@@ -198,9 +203,9 @@ __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* _
     }
     warp_sum<R, M>(acc);
     sum_slices<R, M>(acc, warp, lane, k_split, partial);  // its barrier: every warp is done with the stage
-    if (threadIdx.x == 0 && tile + kBulkStages * grid < tiles) {
+    if (threadIdx.x == 0 && tile + stages * grid < tiles) {
       bulk::fence_before_async_write();
-      ask(stage, tile + kBulkStages * grid);
+      ask(stage, tile + stages * grid);
     }
     store_tile<R, M, kBf16Out>(out, n, k_split, tile, partial);
   }
@@ -212,16 +217,25 @@ bool skinny_bulk_enabled() {
 }
 
 // Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),
-// asked of the runtime once per size; 0 on error.
+// asked of the runtime once per size (the kernel's shared-memory limit raised once, to the most any size needs);
+// 0 on error.
 template <typename Kernel>
 int bulk_blocks_per_sm(Kernel kernel, size_t smem) {
   static std::mutex mutex;
   static std::map<size_t, int> known;
+  static bool limit_raised = false;
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto it = known.find(smem); it != known.end()) return it->second;
+  if (!limit_raised) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kBulkStages * kBulkMaxTileBytes)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    limit_raised = true;
+  }
   int blocks = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     blocks = 0;
   }
@@ -229,21 +243,37 @@ int bulk_blocks_per_sm(Kernel kernel, size_t smem) {
   return blocks;
 }
 
+int bulk_env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+}
+
 // The bulk kernel for these tiles, or cudaErrorNotSupported when it does not apply (switched off, or a tile
 // larger than kBulkMaxTileBytes: the LM head's 32-row tiles of 2048), for the register path.
 template <int R, int M, bool kBf16Out>
 cudaError_t launch_bulk(const uint16_t* x, const uint16_t* w, int n, int k, int k_split, int64_t tiles, void* out,
                         cudaStream_t stream) {
+  static const int64_t max_tile = std::min<int64_t>(
+      kBulkMaxTileBytes, bulk_env_int("FULCRUM_SKINNY_BULK_MAX_TILE", static_cast<int>(kBulkMaxTileBytes)));
+  static const int forced_stages = bulk_env_int("FULCRUM_SKINNY_BULK_STAGES", 0);
   const int64_t tile_bytes = int64_t{kWarpsPerBlock / k_split * R} * k * 2;
-  if (!skinny_bulk_enabled() || tile_bytes > kBulkMaxTileBytes) return cudaErrorNotSupported;
-  const size_t smem = static_cast<size_t>(kBulkStages * tile_bytes);
+  if (!skinny_bulk_enabled() || tile_bytes > max_tile) return cudaErrorNotSupported;
   const auto kernel = skinny_bulk_kernel<R, M, kBf16Out>;
-  const int per_sm = std::min(bulk_blocks_per_sm(kernel, smem), kBulkMaxBlocksPerSm);
-  if (per_sm < 1) return cudaErrorNotSupported;
-  const int64_t blocks = std::min<int64_t>(tiles, int64_t{device_sms()} * per_sm);
+  const int64_t sms = device_sms();
+  const auto blocks_with = [&](int stages) {
+    const int per_sm = std::min(bulk_blocks_per_sm(kernel, static_cast<size_t>(stages * tile_bytes)),
+                                kBulkMaxBlocksPerSm);
+    return sms * per_sm;
+  };
+  int stages = forced_stages == 1 || forced_stages == kBulkStages ? forced_stages
+               : tiles <= blocks_with(1)                         ? 1
+                                                                 : kBulkStages;
+  const int64_t resident = blocks_with(stages);
+  if (resident < 1) return cudaErrorNotSupported;
+  const int64_t blocks = std::min<int64_t>(tiles, resident);
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, x, w, n, k,
-                          k_split, tiles, out);
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                          static_cast<size_t>(stages * tile_bytes), stream, x, w, n, k, k_split, tiles, stages, out);
 }
 
 template <int R, int M>
