@@ -217,29 +217,26 @@ bool skinny_bulk_enabled() {
 }
 
 // Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),
-// asked of the runtime once per size (the kernel's shared-memory limit raised once, to the most any size needs);
-// 0 on error.
-template <typename Kernel>
-int bulk_blocks_per_sm(Kernel kernel, size_t smem) {
+// asked of the runtime once per kernel and size (each kernel's shared-memory limit raised once, to the most any
+// size needs); 0 on error. Keyed by the kernel's address: every instantiation has the same function type.
+int bulk_blocks_per_sm(const void* kernel, size_t smem) {
   static std::mutex mutex;
-  static std::map<size_t, int> known;
-  static bool limit_raised = false;
+  static std::map<std::pair<const void*, size_t>, int> known;
   const std::lock_guard<std::mutex> lock(mutex);
-  if (const auto it = known.find(smem); it != known.end()) return it->second;
-  if (!limit_raised) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(kBulkStages * kBulkMaxTileBytes)) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    limit_raised = true;
-  }
+  if (const auto it = known.find({kernel, smem}); it != known.end()) return it->second;
   int blocks = 0;
+  const bool limit_raised =
+      std::any_of(known.begin(), known.end(), [&](const auto& entry) { return entry.first.first == kernel; });
+  if (!limit_raised && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kBulkStages * kBulkMaxTileBytes)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     blocks = 0;
   }
-  known.emplace(smem, blocks);
+  known.emplace(std::make_pair(kernel, smem), blocks);
   return blocks;
 }
 
@@ -261,8 +258,8 @@ cudaError_t launch_bulk(const uint16_t* x, const uint16_t* w, int n, int k, int 
   const auto kernel = skinny_bulk_kernel<R, M, kBf16Out>;
   const int64_t sms = device_sms();
   const auto blocks_with = [&](int stages) {
-    const int per_sm = std::min(bulk_blocks_per_sm(kernel, static_cast<size_t>(stages * tile_bytes)),
-                                kBulkMaxBlocksPerSm);
+    const size_t smem = static_cast<size_t>(stages * tile_bytes);
+    const int per_sm = std::min(bulk_blocks_per_sm(reinterpret_cast<const void*>(kernel), smem), kBulkMaxBlocksPerSm);
     return sms * per_sm;
   };
   int stages = forced_stages == 1 || forced_stages == kBulkStages ? forced_stages
