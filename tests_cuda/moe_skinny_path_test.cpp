@@ -6,7 +6,8 @@
 //
 // Tolerances and why:
 //   exact      slot counts, offsets, entry rows (a slot's entries in entry order), row tokens, the active list;
-//              a row's expert output computed with other rows or alone (the arithmetic is per row)
+//              a row's expert output computed with other rows or alone (the arithmetic is per row), and with W
+//              by bulk copies (the default for bf16) or by register loads
 //   1e-3       expert rows and the layer output vs the bf16 references and vs the CUTLASS path,
 //              ||gpu - ref|| / ||ref|| (kBf16Tolerance: the same bf16 roundings, fp32 sums in another order)
 #include <algorithm>
@@ -291,6 +292,27 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
     EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "early plan, max_slot_rows " << bound;
+  }
+
+  // Register loads of W in place of the bulk copies the default takes for these bf16 shapes: the same bits in every
+  // kernel variant, with and without the early plan.
+  for (const int bound : {0, 1, 2, 4}) {
+    for (const bool early : {false, true}) {
+      gpu::ExpertSkinnyArgs va = a, vb = b;
+      va.max_slot_rows = vb.max_slot_rows = bound;
+      va.register_loads = vb.register_loads = true;
+      vb.plan_ready_early = early;
+      DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
+      va.out = v_act.as<uint16_t>();
+      vb.x = v_act.as<uint16_t>();
+      vb.out = v_out.as<uint16_t>();
+      ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, nullptr), cudaSuccess);
+      ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(to_host(v_act.as<uint16_t>(), 24 * i), act_bits) << "register loads, max_slot_rows " << bound;
+      EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits)
+          << "register loads, max_slot_rows " << bound << (early ? ", early plan" : "");
+    }
   }
 
   a.k = 100;  // not a multiple of 8

@@ -19,16 +19,28 @@ __device__ __forceinline__ void barrier_init(uint64_t* barrier) {
 #endif
 }
 
-// One thread: copy `bytes` (a multiple of 16; src, dst 16-byte aligned) and arm the barrier's phase with them.
-__device__ __forceinline__ void copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
+// One thread: arm the barrier's phase with the bytes of the copies that follow (one arrival).
+__device__ __forceinline__ void expect_bytes(uint64_t* barrier, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
                : "memory");
+#endif
+}
+
+// One thread: copy `bytes` (a multiple of 16; src, dst 16-byte aligned), counted against the armed phase.
+__device__ __forceinline__ void copy_bytes(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                    shared_address(dst)),
                "l"(src), "r"(bytes), "r"(shared_address(barrier))
                : "memory");
 #endif
+}
+
+// One thread: one copy as a whole phase.
+__device__ __forceinline__ void copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* barrier) {
+  expect_bytes(barrier, bytes);
+  copy_bytes(dst, src, bytes, barrier);
 }
 
 // Every reader: until the barrier's phase of this parity has completed (its bytes have landed).

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "gpu/kernels/expert_skinny_gemm.hpp"
+#include "gpu/kernels/bulk_copy.cuh"
 #include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_gemm_core.cuh"
 
@@ -30,7 +31,7 @@ struct Fp8ScaleCols {
 };
 
 // The warp's dot products of rows [r0, r0 + M) of the block's slot with its W rows (acc, summed over the warp).
-template <int R, int M, bool kSwiGlu, bool kFp8, bool kFirst>
+template <int R, int M, bool kSwiGlu, bool kFp8, bool kFirst, bool kShared = false>
 __device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                          const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int lane,
                                          const FirstTrip<R>* first, float (&acc)[R][M]) {
@@ -41,7 +42,9 @@ __device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4*
     const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
     x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
   }
-  if constexpr (kFp8) {
+  if constexpr (kShared) {  // W rows bulk-copied to shared memory (bf16)
+    warp_dot_shared<R, M>(w_rows, x_rows, begin, end, lane, acc);
+  } else if constexpr (kFp8) {
     warp_dot_fp8<R, M, kSwiGlu ? 2 : 1>(w_rows, x_rows, scales.col, scales.stride, begin, end, lane, acc);
   } else {
     warp_dot<R, M, kFirst>(w_rows, x_rows, begin, end, lane, acc, first);
@@ -78,32 +81,33 @@ __device__ __forceinline__ void rows_store(const ExpertSkinnyArgs& a, const floa
 }
 
 // Rows [r0, r0 + M) of the block's slot against the warp's W rows; stores the block's columns.
-template <int R, int M, bool kSwiGlu, bool kFp8>
+template <int R, int M, bool kSwiGlu, bool kFp8, bool kShared = false>
 __device__ __forceinline__ void rows_times_w(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                              const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int warp,
                                              int lane, int k_split, int64_t first_col,
                                              float (*partial)[kRowsPerWarp * kMaxRows]) {
   float acc[R][M];
-  rows_dot<R, M, kSwiGlu, kFp8, false>(a, w_rows, scales, r0, begin, end, lane, nullptr, acc);
+  rows_dot<R, M, kSwiGlu, kFp8, false, kShared>(a, w_rows, scales, r0, begin, end, lane, nullptr, acc);
   rows_store<R, M, kSwiGlu>(a, acc, r0, warp, lane, k_split, first_col, partial);
 }
 
 // rows_times_w for the m rows of a chunk (1 <= m <= kChunk; m is uniform over the block). Only the variant
 // depends on kChunk, never a row's result, so kChunk may follow how many rows a slot can hold at most: the kernel
 // for 1-row chunks needs a fraction of the registers of the one for 8 and fits twice the warps per SM.
-template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk>
+template <int R, int M, bool kSwiGlu, bool kFp8, int kChunk, bool kShared = false>
 __device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                               const Fp8ScaleCols& scales, int r0, int64_t begin,
                                               int64_t end, int warp, int lane, int k_split, int64_t first_col,
                                               float (*partial)[kRowsPerWarp * kMaxRows]) {
   if constexpr (M < kChunk) {
     if (m != M) {
-      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk>(m, a, w_rows, scales, r0, begin, end, warp, lane, k_split,
-                                                     first_col, partial);
+      rows_in_chunk<R, M + 1, kSwiGlu, kFp8, kChunk, kShared>(m, a, w_rows, scales, r0, begin, end, warp, lane,
+                                                              k_split, first_col, partial);
       return;
     }
   }
-  rows_times_w<R, M, kSwiGlu, kFp8>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col, partial);
+  rows_times_w<R, M, kSwiGlu, kFp8, kShared>(a, w_rows, scales, r0, begin, end, warp, lane, k_split, first_col,
+                                             partial);
 }
 
 // Block b takes a contiguous range of the active slots' (slot, column tile) items, slot-major, so consecutive
@@ -230,6 +234,75 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   }
 }
 
+// bf16 weights by bulk copies (FULCRUM_SKINNY_BULK, skinny_gemm_core.cuh): the same items, balanced ranges, warps,
+// K slices and arithmetic as expert_skinny_kernel (so the same bits), but an item's W rows reach shared memory
+// whole, one bulk copy per contiguous piece (SwiGLU: its gate rows and its up rows; plain: its rows), through
+// `stages` buffers: a block asks for its first items' rows as soon as it knows its slots (before the wait when
+// a.plan_ready_early, the down GEMM's case), and for item j + stages once its warps are done with item j.
+template <bool kSwiGlu, int kChunk, int R>
+__global__ void __launch_bounds__(kThreads) expert_skinny_bulk_kernel(const ExpertSkinnyArgs a, int k_split, int tiles,
+                                                                      int stages) {
+  extern __shared__ __align__(128) uint4 stage_chunks[];  // [stages][pieces][tile columns][k / 8]
+  __shared__ __align__(8) uint64_t full[kBulkStages];
+  __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
+  if (!a.plan_ready_early) wait_then_release();  // dependent_launch.cuh: the plan comes from the previous kernel
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
+  constexpr int kCols = kColsPerWarp<kSwiGlu, R>;
+  constexpr int kPieces = kSwiGlu ? 2 : 1;
+  const int tile_cols = groups_per_block * kCols;  // output columns of an item (W rows of each piece)
+  const int64_t chunks = a.k / 8;                  // per W row
+  const int64_t piece = tile_cols * chunks, per_stage = kPieces * piece;
+  const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
+  const int64_t item_begin = blockIdx.x * items / gridDim.x, item_end = (blockIdx.x + 1) * items / gridDim.x;
+  const auto columns_of = [&](int64_t item) {
+    return static_cast<int>(min(static_cast<int64_t>(tile_cols), a.n - (item % tiles) * tile_cols));
+  };
+  const auto ask = [&](int stage, int64_t item) {  // one thread
+    const int slot = __ldg(a.active + 1 + item / tiles);
+    const uint4* w = reinterpret_cast<const uint4*>(a.weights[slot]);
+    const int64_t first_col = (item % tiles) * tile_cols;
+    const uint32_t bytes = static_cast<uint32_t>(columns_of(item) * chunks * 16);
+    bulk::expect_bytes(&full[stage], kPieces * bytes);
+    for (int p = 0; p < kPieces; ++p) {  // gate rows first_col.., up rows n + first_col..
+      bulk::copy_bytes(stage_chunks + stage * per_stage + p * piece, w + (p * int64_t{a.n} + first_col) * chunks,
+                       bytes, &full[stage]);
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) bulk::barrier_init(&full[s]);
+    for (int s = 0; s < stages && item_begin + s < item_end; ++s) ask(s, item_begin + s);
+  }
+  __syncthreads();  // the barriers are initialized before anyone waits on them
+  if (a.plan_ready_early) wait_then_release();  // the x rows come from the previous kernel
+  const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
+  const Fp8ScaleCols no_scales;
+  int use = 0;
+  for (int64_t item = item_begin; item < item_end; ++item, ++use) {
+    const int stage = use % stages;
+    bulk::wait_phase(&full[stage], static_cast<uint32_t>(use / stages) & 1u);
+    const int slot = __ldg(a.active + 1 + item / tiles);
+    const int row_begin = __ldg(a.offsets + slot), row_end = __ldg(a.offsets + slot + 1);
+    const int last = columns_of(item) - 1;  // columns past n read the last column's rows and store nothing
+    const uint4* w_rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int col = min(group * kCols + r % kCols, last);
+      w_rows[r] = stage_chunks + stage * per_stage + (r < kCols ? 0 : piece) + col * chunks;
+    }
+    const int64_t first_col = (item % tiles) * tile_cols;
+    for (int r0 = row_begin; r0 < row_end; r0 += kChunk) {
+      rows_in_chunk<R, 1, kSwiGlu, false, kChunk, true>(min(kChunk, row_end - r0), a, w_rows, no_scales, r0, begin,
+                                                        end, warp, lane, k_split, first_col, partial);
+    }
+    __syncthreads();  // every warp is done with the stage (also when the slot had no rows)
+    if (threadIdx.x == 0 && item + stages < item_end) {
+      bulk::fence_before_async_write();
+      ask(stage, item + stages);
+    }
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <bool kSwiGlu, bool kFp8 = false>
@@ -254,6 +327,39 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, kMaxRows, kNarrow>, grid, block, 0, stream, a,
                               k_split, tiles, balanced, l2_next);
   }
+}
+
+// The bulk kernel for this launch, or cudaErrorNotSupported when it does not apply (switched off, also by
+// FULCRUM_EXPERT_SKINNY_BULK=0 alone; or an item's rows larger than kBulkMaxTileBytes), for the register path.
+// max_items bounds the items (at most max_rows slots have rows), so the grid and the stages come from it; the
+// kernel balances the items it finds on the device.
+template <bool kSwiGlu>
+cudaError_t launch_bulk_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int k_split, int tiles,
+                                int64_t max_items, cudaStream_t stream) {
+  const int rows_per_group = wide ? kWideRowsPerWarp : kRowsPerWarp;
+  const int64_t tile_cols = int64_t{kWarpsPerBlock / k_split} * kColsPerWarp<kSwiGlu, kRowsPerWarp> *
+                            (rows_per_group / kRowsPerWarp);
+  const int64_t tile_bytes = (kSwiGlu ? 2 : 1) * tile_cols * a.k * 2;
+  static const bool enabled = env_switch_on("FULCRUM_EXPERT_SKINNY_BULK");  // 0: experts on registers (measurement)
+  if (!enabled || !bulk_tile_allowed(tile_bytes)) return cudaErrorNotSupported;
+  const auto pick = [&]() -> void (*)(const ExpertSkinnyArgs, int, int, int) {
+    switch (chunk) {
+      case 1: return wide ? expert_skinny_bulk_kernel<kSwiGlu, 1, kWideRowsPerWarp>
+                          : expert_skinny_bulk_kernel<kSwiGlu, 1, kRowsPerWarp>;
+      case 2: return expert_skinny_bulk_kernel<kSwiGlu, 2, kRowsPerWarp>;
+      case 4: return expert_skinny_bulk_kernel<kSwiGlu, 4, kRowsPerWarp>;
+      default: return expert_skinny_bulk_kernel<kSwiGlu, kMaxRows, kRowsPerWarp>;
+    }
+  };
+  const auto kernel = pick();
+  int stages = 0;
+  int64_t blocks = 0;
+  if (!plan_bulk_grid(reinterpret_cast<const void*>(kernel), max_items, tile_bytes, stages, blocks)) {
+    return cudaErrorNotSupported;
+  }
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                          static_cast<size_t>(stages * tile_bytes), stream, a, k_split, tiles, stages);
 }
 
 }  // namespace
@@ -288,6 +394,12 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t
   const int64_t blocks = skinny_grid_blocks(max_items, chunk);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const bool wide = rows_per_group == kWideRowsPerWarp;
+  if (!fp8 && !a.register_loads) {
+    const cudaError_t bulk =
+        a.swiglu ? launch_bulk_chunked<true>(chunk, wide, a, k_split, static_cast<int>(tiles), max_items, stream)
+                 : launch_bulk_chunked<false>(chunk, wide, a, k_split, static_cast<int>(tiles), max_items, stream);
+    if (bulk != cudaErrorNotSupported) return bulk;
+  }
   if (fp8) {
     return a.swiglu ? launch_chunked<true, true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream)
                     : launch_chunked<false, true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream);

@@ -137,19 +137,11 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
 
 // ---- W through bulk copies (FULCRUM_SKINNY_BULK, on unless "0") ----
 // The same tiles, warps, K slices and arithmetic as skinny_gemm_kernel (so the same bits), but a tile's W rows,
-// contiguous in memory, reach shared memory by one bulk copy (bulk_copy.cuh) into one of kBulkStages buffers: a
-// block asks for its first kBulkStages tiles before the PDL wait (W is no kernel's output) and for tile j +
-// kBulkStages as soon as its warps are done reading tile j, so all of a tile is in flight at once with no register
-// held for it; the register path keeps at most two 16-byte loads per lane and row in flight, and only its first
-// trip before the wait. Lanes read 16-byte chunks of a row side by side (conflict-free), x through L1 as before.
-// A block takes its tiles in `stages` (1 or kBulkStages) buffers: one when the grid holds every tile at once
-// (then each block has one tile and asks for all of it before the wait, and fewer bytes of shared memory a block
-// let more blocks sit beside the kernel before), else two (FULCRUM_SKINNY_BULK_STAGES=1 / 2 forces either, and
-// FULCRUM_SKINNY_BULK_MAX_TILE=bytes lowers kBulkMaxTileBytes, for measurement; read once).
-constexpr int kBulkStages = 2;
-constexpr int64_t kBulkMaxTileBytes = 96 * 1024;  // two stages within the 227 KB of shared memory a block may use
-constexpr int kBulkMaxBlocksPerSm = 8;
-
+// contiguous in memory, reach shared memory by one bulk copy (bulk_copy.cuh) into one of `stages` buffers
+// (plan_bulk_grid): a block asks for its first `stages` tiles before the PDL wait (W is no kernel's output) and for
+// tile j + stages as soon as its warps are done reading tile j, so all of a tile is in flight at once with no
+// register held for it; the register path keeps at most two 16-byte loads per lane and row in flight, and only its
+// first trip before the wait. Lanes read 16-byte chunks of a row side by side (conflict-free), x through L1.
 template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ w, int n, int k,
@@ -188,20 +180,7 @@ __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* _
 #pragma unroll
     for (int r = 0; r < R; ++r) w_rows[r] = stage_chunks + stage * per_stage + min(group * R + r, last) * chunks;
     float acc[R][M];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-      for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
-    }
-    for (int64_t c = begin + lane; c < end; c += 32) {  // warp_dot's order: a lane's chunks ascending
-      uint4 wv[R], xv[M];
-#pragma unroll
-      for (int r = 0; r < R; ++r) wv[r] = w_rows[r][c];
-#pragma unroll
-      for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
-      fma_chunk<R, M>(acc, wv, xv);
-    }
-    warp_sum<R, M>(acc);
+    warp_dot_shared<R, M>(w_rows, x_rows, begin, end, lane, acc);
     sum_slices<R, M>(acc, warp, lane, k_split, partial);  // its barrier: every warp is done with the stage
     if (threadIdx.x == 0 && tile + stages * grid < tiles) {
       bulk::fence_before_async_write();
@@ -211,63 +190,19 @@ __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* _
   }
 }
 
-bool skinny_bulk_enabled() {
-  static const bool enabled = env_switch_on("FULCRUM_SKINNY_BULK");
-  return enabled;
-}
-
-// Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),
-// asked of the runtime once per kernel and size (each kernel's shared-memory limit raised once, to the most any
-// size needs); 0 on error. Keyed by the kernel's address: every instantiation has the same function type.
-int bulk_blocks_per_sm(const void* kernel, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, size_t>, int> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (const auto it = known.find({kernel, smem}); it != known.end()) return it->second;
-  int blocks = 0;
-  const bool limit_raised =
-      std::any_of(known.begin(), known.end(), [&](const auto& entry) { return entry.first.first == kernel; });
-  if (!limit_raised && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(kBulkStages * kBulkMaxTileBytes)) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
-    (void)cudaGetLastError();
-    blocks = 0;
-  }
-  known.emplace(std::make_pair(kernel, smem), blocks);
-  return blocks;
-}
-
-int bulk_env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
-}
-
 // The bulk kernel for these tiles, or cudaErrorNotSupported when it does not apply (switched off, or a tile
 // larger than kBulkMaxTileBytes: the LM head's 32-row tiles of 2048), for the register path.
 template <int R, int M, bool kBf16Out>
 cudaError_t launch_bulk(const uint16_t* x, const uint16_t* w, int n, int k, int k_split, int64_t tiles, void* out,
                         cudaStream_t stream) {
-  static const int64_t max_tile = std::min<int64_t>(
-      kBulkMaxTileBytes, bulk_env_int("FULCRUM_SKINNY_BULK_MAX_TILE", static_cast<int>(kBulkMaxTileBytes)));
-  static const int forced_stages = bulk_env_int("FULCRUM_SKINNY_BULK_STAGES", 0);
   const int64_t tile_bytes = int64_t{kWarpsPerBlock / k_split * R} * k * 2;
-  if (!skinny_bulk_enabled() || tile_bytes > max_tile) return cudaErrorNotSupported;
+  if (!bulk_tile_allowed(tile_bytes)) return cudaErrorNotSupported;
   const auto kernel = skinny_bulk_kernel<R, M, kBf16Out>;
-  const int64_t sms = device_sms();
-  const auto blocks_with = [&](int stages) {
-    const size_t smem = static_cast<size_t>(stages * tile_bytes);
-    const int per_sm = std::min(bulk_blocks_per_sm(reinterpret_cast<const void*>(kernel), smem), kBulkMaxBlocksPerSm);
-    return sms * per_sm;
-  };
-  int stages = forced_stages == 1 || forced_stages == kBulkStages ? forced_stages
-               : tiles <= blocks_with(1)                         ? 1
-                                                                 : kBulkStages;
-  const int64_t resident = blocks_with(stages);
-  if (resident < 1) return cudaErrorNotSupported;
-  const int64_t blocks = std::min<int64_t>(tiles, resident);
+  int stages = 0;
+  int64_t blocks = 0;
+  if (!plan_bulk_grid(reinterpret_cast<const void*>(kernel), tiles, tile_bytes, stages, blocks)) {
+    return cudaErrorNotSupported;
+  }
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
                           static_cast<size_t>(stages * tile_bytes), stream, x, w, n, k, k_split, tiles, stages, out);
@@ -445,6 +380,59 @@ int64_t skinny_grid_blocks(int64_t tiles, int m) {
   if (!skinny_even_grid() || blocks >= tiles) return blocks;
   const int64_t per_block = (tiles + blocks - 1) / blocks;
   return (tiles + per_block - 1) / per_block;
+}
+
+
+static int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
+}
+
+bool bulk_tile_allowed(int64_t tile_bytes) {
+  static const bool enabled = env_switch_on("FULCRUM_SKINNY_BULK");
+  static const int64_t max_tile = std::min<int64_t>(
+      kBulkMaxTileBytes, env_int("FULCRUM_SKINNY_BULK_MAX_TILE", static_cast<int>(kBulkMaxTileBytes)));
+  return enabled && tile_bytes <= max_tile;
+}
+
+// Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),
+// asked of the runtime once per kernel and size (each kernel's shared-memory limit raised once, to the most any
+// size needs); 0 on error.
+static int bulk_blocks_per_sm(const void* kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, size_t>, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find({kernel, smem}); it != known.end()) return it->second;
+  int blocks = 0;
+  const bool limit_raised =
+      std::any_of(known.begin(), known.end(), [&](const auto& entry) { return entry.first.first == kernel; });
+  if (!limit_raised && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kBulkStages * kBulkMaxTileBytes)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    blocks = 0;
+  }
+  known.emplace(std::make_pair(kernel, smem), std::min(blocks, kBulkMaxBlocksPerSm));
+  return std::min(blocks, kBulkMaxBlocksPerSm);
+}
+
+bool plan_bulk_grid(const void* kernel, int64_t tiles, int64_t tile_bytes, int& stages, int64_t& blocks) {
+  static const int forced = env_int("FULCRUM_SKINNY_BULK_STAGES", 0);
+  const int64_t sms = device_sms();
+  const auto per_sm = [&](int s) { return bulk_blocks_per_sm(kernel, static_cast<size_t>(s * tile_bytes)); };
+  if (forced == 1 || forced == kBulkStages) {
+    stages = forced;
+  } else if (tiles <= sms * per_sm(1)) {
+    stages = 1;
+  } else {
+    stages = per_sm(1) > kBulkStages * per_sm(kBulkStages) ? 1 : kBulkStages;
+  }
+  const int64_t resident = sms * per_sm(stages);
+  blocks = std::min(tiles, resident);
+  return resident > 0;
 }
 
 }  // namespace skinny

@@ -54,6 +54,20 @@ int64_t skinny_grid_blocks(int64_t tiles, int m);
 // The current device's SM count (queried once per device).
 int device_sms();
 
+// ---- W by bulk copies into shared memory (bulk_copy.cuh), for the bf16 kernels ----
+// A block takes its tiles through `stages` (1 or kBulkStages) buffers of one tile each.
+constexpr int kBulkStages = 2;
+constexpr int64_t kBulkMaxTileBytes = 96 * 1024;  // two stages within the 227 KB of shared memory a block may use
+constexpr int kBulkMaxBlocksPerSm = 8;
+// Whether bulk copies apply to tiles of tile_bytes (FULCRUM_SKINNY_BULK=0: never; FULCRUM_SKINNY_BULK_MAX_TILE=bytes
+// lowers kBulkMaxTileBytes; read once).
+bool bulk_tile_allowed(int64_t tile_bytes);
+// The stages and grid of `kernel` (128 threads, stages x tile_bytes of dynamic shared memory) for `tiles` tiles: one
+// stage when the grid then holds every tile (each block asks for its one tile before its wait), else the count that
+// keeps more bytes in flight per SM (blocks that fit x stages; two on a tie); FULCRUM_SKINNY_BULK_STAGES=1 / 2
+// forces it. Raises the kernel's shared-memory limit once. Returns false when no block fits.
+bool plan_bulk_grid(const void* kernel, int64_t tiles, int64_t tile_bytes, int& stages, int64_t& blocks);
+
 // A 16-byte load of W, read once: through the non-coherent path without allocating in L1.
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
   uint4 v;
@@ -120,6 +134,27 @@ __device__ __forceinline__ void warp_sum(float (&acc)[R][M]) {
       }
     }
   }
+}
+
+// warp_dot's sums with the W rows in shared memory (bulk-copied tiles: skinny_gemm.cu, expert_skinny_gemm.cu):
+// plain loads, a lane's chunks in the same ascending order and the same FMAs, so the same bits.
+template <int R, int M>
+__device__ __forceinline__ void warp_dot_shared(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
+                                                int64_t begin, int64_t end, int lane, float (&acc)[R][M]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
+  }
+  for (int64_t c = begin + lane; c < end; c += 32) {
+    uint4 wv[R], xv[M];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wv[r] = w_rows[r][c];
+#pragma unroll
+    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
+    fma_chunk<R, M>(acc, wv, xv);
+  }
+  warp_sum<R, M>(acc);
 }
 
 // The W loads of warp_dot's first loop trip (chunks begin + lane + 32 t, t < kChunksPerTrip, of each row), for a
