@@ -7,7 +7,7 @@
 // Tolerances and why:
 //   exact      slot counts, offsets, entry rows (a slot's entries in entry order), row tokens, the active list;
 //              a row's expert output computed with other rows or alone (the arithmetic is per row), and with W
-//              by bulk copies (the default for bf16) or by register loads
+//              by register loads (the default for bf16) or by bulk copies
 //   1e-3       expert rows and the layer output vs the bf16 references and vs the CUTLASS path,
 //              ||gpu - ref|| / ||ref|| (kBf16Tolerance: the same bf16 roundings, fp32 sums in another order)
 #include <algorithm>
@@ -294,13 +294,13 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
     EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "early plan, max_slot_rows " << bound;
   }
 
-  // Register loads of W in place of the bulk copies the default takes for these bf16 shapes: the same bits in every
-  // kernel variant, with and without the early plan.
+  // W by bulk copies into shared memory and by register loads (the default takes either, by a switch): the same
+  // bits in every kernel variant, with and without the early plan.
   for (const int bound : {0, 1, 2, 4}) {
     for (const bool early : {false, true}) {
       gpu::ExpertSkinnyArgs va = a, vb = b;
       va.max_slot_rows = vb.max_slot_rows = bound;
-      va.register_loads = vb.register_loads = true;
+      va.loads = vb.loads = gpu::SkinnyWeightLoads::kBulk;
       vb.plan_ready_early = early;
       DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
       va.out = v_act.as<uint16_t>();
@@ -309,9 +309,9 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
       ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, nullptr), cudaSuccess);
       ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(to_host(v_act.as<uint16_t>(), 24 * i), act_bits) << "register loads, max_slot_rows " << bound;
+      EXPECT_EQ(to_host(v_act.as<uint16_t>(), 24 * i), act_bits) << "bulk copies, max_slot_rows " << bound;
       EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits)
-          << "register loads, max_slot_rows " << bound << (early ? ", early plan" : "");
+          << "bulk copies, max_slot_rows " << bound << (early ? ", early plan" : "");
     }
   }
 

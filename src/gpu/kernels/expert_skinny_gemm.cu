@@ -5,6 +5,8 @@
 // from the grid's warps at max_rows rows. FP8 weights (kFp8): the same items and rows, W chunks of 16 e4m3
 // weights and the block-scaled dot products of skinny_gemm_core.cuh (warp_dot_fp8).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/bulk_copy.cuh"
@@ -329,8 +331,20 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
   }
 }
 
-// The bulk kernel for this launch, or cudaErrorNotSupported when it does not apply (switched off, also by
-// FULCRUM_EXPERT_SKINNY_BULK=0 alone; or an item's rows larger than kBulkMaxTileBytes), for the register path.
+// Bulk copies for the expert GEMMs: off by default (measured at 55ebc94 on the H200, gate_up and down both on them:
+// decode batch 1 / 2 / 4 2.945-2.965 / 4.150-4.176 / 6.146-6.170 ms against 2.775 / 3.893 / 5.938 on register loads,
+// bench/results/expert_bulk_sweep_55ebc94_h200.json); FULCRUM_EXPERT_SKINNY_BULK=1 puts both on them, =down or
+// =gate_up one (read once), for measurement.
+bool expert_bulk_enabled(bool swiglu) {
+  static const std::string value = [] {
+    const char* env = std::getenv("FULCRUM_EXPERT_SKINNY_BULK");
+    return std::string(env != nullptr ? env : "0");
+  }();
+  return value == "1" || value == (swiglu ? "gate_up" : "down");
+}
+
+// The bulk kernel for this launch, or cudaErrorNotSupported when it does not apply (switched off, or an item's
+// rows larger than kBulkMaxTileBytes), for the register path.
 // max_items bounds the items (at most max_rows slots have rows), so the grid and the stages come from it; the
 // kernel balances the items it finds on the device.
 template <bool kSwiGlu>
@@ -340,8 +354,10 @@ cudaError_t launch_bulk_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a,
   const int64_t tile_cols = int64_t{kWarpsPerBlock / k_split} * kColsPerWarp<kSwiGlu, kRowsPerWarp> *
                             (rows_per_group / kRowsPerWarp);
   const int64_t tile_bytes = (kSwiGlu ? 2 : 1) * tile_cols * a.k * 2;
-  static const bool enabled = env_switch_on("FULCRUM_EXPERT_SKINNY_BULK");  // 0: experts on registers (measurement)
-  if (!enabled || !bulk_tile_allowed(tile_bytes)) return cudaErrorNotSupported;
+  const bool forced = a.loads == SkinnyWeightLoads::kBulk;
+  if (!(forced || expert_bulk_enabled(kSwiGlu)) || !bulk_tile_allowed(tile_bytes, forced)) {
+    return cudaErrorNotSupported;
+  }
   const auto pick = [&]() -> void (*)(const ExpertSkinnyArgs, int, int, int) {
     switch (chunk) {
       case 1: return wide ? expert_skinny_bulk_kernel<kSwiGlu, 1, kWideRowsPerWarp>
@@ -394,7 +410,7 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t
   const int64_t blocks = skinny_grid_blocks(max_items, chunk);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const bool wide = rows_per_group == kWideRowsPerWarp;
-  if (!fp8 && !a.register_loads) {
+  if (!fp8 && a.loads != SkinnyWeightLoads::kRegisters) {
     const cudaError_t bulk =
         a.swiglu ? launch_bulk_chunked<true>(chunk, wide, a, k_split, static_cast<int>(tiles), max_items, stream)
                  : launch_bulk_chunked<false>(chunk, wide, a, k_split, static_cast<int>(tiles), max_items, stream);

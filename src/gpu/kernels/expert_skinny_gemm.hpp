@@ -25,6 +25,8 @@
 
 #include <cuda_runtime.h>
 
+#include "gpu/kernels/skinny_gemm.hpp"
+
 namespace fulcrum::gpu {
 
 struct ExpertSkinnyArgs {
@@ -45,9 +47,10 @@ struct ExpertSkinnyArgs {
   // right after the gate_up one): the kernel may then read them, and load its first weights, before it waits
   // for that kernel (programmatic dependent launch). bf16 weights only; FULCRUM_SKINNY_EARLY_W=0 ignores it.
   bool plan_ready_early = false;
-  // bf16 weights reach the warps by bulk copies into shared memory where an item's rows fit (skinny_gemm_core.cuh:
-  // bulk_tile_allowed), else by register loads; true: always register loads (the same bits: tests compare them).
-  bool register_loads = false;
+  // How bf16 weights reach the warps (skinny_gemm.hpp's choice): kAuto register loads, or bulk copies into shared
+  // memory where an item's rows fit if FULCRUM_EXPERT_SKINNY_BULK asks for them (expert_skinny_gemm.cu; off by
+  // default, measured slower); kRegisters / kBulk either always. The same bits whichever.
+  SkinnyWeightLoads loads = SkinnyWeightLoads::kAuto;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
   // FP8 weights (an FP8 checkpoint's experts, weights then null): per slot e4m3 [w_rows, k] (w_rows = 2n with
   // swiglu, else n) and fp32 block scales [k / 128][w_rows / 128] (the FP8 grouped GEMM's layout,

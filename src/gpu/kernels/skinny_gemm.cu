@@ -194,9 +194,9 @@ __global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* _
 // larger than kBulkMaxTileBytes: the LM head's 32-row tiles of 2048), for the register path.
 template <int R, int M, bool kBf16Out>
 cudaError_t launch_bulk(const uint16_t* x, const uint16_t* w, int n, int k, int k_split, int64_t tiles, void* out,
-                        cudaStream_t stream) {
+                        bool forced, cudaStream_t stream) {
   const int64_t tile_bytes = int64_t{kWarpsPerBlock / k_split * R} * k * 2;
-  if (!bulk_tile_allowed(tile_bytes)) return cudaErrorNotSupported;
+  if (!bulk_tile_allowed(tile_bytes, forced)) return cudaErrorNotSupported;
   const auto kernel = skinny_bulk_kernel<R, M, kBf16Out>;
   int stages = 0;
   int64_t blocks = 0;
@@ -215,9 +215,10 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
   const int64_t row_groups = (static_cast<int64_t>(n) + R - 1) / R;
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (row_groups + groups_per_block - 1) / groups_per_block;
-  if (loads == SkinnyWeightLoads::kAuto) {
-    const cudaError_t bulk = bf16_out ? launch_bulk<R, M, true>(x, w, n, k, k_split, tiles, out, stream)
-                                      : launch_bulk<R, M, false>(x, w, n, k, k_split, tiles, out, stream);
+  if (loads != SkinnyWeightLoads::kRegisters) {
+    const bool forced = loads == SkinnyWeightLoads::kBulk;
+    const cudaError_t bulk = bf16_out ? launch_bulk<R, M, true>(x, w, n, k, k_split, tiles, out, forced, stream)
+                                      : launch_bulk<R, M, false>(x, w, n, k, k_split, tiles, out, forced, stream);
     if (bulk != cudaErrorNotSupported) return bulk;
   }
   const int64_t blocks = skinny_grid_blocks(tiles, M);
@@ -388,11 +389,11 @@ static int env_int(const char* name, int fallback) {
   return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
 }
 
-bool bulk_tile_allowed(int64_t tile_bytes) {
+bool bulk_tile_allowed(int64_t tile_bytes, bool forced) {
   static const bool enabled = env_switch_on("FULCRUM_SKINNY_BULK");
   static const int64_t max_tile = std::min<int64_t>(
       kBulkMaxTileBytes, env_int("FULCRUM_SKINNY_BULK_MAX_TILE", static_cast<int>(kBulkMaxTileBytes)));
-  return enabled && tile_bytes <= max_tile;
+  return forced ? tile_bytes <= kBulkMaxTileBytes : enabled && tile_bytes <= max_tile;
 }
 
 // Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),

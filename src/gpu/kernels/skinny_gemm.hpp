@@ -20,10 +20,11 @@ namespace fulcrum::gpu {
 
 constexpr int kSkinnyGemmMaxRows = 8;
 
-// How W reaches the warps: kAuto takes bulk copies into shared memory where a tile of W rows fits twice (up to
-// 96 KB a tile; FULCRUM_SKINNY_BULK=0 turns them off, for measurement), else 16-byte register loads; kRegisters
-// always the latter. Both give the same bits (the same tiles, K slices and arithmetic): a test compares them.
-enum class SkinnyWeightLoads { kAuto, kRegisters };
+// How W reaches the warps: kAuto takes bulk copies into shared memory where a tile of W rows fits (up to 96 KB a
+// tile; FULCRUM_SKINNY_BULK=0 turns them off, for measurement), else 16-byte register loads; kRegisters always the
+// latter; kBulk bulk copies wherever a tile fits, whatever the switches. All give the same bits (the same tiles,
+// K slices and arithmetic): tests compare them. The expert GEMMs take the same choice (expert_skinny_gemm.hpp).
+enum class SkinnyWeightLoads { kAuto, kRegisters, kBulk };
 
 cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int n, int k, float* out_f32,
                                uint16_t* out_bf16, cudaStream_t stream,

@@ -59,9 +59,9 @@ int device_sms();
 constexpr int kBulkStages = 2;
 constexpr int64_t kBulkMaxTileBytes = 96 * 1024;  // two stages within the 227 KB of shared memory a block may use
 constexpr int kBulkMaxBlocksPerSm = 8;
-// Whether bulk copies apply to tiles of tile_bytes (FULCRUM_SKINNY_BULK=0: never; FULCRUM_SKINNY_BULK_MAX_TILE=bytes
-// lowers kBulkMaxTileBytes; read once).
-bool bulk_tile_allowed(int64_t tile_bytes);
+// Whether bulk copies apply to tiles of tile_bytes: at most kBulkMaxTileBytes, and unless `forced`, the switches
+// (FULCRUM_SKINNY_BULK=0: never; FULCRUM_SKINNY_BULK_MAX_TILE=bytes lowers the bound; read once).
+bool bulk_tile_allowed(int64_t tile_bytes, bool forced = false);
 // The stages and grid of `kernel` (128 threads, stages x tile_bytes of dynamic shared memory) for `tiles` tiles: one
 // stage when the grid then holds every tile (each block asks for its one tile before its wait), else the count that
 // keeps more bytes in flight per SM (blocks that fit x stages; two on a tie); FULCRUM_SKINNY_BULK_STAGES=1 / 2
