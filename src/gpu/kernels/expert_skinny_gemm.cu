@@ -331,15 +331,18 @@ cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int6
   }
 }
 
-// Bulk copies for the expert GEMMs: off by default (measured at 55ebc94 on the H200, gate_up and down both on them:
-// decode batch 1 / 2 / 4 2.945-2.965 / 4.150-4.176 / 6.146-6.170 ms against 2.775 / 3.893 / 5.938 on register loads,
-// bench/results/expert_bulk_sweep_55ebc94_h200.json); FULCRUM_EXPERT_SKINNY_BULK=1 puts both on them, =down or
-// =gate_up one (read once), for measurement.
-bool expert_bulk_enabled(bool swiglu) {
+// Bulk copies for the expert GEMMs, by measurement on the H200 (bench/results/expert_bulk_sweep_55ebc94_h200.json,
+// expert_bulk_parts_sweep_5a9ac4a_h200.json): the down GEMM of steps with 2+ rows a slot (chunks of 2..8; before
+// its wait, plan_ready_early) takes them (batch 2 / 4 3.877 / 5.783 ms against 3.906-3.909 / 5.928-5.944 on
+// register loads); its 1-row chunks (batch 1: 2.861 against 2.805-2.819) and the gate_up GEMM (after its wait;
+// batch 1 / 4 2.925 / 6.135) do not. FULCRUM_EXPERT_SKINNY_BULK=0 / 1 / down / gate_up: none, both, one (every
+// chunk), for measurement; read once.
+bool expert_bulk_enabled(bool swiglu, int chunk) {
   static const std::string value = [] {
     const char* env = std::getenv("FULCRUM_EXPERT_SKINNY_BULK");
-    return std::string(env != nullptr ? env : "0");
+    return std::string(env != nullptr && *env != '\0' ? env : "auto");
   }();
+  if (value == "auto") return !swiglu && chunk >= 2;
   return value == "1" || value == (swiglu ? "gate_up" : "down");
 }
 
@@ -355,7 +358,7 @@ cudaError_t launch_bulk_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a,
                             (rows_per_group / kRowsPerWarp);
   const int64_t tile_bytes = (kSwiGlu ? 2 : 1) * tile_cols * a.k * 2;
   const bool forced = a.loads == SkinnyWeightLoads::kBulk;
-  if (!(forced || expert_bulk_enabled(kSwiGlu)) || !bulk_tile_allowed(tile_bytes, forced)) {
+  if (!(forced || expert_bulk_enabled(kSwiGlu, chunk)) || !bulk_tile_allowed(tile_bytes, forced)) {
     return cudaErrorNotSupported;
   }
   const auto pick = [&]() -> void (*)(const ExpertSkinnyArgs, int, int, int) {

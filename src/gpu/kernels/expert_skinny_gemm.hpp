@@ -47,9 +47,9 @@ struct ExpertSkinnyArgs {
   // right after the gate_up one): the kernel may then read them, and load its first weights, before it waits
   // for that kernel (programmatic dependent launch). bf16 weights only; FULCRUM_SKINNY_EARLY_W=0 ignores it.
   bool plan_ready_early = false;
-  // How bf16 weights reach the warps (skinny_gemm.hpp's choice): kAuto register loads, or bulk copies into shared
-  // memory where an item's rows fit if FULCRUM_EXPERT_SKINNY_BULK asks for them (expert_skinny_gemm.cu; off by
-  // default, measured slower); kRegisters / kBulk either always. The same bits whichever.
+  // How bf16 weights reach the warps (skinny_gemm.hpp's choice): kAuto bulk copies into shared memory for the down
+  // GEMM of slots of 2+ rows where an item's rows fit, register loads otherwise (expert_skinny_gemm.cu, measured;
+  // FULCRUM_EXPERT_SKINNY_BULK overrides it); kRegisters / kBulk either always. The same bits whichever.
   SkinnyWeightLoads loads = SkinnyWeightLoads::kAuto;
   uint16_t* out = nullptr;                   // [rows, n] bf16, permuted row order
   // FP8 weights (an FP8 checkpoint's experts, weights then null): per slot e4m3 [w_rows, k] (w_rows = 2n with
