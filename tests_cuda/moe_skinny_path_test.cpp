@@ -14,6 +14,8 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
+#include <utility>
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -259,61 +261,40 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(to_host(one_act.as<uint16_t>(), i), std::vector<uint16_t>(act_bits.begin() + 7 * i, act_bits.begin() + 8 * i));
 
-  // The kernel variants for slots of at most 1, 2 or 4 rows (1-row chunks and 8 W rows per warp, ...): the same
-  // bits, even though slot 0 holds 19 rows, past the bound.
-  for (const int bound : {1, 2, 4}) {
+  // Both GEMMs in one kernel variant (slots of at most `bound` rows: 1-row chunks and 8 W rows per warp, ...; 0:
+  // max_rows), W loads and plan timing (the down GEMM reading its plan and first weights before its wait), launched
+  // one after the other on one stream as GpuMoeLayer does; the activations and the outputs.
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const auto run_variant = [&](int bound, gpu::SkinnyWeightLoads loads, bool early) {
     gpu::ExpertSkinnyArgs va = a, vb = b;
     va.max_slot_rows = vb.max_slot_rows = bound;
+    va.loads = vb.loads = loads;
+    vb.plan_ready_early = early;
     DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
     va.out = v_act.as<uint16_t>();
     vb.x = v_act.as<uint16_t>();
     vb.out = v_out.as<uint16_t>();
-    ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, nullptr), cudaSuccess);
-    ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(to_host(v_act.as<uint16_t>(), 24 * i), act_bits) << "max_slot_rows " << bound;
-    EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "max_slot_rows " << bound;
-  }
-
-  // The down GEMM with its plan and first weights read before the wait (plan_ready_early), launched right after
-  // the gate_up GEMM on one stream as GpuMoeLayer does: the same bits in every kernel variant.
+    EXPECT_EQ(gpu::launch_expert_skinny_gemm(va, stream), cudaSuccess);
+    EXPECT_EQ(gpu::launch_expert_skinny_gemm(vb, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return std::make_pair(to_host(v_act.as<uint16_t>(), 24 * i), to_host(v_out.as<uint16_t>(), 24 * h));
+  };
+  // Every variant gives the same bits, even though slot 0 holds 19 rows, past the bounds; so do W by bulk copies into
+  // shared memory and by register loads (the default takes either, by GEMM and rows), with and without the early plan.
   for (const int bound : {0, 1, 2, 4}) {
-    gpu::ExpertSkinnyArgs va = a, vb = b;
-    va.max_slot_rows = vb.max_slot_rows = bound;
-    vb.plan_ready_early = true;
-    DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
-    va.out = v_act.as<uint16_t>();
-    vb.x = v_act.as<uint16_t>();
-    vb.out = v_out.as<uint16_t>();
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, stream), cudaSuccess);
-    ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-    EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits) << "early plan, max_slot_rows " << bound;
-  }
-
-  // W by bulk copies into shared memory and by register loads (the default takes either, by a switch): the same
-  // bits in every kernel variant, with and without the early plan.
-  for (const int bound : {0, 1, 2, 4}) {
-    for (const bool early : {false, true}) {
-      gpu::ExpertSkinnyArgs va = a, vb = b;
-      va.max_slot_rows = vb.max_slot_rows = bound;
-      va.loads = vb.loads = gpu::SkinnyWeightLoads::kBulk;
-      vb.plan_ready_early = early;
-      DeviceBuffer v_act(sizeof(uint16_t) * 24 * i), v_out(sizeof(uint16_t) * 24 * h);
-      va.out = v_act.as<uint16_t>();
-      vb.x = v_act.as<uint16_t>();
-      vb.out = v_out.as<uint16_t>();
-      ASSERT_EQ(gpu::launch_expert_skinny_gemm(va, nullptr), cudaSuccess);
-      ASSERT_EQ(gpu::launch_expert_skinny_gemm(vb, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(to_host(v_act.as<uint16_t>(), 24 * i), act_bits) << "bulk copies, max_slot_rows " << bound;
-      EXPECT_EQ(to_host(v_out.as<uint16_t>(), 24 * h), out_bits)
-          << "bulk copies, max_slot_rows " << bound << (early ? ", early plan" : "");
+    for (const auto loads : {gpu::SkinnyWeightLoads::kAuto, gpu::SkinnyWeightLoads::kRegisters,
+                             gpu::SkinnyWeightLoads::kBulk}) {
+      for (const bool early : {false, true}) {
+        const auto [v_act, v_out] = run_variant(bound, loads, early);
+        const std::string what = fmt::format("max_slot_rows {}, loads {}{}", bound, static_cast<int>(loads),
+                                             early ? ", early plan" : "");
+        EXPECT_EQ(v_act, act_bits) << what;
+        EXPECT_EQ(v_out, out_bits) << what;
+      }
     }
   }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 
   a.k = 100;  // not a multiple of 8
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);

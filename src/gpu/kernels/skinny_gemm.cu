@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #include "gpu/env_switch.hpp"
 #include "gpu/kernels/bulk_copy.cuh"
@@ -232,6 +233,25 @@ cudaError_t launch_rows(const uint16_t* x, const uint16_t* w, int n, int k, void
                           skinny_early_w_enabled(), skinny_l2_next_enabled(), out);
 }
 
+// f(R, M) as integral constants for m = 1..8 x rows: M = m, R = rows_per_warp(m).
+template <int N>
+using Const = std::integral_constant<int, N>;
+template <typename F>
+cudaError_t with_rows(int m, F&& f) {
+  switch (m) {
+    case 1:
+      return rows_per_warp(1) == kWideRowsPerWarp ? f(Const<kWideRowsPerWarp>{}, Const<1>{})
+                                                  : f(Const<kRowsPerWarp>{}, Const<1>{});
+    case 2: return f(Const<kRowsPerWarp>{}, Const<2>{});
+    case 3: return f(Const<kRowsPerWarp>{}, Const<3>{});
+    case 4: return f(Const<kRowsPerWarp>{}, Const<4>{});
+    case 5: return f(Const<kRowsPerWarp>{}, Const<5>{});
+    case 6: return f(Const<kRowsPerWarp>{}, Const<6>{});
+    case 7: return f(Const<kRowsPerWarp>{}, Const<7>{});
+    default: return f(Const<kRowsPerWarp>{}, Const<8>{});
+  }
+}
+
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Tile `tile` with FP8 weights: w e4m3 [n, k], w_scales [ceil(k / 128)][ceil(n / 128)].
@@ -263,14 +283,7 @@ __device__ __forceinline__ void skinny_tile_fp8(const uint16_t* __restrict__ x, 
   float acc[R][M];
   warp_dot_fp8<R, M, 1>(w_rows, x_rows, scale_col, scale_stride, begin, end, lane, acc);
   sum_slices<R, M>(acc, warp, lane, k_split, partial);
-  const int t = static_cast<int>(threadIdx.x);
-  if (t < groups_per_block * R * M) {
-    const int group = t / (R * M), j = t % (R * M);
-    const int r = j / M, i = j % M;
-    const int64_t row = (tile * groups_per_block + group) * R + r;
-    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
-  }
-  __syncthreads();  // partial is rewritten by the block's next tile
+  store_tile<R, M, kBf16Out>(out, n, k_split, tile, partial);
 }
 
 // As skinny_gemm_kernel. 1 x row: at most 128 registers, so the 4 blocks per SM of the persistent grid fit.
@@ -447,19 +460,9 @@ cudaError_t launch_skinny_gemm(const uint16_t* x, const uint16_t* w, int m, int 
   if (n == 0) return cudaSuccess;
   void* out = out_f32 != nullptr ? static_cast<void*>(out_f32) : static_cast<void*>(out_bf16);
   const bool bf16_out = out_bf16 != nullptr;
-  const bool wide = rows_per_warp(m) == kWideRowsPerWarp;
-  switch (m) {
-    case 1:
-      return wide ? launch_rows<kWideRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream, loads)
-                  : launch_rows<kRowsPerWarp, 1>(x, w, n, k, out, bf16_out, stream, loads);
-    case 2: return launch_rows<kRowsPerWarp, 2>(x, w, n, k, out, bf16_out, stream, loads);
-    case 3: return launch_rows<kRowsPerWarp, 3>(x, w, n, k, out, bf16_out, stream, loads);
-    case 4: return launch_rows<kRowsPerWarp, 4>(x, w, n, k, out, bf16_out, stream, loads);
-    case 5: return launch_rows<kRowsPerWarp, 5>(x, w, n, k, out, bf16_out, stream, loads);
-    case 6: return launch_rows<kRowsPerWarp, 6>(x, w, n, k, out, bf16_out, stream, loads);
-    case 7: return launch_rows<kRowsPerWarp, 7>(x, w, n, k, out, bf16_out, stream, loads);
-    default: return launch_rows<kRowsPerWarp, 8>(x, w, n, k, out, bf16_out, stream, loads);
-  }
+  return with_rows(m, [&](auto r, auto rows) {
+    return launch_rows<decltype(r)::value, decltype(rows)::value>(x, w, n, k, out, bf16_out, stream, loads);
+  });
 }
 
 cudaError_t launch_skinny_gemm_fp8(const uint16_t* x, const uint8_t* w, const float* w_scales, int m, int n, int k,
@@ -472,19 +475,9 @@ cudaError_t launch_skinny_gemm_fp8(const uint16_t* x, const uint8_t* w, const fl
   if (n == 0) return cudaSuccess;
   void* out = out_f32 != nullptr ? static_cast<void*>(out_f32) : static_cast<void*>(out_bf16);
   const bool bf16_out = out_bf16 != nullptr;
-  const bool wide = rows_per_warp(m) == kWideRowsPerWarp;
-  switch (m) {
-    case 1:
-      return wide ? launch_rows_fp8<kWideRowsPerWarp, 1>(x, w, w_scales, n, k, out, bf16_out, stream)
-                  : launch_rows_fp8<kRowsPerWarp, 1>(x, w, w_scales, n, k, out, bf16_out, stream);
-    case 2: return launch_rows_fp8<kRowsPerWarp, 2>(x, w, w_scales, n, k, out, bf16_out, stream);
-    case 3: return launch_rows_fp8<kRowsPerWarp, 3>(x, w, w_scales, n, k, out, bf16_out, stream);
-    case 4: return launch_rows_fp8<kRowsPerWarp, 4>(x, w, w_scales, n, k, out, bf16_out, stream);
-    case 5: return launch_rows_fp8<kRowsPerWarp, 5>(x, w, w_scales, n, k, out, bf16_out, stream);
-    case 6: return launch_rows_fp8<kRowsPerWarp, 6>(x, w, w_scales, n, k, out, bf16_out, stream);
-    case 7: return launch_rows_fp8<kRowsPerWarp, 7>(x, w, w_scales, n, k, out, bf16_out, stream);
-    default: return launch_rows_fp8<kRowsPerWarp, 8>(x, w, w_scales, n, k, out, bf16_out, stream);
-  }
+  return with_rows(m, [&](auto r, auto rows) {
+    return launch_rows_fp8<decltype(r)::value, decltype(rows)::value>(x, w, w_scales, n, k, out, bf16_out, stream);
+  });
 }
 
 }  // namespace fulcrum::gpu
