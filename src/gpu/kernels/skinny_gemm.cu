@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "gpu/env_switch.hpp"
@@ -410,27 +411,34 @@ bool bulk_tile_allowed(int64_t tile_bytes, bool forced) {
 }
 
 // Blocks of `kernel` with `smem` bytes of dynamic shared memory that fit on an SM (registers, shared memory),
-// asked of the runtime once per kernel and size (each kernel's shared-memory limit raised once, to the most any
-// size needs); 0 on error.
+// asked of the runtime once per device, kernel and size (the kernel's shared-memory limit raised once per device,
+// to the most any size needs: a function attribute holds per device); 0 on error.
 static int bulk_blocks_per_sm(const void* kernel, size_t smem) {
   static std::mutex mutex;
-  static std::map<std::pair<const void*, size_t>, int> known;
+  static std::map<std::tuple<int, const void*, size_t>, int> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
   const std::lock_guard<std::mutex> lock(mutex);
-  if (const auto it = known.find({kernel, smem}); it != known.end()) return it->second;
-  int blocks = 0;
-  const bool limit_raised =
-      std::any_of(known.begin(), known.end(), [&](const auto& entry) { return entry.first.first == kernel; });
+  if (const auto it = known.find({device, kernel, smem}); it != known.end()) return it->second;
+  const bool limit_raised = std::any_of(known.begin(), known.end(), [&](const auto& entry) {
+    return std::get<0>(entry.first) == device && std::get<1>(entry.first) == kernel;
+  });
   if (!limit_raised && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kBulkStages * kBulkMaxTileBytes)) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
+  int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     blocks = 0;
   }
-  known.emplace(std::make_pair(kernel, smem), std::min(blocks, kBulkMaxBlocksPerSm));
-  return std::min(blocks, kBulkMaxBlocksPerSm);
+  blocks = std::min(blocks, kBulkMaxBlocksPerSm);
+  known.emplace(std::make_tuple(device, kernel, smem), blocks);
+  return blocks;
 }
 
 bool plan_bulk_grid(const void* kernel, int64_t tiles, int64_t tile_bytes, int& stages, int64_t& blocks) {
