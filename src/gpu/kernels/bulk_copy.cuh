@@ -1,8 +1,9 @@
 #pragma once
 // Hopper bulk copies global -> shared memory (cp.async.bulk, the TMA unit's non-tensor form) completing on an
 // mbarrier: one instruction moves a whole contiguous tile, so a block has all of it in flight without holding a
-// register per 16 bytes. Used where a kernel streams weights it reads once (skinny_gemm_bulk.cu). sm_90 only; the
-// calls compile to nothing below it (their launchers never select those kernels there).
+// register per 16 bytes. Used where a kernel streams weights it reads once (the skinny GEMMs' bulk kernels).
+// sm_90 only: below it each call traps (the build targets sm_90a; a kernel built for an older GPU must not read
+// shared memory that no copy filled).
 #include <cstdint>
 
 namespace fulcrum::gpu::bulk {
@@ -16,6 +17,8 @@ __device__ __forceinline__ void barrier_init(uint64_t* barrier) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barrier)) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 
@@ -24,6 +27,8 @@ __device__ __forceinline__ void expect_bytes(uint64_t* barrier, uint32_t bytes) 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
                : "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 
@@ -34,6 +39,8 @@ __device__ __forceinline__ void copy_bytes(void* dst, const void* src, uint32_t 
                    shared_address(dst)),
                "l"(src), "r"(bytes), "r"(shared_address(barrier))
                : "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 
@@ -53,6 +60,8 @@ __device__ __forceinline__ void wait_phase(uint64_t* barrier, uint32_t parity) {
       "@!done bra WAIT_%=;\n\t}" ::"r"(shared_address(barrier)),
       "r"(parity)
       : "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 
@@ -61,6 +70,8 @@ __device__ __forceinline__ void wait_phase(uint64_t* barrier, uint32_t parity) {
 __device__ __forceinline__ void fence_before_async_write() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 

@@ -8,7 +8,9 @@
 // only what no kernel of the same step writes: weights, and (the decode attention's early_kv) the step's input
 // arrays, which only the step's host-to-device copy writes, and K / V of positions an earlier step appended (a
 // shared prefix page is read only once its owner's step has written it: server/prefix_cache.hpp); a kernel that
-// wrote either inside a step would have to turn those reads off. Kernels launched the ordinary way keep ordinary
+// wrote either inside a step would have to turn those reads off. One exception reads a kernel's output: the expert
+// down GEMM's plan (ExpertSkinnyArgs::plan_ready_early), written by the kernel before last, which had completed
+// before the kernel just before passed its wait and released this one. Kernels launched the ordinary way keep ordinary
 // stream order. FULCRUM_PDL=0 launches everything the ordinary way (for measurement); read once.
 #include <utility>
 

@@ -236,9 +236,10 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   }
 }
 
-// bf16 weights by bulk copies (FULCRUM_SKINNY_BULK, skinny_gemm_core.cuh): the same items, balanced ranges, warps,
-// K slices and arithmetic as expert_skinny_kernel (so the same bits), but an item's W rows reach shared memory
-// whole, one bulk copy per contiguous piece (SwiGLU: its gate rows and its up rows; plain: its rows), through
+// bf16 weights by bulk copies (expert_bulk_enabled below; skinny_plan.hpp): the same items, warps, K slices and
+// arithmetic as expert_skinny_kernel (so the same bits) and its even item ranges (always: FULCRUM_SKINNY_BALANCED
+// does not apply), but an item's W rows reach shared memory whole, one bulk copy per contiguous piece (SwiGLU: its
+// gate rows and its up rows; plain: its rows), through
 // `stages` buffers: a block asks for its first items' rows as soon as it knows its slots (before the wait when
 // a.plan_ready_early, the down GEMM's case), and for item j + stages once its warps are done with item j.
 template <bool kSwiGlu, int kChunk, int R>

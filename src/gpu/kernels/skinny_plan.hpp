@@ -59,8 +59,8 @@ bool plan_bulk_grid(const void* kernel, int64_t tiles, int64_t tile_bytes, int& 
 
 // R for M x rows: wide where registers allow (FULCRUM_SKINNY_WIDE=0 keeps 4, for measurement; read once).
 bool skinny_wide_enabled();
-// Whether the bf16 skinny kernels load their first W trip before the wait (FirstTrip below; FULCRUM_SKINNY_EARLY_W=0:
-// after it, for measurement; read once).
+// Whether the bf16 skinny kernels load their first W trip before the wait (skinny_gemm_core.cuh FirstTrip;
+// FULCRUM_SKINNY_EARLY_W=0: after it, for measurement; read once).
 bool skinny_early_w_enabled();
 // Whether the expert skinny kernels split their items evenly over the grid (FULCRUM_SKINNY_BALANCED=0: ceil(items /
 // grid) a block, for measurement; read once).

@@ -949,7 +949,9 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   gemm.n = shape_.hidden_size;
   gemm.k = shape_.moe_intermediate_size;
   gemm.swiglu = false;
-  gemm.plan_ready_early = true;  // the plan came before the gate_up GEMM
+  // The plan came before the gate_up GEMM: written by the kernel before last, complete when this one starts. Not so
+  // when the gate_up launch is ablated (the plan's kernel is then the one just before).
+  gemm.plan_ready_early = !gpu::ablated(gpu::AblatePart::kGateUp);
   gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
   if (!gpu::ablated(gpu::AblatePart::kDown)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
