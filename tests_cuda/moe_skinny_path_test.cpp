@@ -300,6 +300,71 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
   EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaErrorInvalidValue);
 }
 
+// Many slots at the Qwen3-30B-A3B expert shape (64 slots of 2 rows: 6144 gate_up items and 8192 down items, more
+// than a grid holds, so bulk blocks take several items each, refill their stages and flip their barriers' phases;
+// the down GEMM's 24 KB items get two stages): bulk copies give the register loads' bits, with and without the
+// early plan. Which stage count the host picks follows the device's occupancy; the items per block do not.
+TEST_F(MoeSkinnyPathTest, BulkCopiesOverManyItemsGiveTheRegisterLoadsBits) {
+  const int h = 2048, i = 768, slots = 64, rows_per_slot = 2, rows = slots * rows_per_slot, tokens = 16;
+  std::mt19937 rng(17);
+  std::vector<int32_t> offsets(slots + 1), active(slots + 1), source(rows);
+  for (int s = 0; s <= slots; ++s) offsets[s] = s * rows_per_slot;
+  active[0] = slots;
+  for (int s = 0; s < slots; ++s) active[1 + s] = slots - 1 - s;  // any order
+  for (auto& src : source) src = static_cast<int32_t>(rng() % tokens);
+  const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(int64_t{tokens} * h, 31, 1.0f)));
+  // One gate_up and one down matrix shared by every slot keeps the upload small; the items still differ by rows.
+  const DeviceBuffer d_gate_up = to_device(to_bits(random_bf16_values(int64_t{2} * i * h, 32, 1.0f / 45.0f)));
+  const DeviceBuffer d_down = to_device(to_bits(random_bf16_values(int64_t{h} * i, 33, 1.0f / 28.0f)));
+  const std::vector<const uint16_t*> gate_up_ptrs(slots, d_gate_up.as<uint16_t>());
+  const std::vector<const uint16_t*> down_ptrs(slots, d_down.as<uint16_t>());
+  const DeviceBuffer d_source = to_device(source), d_offsets = to_device(offsets), d_active = to_device(active),
+                     d_gate_up_ptrs = to_device(gate_up_ptrs), d_down_ptrs = to_device(down_ptrs);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const auto run = [&](gpu::SkinnyWeightLoads loads, bool early) {
+    DeviceBuffer act(sizeof(uint16_t) * rows * i), out(sizeof(uint16_t) * rows * h);
+    gpu::ExpertSkinnyArgs a;
+    a.x = d_x.as<uint16_t>();
+    a.row_source = d_source.as<int32_t>();
+    a.offsets = d_offsets.as<int32_t>();
+    a.active = d_active.as<int32_t>();
+    a.weights = d_gate_up_ptrs.as<const uint16_t* const>();
+    a.n = i;
+    a.k = h;
+    a.max_rows = rows;
+    a.num_slots = slots;
+    a.max_slot_rows = rows_per_slot;
+    a.swiglu = true;
+    a.loads = loads;
+    a.out = act.as<uint16_t>();
+    gpu::ExpertSkinnyArgs b = a;
+    b.x = act.as<uint16_t>();
+    b.row_source = nullptr;
+    b.weights = d_down_ptrs.as<const uint16_t* const>();
+    b.n = h;
+    b.k = i;
+    b.swiglu = false;
+    b.plan_ready_early = early;
+    b.out = out.as<uint16_t>();
+    EXPECT_EQ(cudaMemsetAsync(act.as<uint16_t>(), 0xff, sizeof(uint16_t) * rows * i, stream), cudaSuccess);
+    EXPECT_EQ(cudaMemsetAsync(out.as<uint16_t>(), 0xff, sizeof(uint16_t) * rows * h, stream), cudaSuccess);
+    EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, stream), cudaSuccess);
+    EXPECT_EQ(gpu::launch_expert_skinny_gemm(b, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return std::make_pair(to_host(act.as<uint16_t>(), rows * i), to_host(out.as<uint16_t>(), rows * h));
+  };
+  const auto [act_regs, out_regs] = run(gpu::SkinnyWeightLoads::kRegisters, false);
+  EXPECT_EQ(std::count(act_regs.begin(), act_regs.end(), uint16_t{0xffff}), 0) << "activations left unwritten";
+  EXPECT_EQ(std::count(out_regs.begin(), out_regs.end(), uint16_t{0xffff}), 0) << "outputs left unwritten";
+  for (const bool early : {false, true}) {
+    const auto [act_bulk, out_bulk] = run(gpu::SkinnyWeightLoads::kBulk, early);
+    EXPECT_EQ(act_bulk, act_regs) << (early ? "early plan" : "plan after the wait");
+    EXPECT_EQ(out_bulk, out_regs) << (early ? "early plan" : "plan after the wait");
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // The layer on the skinny path (up to 136 entries, past the default bound) vs the bf16 reference and vs its
 // CUTLASS path (set_skinny_max_entries(0)), for every replica choice; by default the path is taken up to the
 // entry bound and not above it.
