@@ -70,6 +70,39 @@ std::vector<float> expected_rows(const std::vector<uint16_t>& x, const std::vect
   return out;
 }
 
+// The MoE layer's two expert skinny GEMMs over one plan: gate_up + SwiGLU from x [*, h] (rows read through
+// row_source) into act [rows, i], then down from act into out [rows, h].
+struct ExpertGemms {
+  gpu::ExpertSkinnyArgs gate_up, down;
+};
+ExpertGemms expert_gemms(const uint16_t* x, const int32_t* row_source, const int32_t* offsets, const int32_t* active,
+                         const DeviceBuffer& gate_up_ptrs, const DeviceBuffer& down_ptrs, int h, int i, int max_rows,
+                         int num_slots, uint16_t* act, uint16_t* out) {
+  ExpertGemms g;
+  gpu::ExpertSkinnyArgs& a = g.gate_up;
+  a.x = x;
+  a.row_source = row_source;
+  a.offsets = offsets;
+  a.active = active;
+  a.weights = gate_up_ptrs.as<const uint16_t* const>();
+  a.n = i;
+  a.k = h;
+  a.max_rows = max_rows;
+  a.num_slots = num_slots;
+  a.swiglu = true;
+  a.out = act;
+  gpu::ExpertSkinnyArgs& b = g.down;
+  b = a;
+  b.x = act;
+  b.row_source = nullptr;
+  b.weights = down_ptrs.as<const uint16_t* const>();
+  b.n = h;
+  b.k = i;
+  b.swiglu = false;
+  b.out = out;
+  return g;
+}
+
 // One launch gives what a host counting sort gives, for slot counts beyond one block's scan (P = 1500) and the
 // largest small step (1024 entries).
 TEST_F(MoeSkinnyPathTest, SmallPermutationMatchesHostCountingSort) {
@@ -212,27 +245,11 @@ TEST_F(MoeSkinnyPathTest, ExpertGemmsMatchReferenceAndArePerRow) {
                      d_active = to_device(std::vector<int32_t>{2, 2, 0}), d_gate_up_ptrs = to_device(gate_up_ptrs),
                      d_down_ptrs = to_device(down_ptrs);
   DeviceBuffer act(sizeof(uint16_t) * 24 * i), out(sizeof(uint16_t) * 24 * h);
-  gpu::ExpertSkinnyArgs a;
-  a.x = d_x.as<uint16_t>();
-  a.row_source = d_source.as<int32_t>();
-  a.offsets = d_offsets.as<int32_t>();
-  a.active = d_active.as<int32_t>();
-  a.weights = d_gate_up_ptrs.as<const uint16_t* const>();
-  a.n = i;
-  a.k = h;
-  a.max_rows = 24;
-  a.num_slots = 3;
-  a.swiglu = true;
-  a.out = act.as<uint16_t>();
+  const ExpertGemms gemms = expert_gemms(d_x.as<uint16_t>(), d_source.as<int32_t>(), d_offsets.as<int32_t>(),
+                                         d_active.as<int32_t>(), d_gate_up_ptrs, d_down_ptrs, h, i, 24, 3,
+                                         act.as<uint16_t>(), out.as<uint16_t>());
+  gpu::ExpertSkinnyArgs a = gemms.gate_up, b = gemms.down;
   ASSERT_EQ(gpu::launch_expert_skinny_gemm(a, nullptr), cudaSuccess);
-  gpu::ExpertSkinnyArgs b = a;
-  b.x = act.as<uint16_t>();
-  b.row_source = nullptr;
-  b.weights = d_down_ptrs.as<const uint16_t* const>();
-  b.n = h;
-  b.k = i;
-  b.swiglu = false;
-  b.out = out.as<uint16_t>();
   ASSERT_EQ(gpu::launch_expert_skinny_gemm(b, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint16_t> act_bits = to_host(act.as<uint16_t>(), 24 * i);
@@ -324,29 +341,14 @@ TEST_F(MoeSkinnyPathTest, BulkCopiesOverManyItemsGiveTheRegisterLoadsBits) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const auto run = [&](gpu::SkinnyWeightLoads loads, bool early) {
     DeviceBuffer act(sizeof(uint16_t) * rows * i), out(sizeof(uint16_t) * rows * h);
-    gpu::ExpertSkinnyArgs a;
-    a.x = d_x.as<uint16_t>();
-    a.row_source = d_source.as<int32_t>();
-    a.offsets = d_offsets.as<int32_t>();
-    a.active = d_active.as<int32_t>();
-    a.weights = d_gate_up_ptrs.as<const uint16_t* const>();
-    a.n = i;
-    a.k = h;
-    a.max_rows = rows;
-    a.num_slots = slots;
-    a.max_slot_rows = rows_per_slot;
-    a.swiglu = true;
-    a.loads = loads;
-    a.out = act.as<uint16_t>();
-    gpu::ExpertSkinnyArgs b = a;
-    b.x = act.as<uint16_t>();
-    b.row_source = nullptr;
-    b.weights = d_down_ptrs.as<const uint16_t* const>();
-    b.n = h;
-    b.k = i;
-    b.swiglu = false;
+    ExpertGemms gemms = expert_gemms(d_x.as<uint16_t>(), d_source.as<int32_t>(), d_offsets.as<int32_t>(),
+                                     d_active.as<int32_t>(), d_gate_up_ptrs, d_down_ptrs, h, i, rows, slots,
+                                     act.as<uint16_t>(), out.as<uint16_t>());
+    gpu::ExpertSkinnyArgs& a = gemms.gate_up;
+    gpu::ExpertSkinnyArgs& b = gemms.down;
+    a.max_slot_rows = b.max_slot_rows = rows_per_slot;
+    a.loads = b.loads = loads;
     b.plan_ready_early = early;
-    b.out = out.as<uint16_t>();
     EXPECT_EQ(cudaMemsetAsync(act.as<uint16_t>(), 0xff, sizeof(uint16_t) * rows * i, stream), cudaSuccess);
     EXPECT_EQ(cudaMemsetAsync(out.as<uint16_t>(), 0xff, sizeof(uint16_t) * rows * h, stream), cudaSuccess);
     EXPECT_EQ(gpu::launch_expert_skinny_gemm(a, stream), cudaSuccess);

@@ -353,10 +353,7 @@ bool expert_bulk_enabled(bool swiglu, int chunk) {
 // kernel balances the items it finds on the device.
 template <bool kSwiGlu>
 cudaError_t launch_bulk_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int k_split, int tiles,
-                                int64_t max_items, cudaStream_t stream) {
-  const int rows_per_group = wide ? kWideRowsPerWarp : kRowsPerWarp;
-  const int64_t tile_cols = int64_t{kWarpsPerBlock / k_split} * kColsPerWarp<kSwiGlu, kRowsPerWarp> *
-                            (rows_per_group / kRowsPerWarp);
+                                int64_t tile_cols, int64_t max_items, cudaStream_t stream) {
   const int64_t tile_bytes = (kSwiGlu ? 2 : 1) * tile_cols * a.k * 2;
   const bool forced = a.loads == SkinnyWeightLoads::kBulk;
   if (!(forced || expert_bulk_enabled(kSwiGlu, chunk)) || !bulk_tile_allowed(tile_bytes, forced)) {
@@ -377,7 +374,6 @@ cudaError_t launch_bulk_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a,
   if (!plan_bulk_grid(reinterpret_cast<const void*>(kernel), max_items, tile_bytes, stages, blocks)) {
     return cudaErrorNotSupported;
   }
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
                           static_cast<size_t>(stages * tile_bytes), stream, a, k_split, tiles, stages);
 }
@@ -410,14 +406,17 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t
   const int64_t col_groups = (static_cast<int64_t>(a.n) + columns_of(rows_per_group) - 1) / columns_of(rows_per_group);
   const int groups_per_block = kWarpsPerBlock / k_split;
   const int64_t tiles = (col_groups + groups_per_block - 1) / groups_per_block;
+  const int64_t tile_cols = int64_t{groups_per_block} * columns_of(rows_per_group);  // output columns of a tile
   const int64_t max_items = tiles * std::min(a.max_rows, a.num_slots);
   const int64_t blocks = skinny_grid_blocks(max_items, chunk);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const bool wide = rows_per_group == kWideRowsPerWarp;
   if (!fp8 && a.loads != SkinnyWeightLoads::kRegisters) {
     const cudaError_t bulk =
-        a.swiglu ? launch_bulk_chunked<true>(chunk, wide, a, k_split, static_cast<int>(tiles), max_items, stream)
-                 : launch_bulk_chunked<false>(chunk, wide, a, k_split, static_cast<int>(tiles), max_items, stream);
+        a.swiglu ? launch_bulk_chunked<true>(chunk, wide, a, k_split, static_cast<int>(tiles), tile_cols, max_items,
+                                             stream)
+                 : launch_bulk_chunked<false>(chunk, wide, a, k_split, static_cast<int>(tiles), tile_cols, max_items,
+                                              stream);
     if (bulk != cudaErrorNotSupported) return bulk;
   }
   if (fp8) {

@@ -33,10 +33,7 @@ int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // (bench/results/attention_decode_ctas_sweep_*_h200.json). FULCRUM_ATTENTION_DECODE_CTAS_PER_SM overrides it for
 // measurement; read once.
 int decode_ctas_per_sm() {
-  static const int per_sm = [] {
-    const char* env = std::getenv("FULCRUM_ATTENTION_DECODE_CTAS_PER_SM");
-    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : 1;
-  }();
+  static const int per_sm = static_cast<int>(std::max(0LL, env_int("FULCRUM_ATTENTION_DECODE_CTAS_PER_SM", 1)));
   return per_sm;
 }
 
@@ -53,10 +50,8 @@ bool early_kv_enabled() {
 }
 int forced_decode_stages() {
   static const int forced = [] {
-    const char* value = std::getenv("FULCRUM_ATTENTION_DECODE_STAGES");
-    if (value == nullptr) return 0;
-    const int v = std::atoi(value);
-    return v >= 2 && v <= 4 ? v : 0;
+    const long long v = env_int("FULCRUM_ATTENTION_DECODE_STAGES", 0);
+    return v >= 2 && v <= 4 ? static_cast<int>(v) : 0;
   }();
   return forced;
 }

@@ -198,7 +198,6 @@ cudaError_t launch_bulk(const uint16_t* x, const uint16_t* w, int n, int k, int 
   if (!plan_bulk_grid(reinterpret_cast<const void*>(kernel), tiles, tile_bytes, stages, blocks)) {
     return cudaErrorNotSupported;
   }
-  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
                           static_cast<size_t>(stages * tile_bytes), stream, x, w, n, k, k_split, tiles, stages, out);
 }

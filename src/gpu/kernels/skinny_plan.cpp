@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -38,9 +39,9 @@ bool skinny_balanced_enabled() {
 }
 
 int skinny_blocks_per_sm(int m) {
-  static const int forced = [] {
-    const char* env = std::getenv("FULCRUM_SKINNY_BLOCKS_PER_SM");
-    return env != nullptr && *env != '\0' ? std::max(0, std::atoi(env)) : -1;
+  static const int forced = [] {  // -1: unset
+    const long long v = env_int("FULCRUM_SKINNY_BLOCKS_PER_SM", std::numeric_limits<long long>::min());
+    return v == std::numeric_limits<long long>::min() ? -1 : static_cast<int>(std::max(0LL, v));
   }();
   if (forced >= 0) return forced;
   return m <= 2 ? 4 : 6;
@@ -67,10 +68,7 @@ int device_sms() {
 }
 
 int64_t skinny_target_warps() {
-  static const int64_t target = [] {
-    const char* env = std::getenv("FULCRUM_SKINNY_TARGET_WARPS");
-    return env != nullptr && *env != '\0' ? std::max<int64_t>(1, std::atoll(env)) : kTargetWarps;
-  }();
+  static const int64_t target = std::max(1LL, env_int("FULCRUM_SKINNY_TARGET_WARPS", kTargetWarps));
   return target;
 }
 
@@ -92,15 +90,11 @@ int64_t skinny_grid_blocks(int64_t tiles, int m) {
 }
 
 
-static int env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  return env != nullptr && *env != '\0' ? std::atoi(env) : fallback;
-}
 
 bool bulk_tile_allowed(int64_t tile_bytes, bool forced) {
   static const bool enabled = env_switch_on("FULCRUM_SKINNY_BULK");
-  static const int64_t max_tile = std::min<int64_t>(
-      kBulkMaxTileBytes, env_int("FULCRUM_SKINNY_BULK_MAX_TILE", static_cast<int>(kBulkMaxTileBytes)));
+  static const int64_t max_tile =
+      std::min<int64_t>(kBulkMaxTileBytes, env_int("FULCRUM_SKINNY_BULK_MAX_TILE", kBulkMaxTileBytes));
   return forced ? tile_bytes <= kBulkMaxTileBytes : enabled && tile_bytes <= max_tile;
 }
 
@@ -136,11 +130,11 @@ static int bulk_blocks_per_sm(const void* kernel, size_t smem) {
 }
 
 bool plan_bulk_grid(const void* kernel, int64_t tiles, int64_t tile_bytes, int& stages, int64_t& blocks) {
-  static const int forced = env_int("FULCRUM_SKINNY_BULK_STAGES", 0);
+  static const long long forced = env_int("FULCRUM_SKINNY_BULK_STAGES", 0);
   const int64_t sms = device_sms();
   const auto per_sm = [&](int s) { return bulk_blocks_per_sm(kernel, static_cast<size_t>(s * tile_bytes)); };
   if (forced == 1 || forced == kBulkStages) {
-    stages = forced;
+    stages = static_cast<int>(forced);
   } else if (tiles <= sms * per_sm(1)) {
     stages = 1;
   } else {

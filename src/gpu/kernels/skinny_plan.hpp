@@ -54,7 +54,8 @@ bool bulk_tile_allowed(int64_t tile_bytes, bool forced = false);
 // The stages and grid of `kernel` (128 threads, stages x tile_bytes of dynamic shared memory) for `tiles` tiles: one
 // stage when the grid then holds every tile (each block asks for its one tile before its wait), else the count that
 // keeps more bytes in flight per SM (blocks that fit x stages; two on a tie); FULCRUM_SKINNY_BULK_STAGES=1 / 2
-// forces it. Raises the kernel's shared-memory limit once. Returns false when no block fits.
+// forces it. Raises the kernel's shared-memory limit once. blocks <= SMs x kBulkMaxBlocksPerSm (no grid-size check
+// needed). Returns false when no block fits.
 bool plan_bulk_grid(const void* kernel, int64_t tiles, int64_t tile_bytes, int& stages, int64_t& blocks);
 
 // R for M x rows: wide where registers allow (FULCRUM_SKINNY_WIDE=0 keeps 4, for measurement; read once).
