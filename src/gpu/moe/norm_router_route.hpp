@@ -45,7 +45,8 @@ struct NormRouterRouteArgs {
 constexpr int kNormRouterRouteMaxTokens = 4;
 
 // Whether a step of this shape can take it (else the three launches): 1..4 tokens with T x k <= 32 (the 128-thread
-// plan), hidden % 8 == 0 and <= 8192, E <= kMaxRouterExperts, P <= kSmallPlanMaxSlots, a router tile within the bulk
+// plan), hidden % 8 == 0 with T x ceil(H / 1024) <= 8 (every row's values in registers: H 2048 up to 4 tokens,
+// 4096 up to 2), E <= kMaxRouterExperts, P <= kSmallPlanMaxSlots, a router tile within the bulk
 // copy bound (gpu::skinny::bulk_tile_allowed), and the switches: FULCRUM_FUSED_NORM_ROUTE=0 (for measurement),
 // FULCRUM_TINY_PLAN=0 or FULCRUM_SKINNY_BULK=0 turn it off; read once.
 bool norm_router_route_supported(int64_t num_tokens, int top_k, int hidden, int num_experts, int num_slots);
