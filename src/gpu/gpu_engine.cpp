@@ -390,7 +390,6 @@ void GpuEngine::forward_layers(const StepShape& shape) {
             hkv = config_.num_key_value_heads;
   const float eps = config_.rms_norm_eps;
   pending_combine_ = nullptr;  // a step whose head sampled no row left one behind
-  pending_delta_ = false;
   check_launch(launch_embedding(weights_->embedding(), d.token_ids, t, h, w.residual, stream_), "embedding");
   AttentionBatch batch;
   batch.q = w.q;
@@ -428,17 +427,6 @@ void GpuEngine::forward_layers(const StepShape& shape) {
     batch.v_pool = kv_->v(l);
     if (!ablated(AblatePart::kAttention)) attention_->run(batch, stream_);
     if (!ablated(AblatePart::kOProj)) project(w.attn, lw.o, lw.o_fp8, h, int64_t{hq} * hd, w.delta);
-    backend::GpuMoeLayer* const moe_layer =
-        lw.moe_layer_idx >= 0 ? moe_[static_cast<size_t>(lw.moe_layer_idx)].get() : nullptr;
-    if (moe_layer != nullptr && !ablated(AblatePart::kMoe) && !ablated(AblatePart::kPostNorm) &&
-        moe_combine_add_rms_norm_supported(h) && moe_layer->fused_norm_route_applies(t)) {
-      // Decode of a few tokens: the post-attention norm, router and route in one launch; the attention output
-      // stays in w.delta and joins the residual with this layer's combine (the next add + RMSNorm).
-      moe_layer->forward_experts_normed({w.residual, w.delta, lw.post_norm, eps}, w.x, t);
-      pending_combine_ = moe_layer;
-      pending_delta_ = true;
-      continue;
-    }
     if (!ablated(AblatePart::kPostNorm)) add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
     if (lw.moe_layer_idx >= 0 && ablated(AblatePart::kMoe)) {
       pending_combine_ = nullptr;
@@ -468,13 +456,9 @@ void GpuEngine::add_norm(bool with_delta, const uint16_t* weight, const int32_t*
     moe.entry_row = pending_combine_->entry_row();
     moe.weights = pending_combine_->weights();
     moe.top_k = config_.num_experts_per_tok;
-    moe.residual_delta = pending_delta_ ? w.delta : nullptr;
     // The head may take the rows in chunks (forward_logits): each chunk's rows add the same layer's combine, so
     // it stays pending there until the next forward_layers.
-    if (!keep_pending) {
-      pending_combine_ = nullptr;
-      pending_delta_ = false;
-    }
+    if (!keep_pending) pending_combine_ = nullptr;
     check_launch(launch_moe_combine_add_rms_norm(w.residual, moe, weight, config_.rms_norm_eps, rows, num_rows,
                                                  config_.hidden_size, out, stream_),
                  what);

@@ -161,9 +161,6 @@ class GpuEngine final : public model::StepModel {
   Counters counters_;
   // The MoE layer whose combine the next add_norm fuses (null: the delta buffer holds the layer output).
   backend::GpuMoeLayer* pending_combine_ = nullptr;
-  // With pending_combine_: the attention output (ws_->delta) has not joined the residual yet either (the post-attention
-  // norm ran fused with the router: GpuMoeLayer::forward_experts_normed); the combine's add + RMSNorm adds it first.
-  bool pending_delta_ = false;
 };
 
 }  // namespace fulcrum::gpu

@@ -76,9 +76,8 @@ __device__ __forceinline__ void warp_sum(float (&acc)[R][M]) {
 }
 
 // warp_dot's sums with the W rows in shared memory (bulk-copied tiles: skinny_gemm.cu, expert_skinny_gemm.cu):
-// plain loads, a lane's chunks in the same ascending order and the same FMAs, so the same bits. x rows through the
-// read-only path, or with kSharedX from shared memory too (a kernel that computed them: moe/norm_router_route.cu).
-template <int R, int M, bool kSharedX = false>
+// plain loads, a lane's chunks in the same ascending order and the same FMAs, so the same bits.
+template <int R, int M>
 __device__ __forceinline__ void warp_dot_shared(const uint4* const (&w_rows)[R], const uint4* const (&x_rows)[M],
                                                 int64_t begin, int64_t end, int lane, float (&acc)[R][M]) {
 #pragma unroll
@@ -91,7 +90,7 @@ __device__ __forceinline__ void warp_dot_shared(const uint4* const (&w_rows)[R],
 #pragma unroll
     for (int r = 0; r < R; ++r) wv[r] = w_rows[r][c];
 #pragma unroll
-    for (int i = 0; i < M; ++i) xv[i] = kSharedX ? x_rows[i][c] : __ldg(x_rows[i] + c);
+    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
     fma_chunk<R, M>(acc, wv, xv);
   }
   warp_sum<R, M>(acc);
@@ -214,32 +213,6 @@ __device__ __forceinline__ void sum_slices(const float (&acc)[R][M], int warp, i
   }
   __syncthreads();
   if (mine) partial[group * k_split][j] = sum;
-  __syncthreads();
-}
-
-template <bool kBf16Out>
-__device__ __forceinline__ void store_out(void* out, int64_t idx, float v) {
-  if constexpr (kBf16Out) {
-    static_cast<uint16_t*>(out)[idx] = to_bf16(v);
-  } else {
-    static_cast<float*>(out)[idx] = v;
-  }
-}
-
-// The block's sums of tile `tile` (sum_slices' partial; tiles of kWarpsPerBlock / k_split groups of R rows) stored
-// to out [M, n], fp32 or bf16; then a barrier, since partial is
-// rewritten by the block's next tile.
-template <int R, int M, bool kBf16Out>
-__device__ __forceinline__ void store_tile(void* __restrict__ out, int n, int k_split, int64_t tile,
-                                           const float (*partial)[kRowsPerWarp * kMaxRows]) {
-  const int groups_per_block = kWarpsPerBlock / k_split;
-  const int t = static_cast<int>(threadIdx.x);
-  if (t < groups_per_block * R * M) {
-    const int group = t / (R * M), j = t % (R * M);
-    const int r = j / M, i = j % M;
-    const int64_t row = (tile * groups_per_block + group) * R + r;
-    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
-  }
   __syncthreads();
 }
 

@@ -8,17 +8,45 @@
 
 #include "backend/cuda/launch_util.cuh"
 #include "gpu/kernels/dependent_launch.cuh"
-#include "gpu/kernels/norm_row.cuh"
 #include "gpu/kernels/step_ops.hpp"
 
 namespace fulcrum::gpu {
 namespace {
 
-using namespace norm_row;
-
 constexpr int kMaxVectorHidden = 8192;  // add_rms_norm's fast path: one 8-value vector per thread, <= 1024 threads
 constexpr int kScalarThreads = 256;
 constexpr int kQkWarps = 8;  // heads per block of the attention prologue (one warp each)
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+__device__ __forceinline__ uint16_t f32_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+// Value 2k of 8 bf16 is the low half of word k (little endian).
+__device__ __forceinline__ void unpack8(const uint4 bits, float (&f)[8]) {
+  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = __uint_as_float(w[k] << 16);
+    f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
+
+// 1 / sqrt(mean + eps) from a row's double sum of squares, as the reference's inv_rms.
+__device__ __forceinline__ float inv_rms_of(double sum_sq, int dim, float eps) {
+  const float variance = static_cast<float>(sum_sq / static_cast<double>(dim));
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(variance, eps)));
+}
+// weight * (x * inv_rms), the reference's product order.
+__device__ __forceinline__ float norm_scale(float weight, float x, float inv_rms) {
+  return __fmul_rn(weight, __fmul_rn(x, inv_rms));
+}
 
 // ---- embedding: one block per token.
 template <bool kVector>
@@ -65,11 +93,6 @@ __global__ void __launch_bounds__(1024)
       res[0] = lo;
       res[1] = hi;
     } else if (moe.expert_rows) {
-      if (moe.residual_delta) {
-        const float4* d = reinterpret_cast<const float4*>(moe.residual_delta + r * hidden) + 2 * v;
-        lo = add4(lo, d[0]);
-        hi = add4(hi, d[1]);
-      }
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int j = 0; j < moe.top_k; ++j) {
         const int64_t e = r * moe.top_k + j;
@@ -270,8 +293,7 @@ cudaError_t launch_moe_combine_add_rms_norm(float* residual, const MoeCombineDel
       moe.entry_row == nullptr || moe.weights == nullptr || moe.top_k < 1) {
     return cudaErrorInvalidValue;
   }
-  if (!aligned(residual, 16) || !aligned(moe.expert_rows, 16) || !aligned(weight, 16) || !aligned(out, 16) ||
-      !aligned(moe.residual_delta, 16)) {
+  if (!aligned(residual, 16) || !aligned(moe.expert_rows, 16) || !aligned(weight, 16) || !aligned(out, 16)) {
     return cudaErrorInvalidValue;
   }
   if (num_out_rows == 0) return cudaSuccess;

@@ -32,15 +32,11 @@ cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint1
 // order, the router's order), the rest as launch_add_rms_norm. The vector path only: hidden % 8 == 0, <= 8192,
 // residual, expert_rows, weight and out 16-byte aligned (moe_combine_add_rms_norm_supported says whether a hidden
 // size can), else cudaErrorInvalidValue. CPU reference: reference::add_rms_norm on model::moe::combine_reference.
-// With residual_delta set (fp32 [*, H], 16-byte aligned) it is added to residual[r] first, then the combine: the
-// attention output the post-attention norm left unadded when it ran fused with the router
-// (moe/norm_router_route.hpp), so the residual advances as it would through two add + RMSNorms.
 struct MoeCombineDelta {
   const uint16_t* expert_rows = nullptr;
   const int32_t* entry_row = nullptr;
   const float* weights = nullptr;
   int top_k = 0;
-  const float* residual_delta = nullptr;
 };
 bool moe_combine_add_rms_norm_supported(int hidden);
 cudaError_t launch_moe_combine_add_rms_norm(float* residual, const MoeCombineDelta& moe, const uint16_t* weight,

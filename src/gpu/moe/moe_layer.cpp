@@ -17,7 +17,6 @@
 #include "gpu/env_switch.hpp"
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
-#include "gpu/moe/norm_router_route.hpp"
 #include "model/random_weights.hpp"
 
 namespace fulcrum::backend {
@@ -113,8 +112,6 @@ MoeWorkspace::MoeWorkspace(const MoeLayerShape& shape, int device_idx) : shape_(
     fp8_x = device_array<uint8_t>(n * h);
     fp8_x_scales = device_array<float>(n * h / gpu::kFp8BlockSize);
   }
-  route_done = device_array<uint32_t>(1);
-  FULCRUM_CUDA_CHECK(cudaMemset(route_done.as<uint32_t>(), 0, sizeof(uint32_t)));
   reserve_expert_rows(n);
   cublasHandle_t handle = nullptr;
   FULCRUM_CUBLAS_CHECK(cublasCreate(&handle));
@@ -1014,40 +1011,6 @@ void GpuMoeLayer::forward_experts(const uint16_t* x, int64_t num_tokens) {
   check_holds_all_slots();
   if (!gpu::ablated(gpu::AblatePart::kRouter)) router_logits(x, num_tokens);
   experts_from_logits(x, ws().logits.as<float>(), num_tokens);
-}
-
-bool GpuMoeLayer::fused_norm_route_applies(int64_t num_tokens) const {
-  const bool is_static = has_spec_ && spec_.algorithm == eplb::DispatchAlgorithm::kStatic;
-  return is_static && fused_small_route_enabled() && uses_skinny(num_tokens) && router_ != nullptr &&
-         reinterpret_cast<uintptr_t>(router_) % 16 == 0 && !gpu::ablated(gpu::AblatePart::kRouter) &&
-         !gpu::ablated(gpu::AblatePart::kRoute) &&
-         cuda::moe::norm_router_route_supported(num_tokens, shape_.num_experts_per_tok, shape_.hidden_size,
-                                                shape_.num_experts, shape_.num_slots);
-}
-
-void GpuMoeLayer::forward_experts_normed(const PostNorm& norm, uint16_t* x_out, int64_t num_tokens) {
-  check_holds_all_slots();
-  FULCRUM_CHECK(fused_norm_route_applies(num_tokens), "MoE layer: the fused norm + router + route does not apply to "
-                "{} tokens (fused_norm_route_applies)", num_tokens);
-  MoeWorkspace& w = ws();
-  cuda::moe::NormRouterRouteArgs a;
-  a.residual = norm.residual;
-  a.delta = norm.delta;
-  a.norm_weight = norm.weight;
-  a.eps = norm.eps;
-  a.hidden = shape_.hidden_size;
-  a.x_out = x_out;
-  a.router = router_;
-  a.route = router_args(w.logits.as<float>(), num_tokens);
-  a.num_slots = shape_.num_slots;
-  a.slot_counts = w.counts.as<int32_t>();
-  a.offsets = w.offsets.as<int32_t>();
-  a.entry_row = w.entry_row.as<int32_t>();
-  a.row_token = w.row_token.as<int32_t>();
-  a.active = w.active.as<int32_t>();
-  a.done_count = w.route_done.as<uint32_t>();
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_norm_router_route(a, stream_));
-  skinny_gemms(x_out, num_tokens);
 }
 
 void GpuMoeLayer::forward(const uint16_t* x, int64_t num_tokens, float* out) {

@@ -178,7 +178,6 @@ class MoeWorkspace {
   DeviceBuffer fp8_x_scales; // fp32 [N * H / 128]
   DeviceBuffer fp8_act;      // e4m3 [expert_rows, I]
   DeviceBuffer fp8_act_scales;  // fp32 [expert_rows * I / 128]
-  DeviceBuffer route_done;   // uint32 [1], zero at rest (cuda::moe::launch_norm_router_route's count of blocks)
 
  private:
   MoeLayerShape shape_;
@@ -273,18 +272,6 @@ class GpuMoeLayer {
   // forward without its combine: the expert output rows (expert_out, entry_row, weights) for a caller that fuses
   // the combine into its next kernel (the GPU engine's add + RMSNorm).
   void forward_experts(const uint16_t* x, int64_t num_tokens);
-  // The post-attention add + RMSNorm as the front of forward_experts (cuda::moe::launch_norm_router_route: norm,
-  // router and route in one launch): x_out [T, H] <- bf16 RMSNorm(residual + delta) * norm_weight, then the
-  // experts from it. residual is not written: the caller adds delta with the combine
-  // (gpu::MoeCombineDelta::residual_delta). Only where fused_norm_route_applies.
-  struct PostNorm {
-    const float* residual = nullptr;  // [T, H] fp32
-    const float* delta = nullptr;     // [T, H] fp32
-    const uint16_t* weight = nullptr; // [H] bf16
-    float eps = 0.0f;
-  };
-  bool fused_norm_route_applies(int64_t num_tokens) const;
-  void forward_experts_normed(const PostNorm& norm, uint16_t* x_out, int64_t num_tokens);
 
   // Stages, in order (forward runs them all); tests and the benchmark call them one by one.
   void router_logits(const uint16_t* x, int64_t num_tokens);  // -> logits()
