@@ -1,5 +1,5 @@
 // The CUTLASS bf16 grouped GEMM (src/gpu/cutlass/grouped_gemm.hpp) against a CPU reference of the same bf16
-// inputs, with both tile configs: groups of 0, 1, 7, 300 and 13 rows (rows outside every group before and
+// inputs, with every tile config (the swapped-operand ones too): groups of 0, 1, 7, 300 and 13 rows (rows outside every group before and
 // after them), the Qwen3-30B-A3B expert shapes (gate_up N 1536 K 2048, down N 2048 K 768), the Qwen3-235B-A22B
 // ones (N 3072 K 4096, N 4096 K 1536) and the tiny test model's (hidden 64, moe_intermediate 16: N 32 K 64,
 // N 64 K 16, K below one 64-wide k-tile); weights shared by several groups (b[g % num_b]); a row's bits
@@ -15,6 +15,7 @@
 //   host rules config choice by total rows, the shape rule, argument checks (no GPU needed)
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 
 #include <cuda_runtime.h>
@@ -32,13 +33,19 @@ namespace {
 using backend::DeviceBuffer;
 using gpu::GroupedGemmConfig;
 
-constexpr GroupedGemmConfig kConfigs[] = {GroupedGemmConfig::kPingpong64x128x64, GroupedGemmConfig::kCooperative256x128x64,
-                                          GroupedGemmConfig::kPingpong128x128x64};
+constexpr GroupedGemmConfig kConfigs[] = {
+    GroupedGemmConfig::kPingpong64x128x64,     GroupedGemmConfig::kCooperative256x128x64,
+    GroupedGemmConfig::kPingpong128x128x64,    GroupedGemmConfig::kSwapPingpong64x16x128,
+    GroupedGemmConfig::kSwapPingpong64x32x128, GroupedGemmConfig::kSwapCooperative128x16x128};
+static_assert(std::size(kConfigs) == gpu::kNumGroupedGemmConfigs, "every config is tested");
 const char* config_name(GroupedGemmConfig c) {
   switch (c) {
     case GroupedGemmConfig::kPingpong64x128x64: return "pingpong64x128x64";
     case GroupedGemmConfig::kCooperative256x128x64: return "cooperative256x128x64";
     case GroupedGemmConfig::kPingpong128x128x64: return "pingpong128x128x64";
+    case GroupedGemmConfig::kSwapPingpong64x16x128: return "swap_pingpong64x16x128";
+    case GroupedGemmConfig::kSwapPingpong64x32x128: return "swap_pingpong64x32x128";
+    case GroupedGemmConfig::kSwapCooperative128x16x128: return "swap_cooperative128x16x128";
   }
   return "?";
 }
@@ -196,7 +203,7 @@ TEST_F(GroupedGemmTest, MatchesReferenceAtExpertShapes) {
 
 // The rows of weights 0 (300 rows), 1 (7) and 2 (1) in groups [300 | 7 | 1 | 0] at row 0, and again as
 // [7 | 0 | 120 | 1 | 180] starting at row 5 (weights 0's rows split into two groups that share its weights,
-// as replicas of a hot expert): every row bitwise the same output, at both configs.
+// as replicas of a hot expert): every row bitwise the same output, at every config.
 TEST_F(GroupedGemmTest, PlacementDoesNotChangeARowsBits) {
   const int n = 2048, k = 768;
   HostProblem first = make_problem(n, k, {300, 7, 1, 0}, 4, 0, 7);

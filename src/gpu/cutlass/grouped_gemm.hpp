@@ -38,8 +38,17 @@ namespace fulcrum::gpu {
 // GEMM (K = 768 / 1536) gaining most (bench/results/moe_bf16_config_sweep_d5a0221_h200.txt). Cooperative
 // 256x128x64 (cluster 1x2), the large-step config before it, stays for side-by-side measurement
 // (FULCRUM_BF16_GEMM_CONFIGS, moe_layer.cpp); cooperative 128x256x64 (cluster 2x1) and 256x128x128 were slower.
-enum class GroupedGemmConfig : int { kPingpong64x128x64 = 0, kCooperative256x128x64 = 1, kPingpong128x128x64 = 2 };
-constexpr int kNumGroupedGemmConfigs = 3;
+// The kSwap* configs (grouped_gemm_bf16.cuh kSwapAB) put the weights' N on the tile's M side and a group's rows on a
+// 16- or 32-wide N tile: for decode steps, where a group holds 1-8 rows, instead of padding a 64-row M tile.
+enum class GroupedGemmConfig : int {
+  kPingpong64x128x64 = 0,
+  kCooperative256x128x64 = 1,
+  kPingpong128x128x64 = 2,
+  kSwapPingpong64x16x128 = 3,
+  kSwapPingpong64x32x128 = 4,
+  kSwapCooperative128x16x128 = 5,
+};
+constexpr int kNumGroupedGemmConfigs = 6;
 // Total rows (T * top_k) from which the large tile is used: between the measured 8K (pingpong 64x128x64 215 us
 // vs cooperative 299 us) and 32K rows (378 us vs 323 us); pingpong 128x128x64 was not timed at 8K-16K rows.
 constexpr int64_t kGroupedGemmLargeTileMinRows = 16384;

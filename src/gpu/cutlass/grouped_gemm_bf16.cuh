@@ -5,6 +5,13 @@
 // warp-specialized mainloop, GroupProblemShape<M, N, K> with the problem shapes in device memory only, A
 // row-major [M, K], B stored [N, K] (CUTLASS ColumnMajor K x N), no C operand (ElementC = void, beta 0),
 // row-major bf16 D, fp32 accumulation.
+//
+// kSwapAB (the configs for decode-sized groups): CUTLASS computes D^T = B A^T instead, its M being the weights' N and
+// its N the group's rows, so a group of 1-8 rows fills a narrow N tile (16-64) instead of padding a 64-row M tile;
+// every operand keeps its memory layout (weights [N, K] are a row-major M x K A, the rows [m, K] a column-major
+// K x m B), and D^T column-major [N, m] is the same memory as row-major D [m, N].
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
@@ -22,17 +29,18 @@
 
 namespace fulcrum::gpu::grouped_gemm_detail {
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule, bool SwapAB = false>
 struct Bf16GroupedGemm {
+  static constexpr bool kSwapAB = SwapAB;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // <M, N, K> per group
   using GroupShape = typename ProblemShape::UnderlyingProblemShape;
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
   using ElementD = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;     // activations [M, K]
-  using LayoutB = cutlass::layout::ColumnMajor;  // weights stored [N, K]
+  using LayoutA = cutlass::layout::RowMajor;     // activations [M, K] (swapped: weights [N, K])
+  using LayoutB = cutlass::layout::ColumnMajor;  // weights stored [N, K] (swapped: activations [m, K])
   using LayoutC = cutlass::layout::RowMajor;
-  using LayoutD = cutlass::layout::RowMajor;     // out [M, N]
+  using LayoutD = std::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;  // out [m, N]
   static constexpr int kAlignment = 8;           // bf16 elements per 16 bytes (TMA)
   using ElementAccumulator = float;
 
@@ -124,13 +132,23 @@ __global__ void grouped_gemm_setup_kernel(const int32_t* offsets, int num_groups
     const int32_t first = offsets[g];
     const int32_t count = offsets[g + 1] - first;
     const int m = count > 0 ? count : 0;
-    arrays.shapes[g] = cute::make_shape(m, n, k);
-    arrays.a[g] = reinterpret_cast<const ElementA*>(a) + static_cast<int64_t>(first) * k;
-    arrays.b[g] = reinterpret_cast<const ElementB*>(b[g % num_b]);
+    const uint16_t* rows = a + static_cast<int64_t>(first) * k;
     arrays.d[g] = reinterpret_cast<ElementD*>(d) + static_cast<int64_t>(first) * n;
-    arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
-    arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
-    arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+    if constexpr (G::kSwapAB) {  // D^T [n, m] = W [n, k] x rows^T
+      arrays.shapes[g] = cute::make_shape(n, m, k);
+      arrays.a[g] = reinterpret_cast<const ElementA*>(b[g % num_b]);
+      arrays.b[g] = reinterpret_cast<const ElementB*>(rows);
+      arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {n, k, 1});
+      arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {m, k, 1});
+      arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {n, m, 1});
+    } else {
+      arrays.shapes[g] = cute::make_shape(m, n, k);
+      arrays.a[g] = reinterpret_cast<const ElementA*>(rows);
+      arrays.b[g] = reinterpret_cast<const ElementB*>(b[g % num_b]);
+      arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
+      arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
+      arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+    }
   }
 }
 

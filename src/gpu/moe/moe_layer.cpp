@@ -748,18 +748,22 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
 
 // FULCRUM_BF16_GEMM_CONFIGS=U,D (GroupedGemmConfig values) sets the gate_up and the down GEMM's configs where the
 // rows pick the large tile (steps of >= kGroupedGemmLargeTileMinRows rows), for measurement (bench/moe_config_sweep.sh);
-// read once. Unset: `config` for both.
+// FULCRUM_BF16_SMALL_GEMM_CONFIGS=U,D the same for the smaller steps (decode: bench/run_gpu_env_sweep.sh). Read once.
+// Unset: `config` for both. Either way the choice depends on the total rows only (placement-invariant).
+static std::pair<int, int> forced_gemm_configs(const char* name) {
+  const char* env = std::getenv(name);
+  int up = -1, down = -1;
+  if (env != nullptr && std::sscanf(env, "%d,%d", &up, &down) == 2 && up >= 0 && down >= 0 &&
+      up < gpu::kNumGroupedGemmConfigs && down < gpu::kNumGroupedGemmConfigs) {
+    return {up, down};
+  }
+  return {-1, -1};
+}
 static std::pair<gpu::GroupedGemmConfig, gpu::GroupedGemmConfig> bf16_gemm_configs(gpu::GroupedGemmConfig config) {
-  static const std::pair<int, int> forced = [] {
-    const char* env = std::getenv("FULCRUM_BF16_GEMM_CONFIGS");
-    int up = -1, down = -1;
-    if (env != nullptr && std::sscanf(env, "%d,%d", &up, &down) == 2 && up >= 0 && down >= 0 &&
-        up < gpu::kNumGroupedGemmConfigs && down < gpu::kNumGroupedGemmConfigs) {
-      return std::pair<int, int>(up, down);
-    }
-    return std::pair<int, int>(-1, -1);
-  }();
-  if (forced.first < 0 || config != gpu::GroupedGemmConfig::kPingpong128x128x64) return {config, config};
+  static const std::pair<int, int> large = forced_gemm_configs("FULCRUM_BF16_GEMM_CONFIGS");
+  static const std::pair<int, int> small = forced_gemm_configs("FULCRUM_BF16_SMALL_GEMM_CONFIGS");
+  const std::pair<int, int>& forced = config == gpu::GroupedGemmConfig::kPingpong128x128x64 ? large : small;
+  if (forced.first < 0) return {config, config};
   return {static_cast<gpu::GroupedGemmConfig>(forced.first), static_cast<gpu::GroupedGemmConfig>(forced.second)};
 }
 
