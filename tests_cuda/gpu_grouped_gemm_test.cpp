@@ -35,17 +35,19 @@ using gpu::GroupedGemmConfig;
 
 constexpr GroupedGemmConfig kConfigs[] = {
     GroupedGemmConfig::kPingpong64x128x64,     GroupedGemmConfig::kCooperative256x128x64,
-    GroupedGemmConfig::kPingpong128x128x64,    GroupedGemmConfig::kSwapPingpong64x16x128,
-    GroupedGemmConfig::kSwapPingpong64x32x128, GroupedGemmConfig::kSwapCooperative128x16x128};
+    GroupedGemmConfig::kPingpong128x128x64,        GroupedGemmConfig::kSwapCooperative128x16x128,
+    GroupedGemmConfig::kSwapCooperative128x32x128, GroupedGemmConfig::kSwapPingpong128x16x128,
+    GroupedGemmConfig::kSwapCooperative256x16x64};
 static_assert(std::size(kConfigs) == gpu::kNumGroupedGemmConfigs, "every config is tested");
 const char* config_name(GroupedGemmConfig c) {
   switch (c) {
     case GroupedGemmConfig::kPingpong64x128x64: return "pingpong64x128x64";
     case GroupedGemmConfig::kCooperative256x128x64: return "cooperative256x128x64";
     case GroupedGemmConfig::kPingpong128x128x64: return "pingpong128x128x64";
-    case GroupedGemmConfig::kSwapPingpong64x16x128: return "swap_pingpong64x16x128";
-    case GroupedGemmConfig::kSwapPingpong64x32x128: return "swap_pingpong64x32x128";
     case GroupedGemmConfig::kSwapCooperative128x16x128: return "swap_cooperative128x16x128";
+    case GroupedGemmConfig::kSwapCooperative128x32x128: return "swap_cooperative128x32x128";
+    case GroupedGemmConfig::kSwapPingpong128x16x128: return "swap_pingpong128x16x128";
+    case GroupedGemmConfig::kSwapCooperative256x16x64: return "swap_cooperative256x16x64";
   }
   return "?";
 }

@@ -44,11 +44,12 @@ enum class GroupedGemmConfig : int {
   kPingpong64x128x64 = 0,
   kCooperative256x128x64 = 1,
   kPingpong128x128x64 = 2,
-  kSwapPingpong64x16x128 = 3,
-  kSwapPingpong64x32x128 = 4,
-  kSwapCooperative128x16x128 = 5,
+  kSwapCooperative128x16x128 = 3,
+  kSwapCooperative128x32x128 = 4,
+  kSwapPingpong128x16x128 = 5,
+  kSwapCooperative256x16x64 = 6,
 };
-constexpr int kNumGroupedGemmConfigs = 6;
+constexpr int kNumGroupedGemmConfigs = 7;
 // Total rows (T * top_k) from which the large tile is used: between the measured 8K (pingpong 64x128x64 215 us
 // vs cooperative 299 us) and 32K rows (378 us vs 323 us); pingpong 128x128x64 was not timed at 8K-16K rows.
 constexpr int64_t kGroupedGemmLargeTileMinRows = 16384;
