@@ -35,9 +35,8 @@ using gpu::GroupedGemmConfig;
 
 constexpr GroupedGemmConfig kConfigs[] = {
     GroupedGemmConfig::kPingpong64x128x64,     GroupedGemmConfig::kCooperative256x128x64,
-    GroupedGemmConfig::kPingpong128x128x64,        GroupedGemmConfig::kSwapCooperative128x16x128,
-    GroupedGemmConfig::kSwapCooperative128x32x128, GroupedGemmConfig::kSwapPingpong128x16x128,
-    GroupedGemmConfig::kSwapCooperative256x16x64};
+    GroupedGemmConfig::kPingpong128x128x64, GroupedGemmConfig::kSwapCooperative128x16x128,
+    GroupedGemmConfig::kSwapCooperative128x32x128};
 static_assert(std::size(kConfigs) == gpu::kNumGroupedGemmConfigs, "every config is tested");
 const char* config_name(GroupedGemmConfig c) {
   switch (c) {
@@ -46,8 +45,6 @@ const char* config_name(GroupedGemmConfig c) {
     case GroupedGemmConfig::kPingpong128x128x64: return "pingpong128x128x64";
     case GroupedGemmConfig::kSwapCooperative128x16x128: return "swap_cooperative128x16x128";
     case GroupedGemmConfig::kSwapCooperative128x32x128: return "swap_cooperative128x32x128";
-    case GroupedGemmConfig::kSwapPingpong128x16x128: return "swap_pingpong128x16x128";
-    case GroupedGemmConfig::kSwapCooperative256x16x64: return "swap_cooperative256x16x64";
   }
   return "?";
 }
@@ -285,7 +282,11 @@ TEST_F(GroupedGemmTest, CapturedOnceReplaysWithNewOffsets) {
 }
 
 TEST(GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
-  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(0), GroupedGemmConfig::kPingpong64x128x64);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(0), GroupedGemmConfig::kSwapCooperative128x16x128);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(1024), GroupedGemmConfig::kSwapCooperative128x16x128);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(1025), GroupedGemmConfig::kSwapCooperative128x32x128);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(2048), GroupedGemmConfig::kSwapCooperative128x32x128);
+  EXPECT_EQ(gpu::grouped_gemm_config_for_rows(2049), GroupedGemmConfig::kPingpong64x128x64);
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16383), GroupedGemmConfig::kPingpong64x128x64);
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(16384), GroupedGemmConfig::kPingpong128x128x64);
   EXPECT_EQ(gpu::grouped_gemm_shape_problem(1536, 2048), nullptr);

@@ -38,23 +38,31 @@ namespace fulcrum::gpu {
 // GEMM (K = 768 / 1536) gaining most (bench/results/moe_bf16_config_sweep_d5a0221_h200.txt). Cooperative
 // 256x128x64 (cluster 1x2), the large-step config before it, stays for side-by-side measurement
 // (FULCRUM_BF16_GEMM_CONFIGS, moe_layer.cpp); cooperative 128x256x64 (cluster 2x1) and 256x128x128 were slower.
-// The kSwap* configs (grouped_gemm_bf16.cuh kSwapAB) put the weights' N on the tile's M side and a group's rows on a
-// 16- or 32-wide N tile: for decode steps, where a group holds 1-8 rows, instead of padding a 64-row M tile.
+// The kSwap* configs (grouped_gemm_bf16.cuh kSwapAB) put the weights' N on the tile's M side (128 rows over both
+// consumer warp groups) and a group's rows on a 16- or 32-wide N tile, for decode steps, where a group holds 1-16
+// rows, instead of padding a 64-row M tile. Measured in the whole 48-layer decode step of the 30B-A3B shape
+// (bench/results/swap_ab_sweep_29b7709_h200.json, docs/benchmarks.md): 128x16x128 took 0.955 / 0.965 / 0.976 /
+// 0.988 of pingpong 64x128x64's step time at batch 10 / 16 / 64 / 128 (80-1024 rows), 128x32x128 0.989 at batch 256
+// (2048 rows, where 128x16x128 was 1.09x slower); pingpong 64x16x128, 64x32x128 and 128x16x128 and cooperative
+// 256x16x64 were no faster (swap_ab_sweep_e751e7b_h200.json and the 29b7709 file) and were removed.
 enum class GroupedGemmConfig : int {
   kPingpong64x128x64 = 0,
   kCooperative256x128x64 = 1,
   kPingpong128x128x64 = 2,
   kSwapCooperative128x16x128 = 3,
   kSwapCooperative128x32x128 = 4,
-  kSwapPingpong128x16x128 = 5,
-  kSwapCooperative256x16x64 = 6,
 };
-constexpr int kNumGroupedGemmConfigs = 7;
+constexpr int kNumGroupedGemmConfigs = 5;
 // Total rows (T * top_k) from which the large tile is used: between the measured 8K (pingpong 64x128x64 215 us
 // vs cooperative 299 us) and 32K rows (378 us vs 323 us); pingpong 128x128x64 was not timed at 8K-16K rows.
 constexpr int64_t kGroupedGemmLargeTileMinRows = 16384;
+// Up to these total rows the swapped configs are used (batch 128 / 256 decode at top-8).
+constexpr int64_t kGroupedGemmSwap16MaxRows = 1024;
+constexpr int64_t kGroupedGemmSwap32MaxRows = 2048;
 
 inline GroupedGemmConfig grouped_gemm_config_for_rows(int64_t total_rows) {
+  if (total_rows <= kGroupedGemmSwap16MaxRows) return GroupedGemmConfig::kSwapCooperative128x16x128;
+  if (total_rows <= kGroupedGemmSwap32MaxRows) return GroupedGemmConfig::kSwapCooperative128x32x128;
   return total_rows >= kGroupedGemmLargeTileMinRows ? GroupedGemmConfig::kPingpong128x128x64
                                                     : GroupedGemmConfig::kPingpong64x128x64;
 }

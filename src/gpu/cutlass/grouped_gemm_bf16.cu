@@ -30,10 +30,12 @@ GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLi
     result = grouped_gemm_detail::prepare_pingpong_64x128x64(device, out.sm_count, max_groups, &facts[0]);
     if (result.ok()) result = grouped_gemm_detail::prepare_cooperative_256x128x64(device, out.sm_count, max_groups, &facts[1]);
     if (result.ok()) result = grouped_gemm_detail::prepare_pingpong_128x128x64(device, out.sm_count, max_groups, &facts[2]);
-    const decltype(&grouped_gemm_detail::prepare_pingpong_64x128x64) swapped[] = {
-        grouped_gemm_detail::prepare_swap_cooperative_128x16x128, grouped_gemm_detail::prepare_swap_cooperative_128x32x128,
-        grouped_gemm_detail::prepare_swap_pingpong_128x16x128, grouped_gemm_detail::prepare_swap_cooperative_256x16x64};
-    for (int c = 0; c < 4 && result.ok(); ++c) result = swapped[c](device, out.sm_count, max_groups, &facts[3 + c]);
+    if (result.ok()) {
+      result = grouped_gemm_detail::prepare_swap_cooperative_128x16x128(device, out.sm_count, max_groups, &facts[3]);
+    }
+    if (result.ok()) {
+      result = grouped_gemm_detail::prepare_swap_cooperative_128x32x128(device, out.sm_count, max_groups, &facts[4]);
+    }
     size_t arrays_bytes = 0;
     for (int c = 0; c < kNumGroupedGemmConfigs && result.ok(); ++c) {
       out.max_active_clusters[c] = facts[c].max_active_clusters;
@@ -74,10 +76,6 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
       return grouped_gemm_detail::run_swap_cooperative_128x16x128(args, limits, workspace, stream);
     case GroupedGemmConfig::kSwapCooperative128x32x128:
       return grouped_gemm_detail::run_swap_cooperative_128x32x128(args, limits, workspace, stream);
-    case GroupedGemmConfig::kSwapPingpong128x16x128:
-      return grouped_gemm_detail::run_swap_pingpong_128x16x128(args, limits, workspace, stream);
-    case GroupedGemmConfig::kSwapCooperative256x16x64:
-      return grouped_gemm_detail::run_swap_cooperative_256x16x64(args, limits, workspace, stream);
   }
   return {"run_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
 }
