@@ -36,7 +36,7 @@ using gpu::GroupedGemmConfig;
 constexpr GroupedGemmConfig kConfigs[] = {
     GroupedGemmConfig::kPingpong64x128x64,     GroupedGemmConfig::kCooperative256x128x64,
     GroupedGemmConfig::kPingpong128x128x64, GroupedGemmConfig::kSwapCooperative128x16x128,
-    GroupedGemmConfig::kSwapCooperative128x32x128, GroupedGemmConfig::kSwapCooperative128x64x128};
+    GroupedGemmConfig::kSwapCooperative128x32x128};
 static_assert(std::size(kConfigs) == gpu::kNumGroupedGemmConfigs, "every config is tested");
 const char* config_name(GroupedGemmConfig c) {
   switch (c) {
@@ -45,7 +45,6 @@ const char* config_name(GroupedGemmConfig c) {
     case GroupedGemmConfig::kPingpong128x128x64: return "pingpong128x128x64";
     case GroupedGemmConfig::kSwapCooperative128x16x128: return "swap_cooperative128x16x128";
     case GroupedGemmConfig::kSwapCooperative128x32x128: return "swap_cooperative128x32x128";
-    case GroupedGemmConfig::kSwapCooperative128x64x128: return "swap_cooperative128x64x128";
   }
   return "?";
 }

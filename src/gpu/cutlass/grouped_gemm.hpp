@@ -51,9 +51,8 @@ enum class GroupedGemmConfig : int {
   kPingpong128x128x64 = 2,
   kSwapCooperative128x16x128 = 3,
   kSwapCooperative128x32x128 = 4,
-  kSwapCooperative128x64x128 = 5,
 };
-constexpr int kNumGroupedGemmConfigs = 6;
+constexpr int kNumGroupedGemmConfigs = 5;
 // Total rows (T * top_k) from which the large tile is used: between the measured 8K (pingpong 64x128x64 215 us
 // vs cooperative 299 us) and 32K rows (378 us vs 323 us); pingpong 128x128x64 was not timed at 8K-16K rows.
 constexpr int64_t kGroupedGemmLargeTileMinRows = 16384;

@@ -36,9 +36,6 @@ GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLi
     if (result.ok()) {
       result = grouped_gemm_detail::prepare_swap_cooperative_128x32x128(device, out.sm_count, max_groups, &facts[4]);
     }
-    if (result.ok()) {
-      result = grouped_gemm_detail::prepare_swap_cooperative_128x64x128(device, out.sm_count, max_groups, &facts[5]);
-    }
     size_t arrays_bytes = 0;
     for (int c = 0; c < kNumGroupedGemmConfigs && result.ok(); ++c) {
       out.max_active_clusters[c] = facts[c].max_active_clusters;
@@ -79,8 +76,6 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
       return grouped_gemm_detail::run_swap_cooperative_128x16x128(args, limits, workspace, stream);
     case GroupedGemmConfig::kSwapCooperative128x32x128:
       return grouped_gemm_detail::run_swap_cooperative_128x32x128(args, limits, workspace, stream);
-    case GroupedGemmConfig::kSwapCooperative128x64x128:
-      return grouped_gemm_detail::run_swap_cooperative_128x64x128(args, limits, workspace, stream);
   }
   return {"run_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
 }
