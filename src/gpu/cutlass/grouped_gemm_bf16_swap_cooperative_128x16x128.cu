@@ -1,21 +1,23 @@
-// Grouped GEMM config: cooperative, swapped operands (grouped_gemm_bf16.cuh kSwapAB), tile 128x16x128 (weight rows x group
-// rows x K), cluster 1x1: 128 weight rows a tile over both consumer warp groups.
+// Grouped GEMM config: cooperative, swapped operands (grouped_gemm_bf16.cuh kSwapAB), tile 128x16x128 (weight
+// rows x group rows x K), cluster 1x1: 128 weight rows a tile over both consumer warp groups.
 #include "gpu/cutlass/grouped_gemm_bf16.cuh"
 
 namespace fulcrum::gpu::grouped_gemm_detail {
 namespace {
-using SwapCooperative16 = Bf16GroupedGemm<cute::Shape<cute::_128, cute::_16, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
-                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, /*SwapAB=*/true>;
+using SwapCooperative16 = Bf16GroupedGemm<cute::Shape<cute::_128, cute::_16, cute::_128>,
+                                          cute::Shape<cute::_1, cute::_1, cute::_1>,
+                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, /*SwapAB=*/true>;
 }  // namespace
 
 GroupedGemmStatus prepare_swap_cooperative_128x16x128(int device, int sm_count, int max_groups, ConfigFacts* facts) {
   return prepare_config<SwapCooperative16>(device, sm_count, max_groups, facts);
 }
 
-GroupedGemmStatus run_swap_cooperative_128x16x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits, void* workspace,
-                                         CUstream_st* stream) {
-  return run_config<SwapCooperative16>(args, static_cast<int>(GroupedGemmConfig::kSwapCooperative128x16x128), limits, workspace, stream);
+GroupedGemmStatus run_swap_cooperative_128x16x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+                                                  void* workspace, CUstream_st* stream) {
+  return run_config<SwapCooperative16>(args, static_cast<int>(GroupedGemmConfig::kSwapCooperative128x16x128), limits,
+                                       workspace, stream);
 }
 
 }  // namespace fulcrum::gpu::grouped_gemm_detail

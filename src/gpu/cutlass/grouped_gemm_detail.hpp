@@ -28,10 +28,10 @@ GroupedGemmStatus prepare_cooperative_256x128x64(int device, int sm_count, int m
 GroupedGemmStatus run_cooperative_256x128x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
                                              void* workspace, CUstream_st* stream);
 GroupedGemmStatus prepare_swap_cooperative_128x16x128(int device, int sm_count, int max_groups, ConfigFacts* facts);
-GroupedGemmStatus run_swap_cooperative_128x16x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits, void* workspace,
-                                         CUstream_st* stream);
+GroupedGemmStatus run_swap_cooperative_128x16x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+                                                  void* workspace, CUstream_st* stream);
 GroupedGemmStatus prepare_swap_cooperative_128x32x128(int device, int sm_count, int max_groups, ConfigFacts* facts);
-GroupedGemmStatus run_swap_cooperative_128x32x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits, void* workspace,
-                                         CUstream_st* stream);
+GroupedGemmStatus run_swap_cooperative_128x32x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+                                                  void* workspace, CUstream_st* stream);
 
 }  // namespace fulcrum::gpu::grouped_gemm_detail
