@@ -1,6 +1,6 @@
 // The CUTLASS bf16 grouped GEMM (src/gpu/cutlass/grouped_gemm.hpp) against a CPU reference of the same bf16
-// inputs, with every tile config (the swapped-operand ones too): groups of 0, 1, 7, 300 and 13 rows (rows outside every group before and
-// after them), the Qwen3-30B-A3B expert shapes (gate_up N 1536 K 2048, down N 2048 K 768), the Qwen3-235B-A22B
+// inputs, with every tile config (the swapped-operand ones too): groups of 0, 1, 7, 300 and 13 rows (rows
+// outside every group before and after them), the Qwen3-30B-A3B expert shapes (gate_up N 1536 K 2048, down N 2048 K 768), the Qwen3-235B-A22B
 // ones (N 3072 K 4096, N 4096 K 1536) and the tiny test model's (hidden 64, moe_intermediate 16: N 32 K 64,
 // N 64 K 16, K below one 64-wide k-tile); weights shared by several groups (b[g % num_b]); a row's bits
 // independent of its group's size and position; one capture replayed with other device offsets.
@@ -34,7 +34,7 @@ using backend::DeviceBuffer;
 using gpu::GroupedGemmConfig;
 
 constexpr GroupedGemmConfig kConfigs[] = {
-    GroupedGemmConfig::kPingpong64x128x64,     GroupedGemmConfig::kCooperative256x128x64,
+    GroupedGemmConfig::kPingpong64x128x64, GroupedGemmConfig::kCooperative256x128x64,
     GroupedGemmConfig::kPingpong128x128x64, GroupedGemmConfig::kSwapCooperative128x16x128,
     GroupedGemmConfig::kSwapCooperative128x32x128};
 static_assert(std::size(kConfigs) == gpu::kNumGroupedGemmConfigs, "every config is tested");

@@ -44,7 +44,8 @@ namespace fulcrum::gpu {
 // (bench/results/swap_ab_sweep_29b7709_h200.json, docs/benchmarks.md): 128x16x128 took 0.955 / 0.965 / 0.976 /
 // 0.988 of pingpong 64x128x64's step time at batch 10 / 16 / 64 / 128 (80-1024 rows), 128x32x128 0.989 at batch 256
 // (2048 rows, where 128x16x128 was 1.09x slower); pingpong 64x16x128, 64x32x128 and 128x16x128 and cooperative
-// 256x16x64 were no faster (swap_ab_sweep_e751e7b_h200.json and the 29b7709 file) and were removed.
+// 256x16x64 and 128x64x128 were no faster (swap_ab_sweep_e751e7b_h200.json, the 29b7709 and 7015526 files) and
+// were removed.
 enum class GroupedGemmConfig : int {
   kPingpong64x128x64 = 0,
   kCooperative256x128x64 = 1,
