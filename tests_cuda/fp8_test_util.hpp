@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <numeric>
 #include <vector>
 
@@ -182,10 +183,11 @@ class Fp8GemmTest : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
 };
 
-constexpr gpu::Fp8GroupedGemmConfig kFp8Configs[] = {gpu::Fp8GroupedGemmConfig::kPingpong64x128x128,
-                                                     gpu::Fp8GroupedGemmConfig::kCooperative128x128x128};
-inline const char* fp8_config_name(gpu::Fp8GroupedGemmConfig c) {
-  return c == gpu::Fp8GroupedGemmConfig::kPingpong64x128x128 ? "pingpong64x128x128" : "cooperative128x128x128";
-}
+// Every config, in enum order (kFp8Configs[c] has value c): the tests run each one.
+constexpr gpu::Fp8GroupedGemmConfig kFp8Configs[] = {
+    gpu::Fp8GroupedGemmConfig::kPingpong64x128x128, gpu::Fp8GroupedGemmConfig::kCooperative128x128x128,
+    gpu::Fp8GroupedGemmConfig::kSwapCooperative128x16x128, gpu::Fp8GroupedGemmConfig::kSwapCooperative128x32x128};
+static_assert(std::size(kFp8Configs) == gpu::kNumFp8GroupedGemmConfigs, "a config the tests do not run");
+inline const char* fp8_config_name(gpu::Fp8GroupedGemmConfig c) { return gpu::fp8_grouped_gemm_config_name(c); }
 
 }  // namespace fulcrum::test

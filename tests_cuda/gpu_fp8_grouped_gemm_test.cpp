@@ -27,8 +27,10 @@
 //              differing elements is printed, not asserted)
 //   exact      rows outside every group (still the poison), replayed graphs vs eager runs, refused calls
 //              write nothing
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -103,7 +105,7 @@ TEST_F(Fp8GroupedGemmTest, MatchesReferenceAtExpertShapesWithSkewedGroups) {
     const Fp8Weights w = make_fp8_weights(s.n, s.k, s.num_b, 100 + s.n + s.k);
     const Fp8Activations x = make_activations(s.n, s.k, offsets, rows, 200 + s.n + s.k);
     const Fp8Reference ref = reference_of(x, offsets, w);
-    std::vector<uint16_t> outputs[2];
+    std::vector<uint16_t> outputs[gpu::kNumFp8GroupedGemmConfigs];
     for (const Fp8GroupedGemmConfig config : kFp8Configs) {
       SCOPED_TRACE(fmt::format("N {} K {} {}", s.n, s.k, fp8_config_name(config)));
       outputs[static_cast<int>(config)] = run_gemm(args_of(x, w), config, rows);
@@ -112,17 +114,66 @@ TEST_F(Fp8GroupedGemmTest, MatchesReferenceAtExpertShapesWithSkewedGroups) {
       fmt::print("  FP8 grouped GEMM N {} K {} {} ({} rows): {}\n", s.n, s.k, fp8_config_name(config),
                  offsets.back() - offsets.front(), result.message());
     }
-    // The configs against each other: within both bounds; bitwise differences counted.
-    int64_t differ = 0, apart = 0;
-    for (size_t q = 0; q < ref.d.size(); ++q) {
-      if (std::isnan(ref.d[q])) continue;
-      differ += outputs[0][q] != outputs[1][q];
-      const double gap = std::abs(double(model::bf16_bits_to_f32(outputs[0][q])) - model::bf16_bits_to_f32(outputs[1][q]));
-      apart += !(gap <= 2 * (std::ldexp(std::abs(double(ref.d[q])), -8) + std::ldexp(double(ref.abs_sum[q]), -10)));
+    // Each config against the first: within both bounds; bitwise differences counted.
+    for (int c = 1; c < gpu::kNumFp8GroupedGemmConfigs; ++c) {
+      int64_t differ = 0, apart = 0;
+      for (size_t q = 0; q < ref.d.size(); ++q) {
+        if (std::isnan(ref.d[q])) continue;
+        differ += outputs[0][q] != outputs[c][q];
+        const double gap =
+            std::abs(double(model::bf16_bits_to_f32(outputs[0][q])) - model::bf16_bits_to_f32(outputs[c][q]));
+        apart += !(gap <= 2 * (std::ldexp(std::abs(double(ref.d[q])), -8) + std::ldexp(double(ref.abs_sum[q]), -10)));
+      }
+      EXPECT_EQ(apart, 0) << "elements where " << fp8_config_name(kFp8Configs[c])
+                          << " and pingpong differ by more than both bounds";
+      fmt::print("  FP8 grouped GEMM N {} K {}: {} and {} differ in {} of {} elements\n", s.n, s.k,
+                 fp8_config_name(kFp8Configs[0]), fp8_config_name(kFp8Configs[c]), differ,
+                 (offsets.back() - offsets.front()) * int64_t{s.n});
     }
-    EXPECT_EQ(apart, 0) << "elements where the configs differ by more than both bounds";
-    fmt::print("  FP8 grouped GEMM N {} K {}: pingpong and cooperative differ in {} of {} elements\n", s.n, s.k,
-               differ, (offsets.back() - offsets.front()) * int64_t{s.n});
+  }
+}
+
+// The same rows cut into other groups of the same weights (replicas split, slots emptied): each row's output
+// bitwise unchanged in every config, since a row's bits may depend only on its own row, scales and weights
+// (placement invariance, grouped_gemm_fp8.hpp). The swapped configs put a group's rows on the tile's N side,
+// so this is where a tile-width dependence would show. The activation scales are repacked for the new groups.
+TEST_F(Fp8GroupedGemmTest, RegroupingRowsDoesNotChangeTheirBits) {
+  const int n = 2048, k = 768, k_blocks = k / kFp8Block;
+  const std::vector<int32_t> first = offsets_from({300, 7, 1, 0}, 3), second = offsets_from({150, 150, 0, 5, 2, 1}, 3);
+  ASSERT_EQ(first.back(), second.back());
+  const int64_t rows = first.back() + 2;
+  const Fp8Weights w = make_fp8_weights(n, k, 1, 41);  // one weight matrix: every group is a replica of it
+  const Fp8Activations x = make_activations(n, k, first, rows, 42);
+  // Scale (row r, block kb) of group g (first row f, m rows) lies at f * Kb + kb * m + (r - f).
+  const auto scale_index = [&](const std::vector<int32_t>& offsets, int64_t r, int kb) {
+    const size_t g = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), r) - offsets.begin()) - 1;
+    const int64_t f = offsets[g], m = offsets[g + 1] - f;
+    return f * k_blocks + kb * m + (r - f);
+  };
+  Fp8Activations y;
+  y.k = k;
+  y.offsets = second;
+  y.rows = rows;
+  y.a = x.a;
+  y.a_scales = x.a_scales;
+  for (int64_t r = first.front(); r < first.back(); ++r) {
+    for (int kb = 0; kb < k_blocks; ++kb) y.a_scales[scale_index(second, r, kb)] = x.a_scales[scale_index(first, r, kb)];
+  }
+  y.d_a = to_device(y.a);
+  y.d_a_scales = to_device(y.a_scales);
+  y.d_offsets = to_device(y.offsets);
+  y.d_out = DeviceBuffer(sizeof(uint16_t) * rows * n);
+  const Fp8Reference ref = reference_of(x, first, w);
+  for (const Fp8GroupedGemmConfig config : kFp8Configs) {
+    SCOPED_TRACE(fp8_config_name(config));
+    const std::vector<uint16_t> out_first = run_gemm(args_of(x, w), config, rows);
+    const std::vector<uint16_t> out_second = run_gemm(args_of(y, w), config, rows);
+    int64_t differ = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      differ += !std::equal(out_first.begin() + r * n, out_first.begin() + (r + 1) * n, out_second.begin() + r * n);
+    }
+    EXPECT_EQ(differ, 0) << "rows whose output changed with the grouping";
+    EXPECT_TRUE(fp8_gemm_matches(out_first, ref.d, ref.abs_sum));
   }
 }
 
@@ -214,6 +265,12 @@ TEST(Fp8GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
   EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(0), Fp8GroupedGemmConfig::kPingpong64x128x128);
   EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(16383), Fp8GroupedGemmConfig::kPingpong64x128x128);
   EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(16384), Fp8GroupedGemmConfig::kCooperative128x128x128);
+  for (const Fp8GroupedGemmConfig config : kFp8Configs) {  // names distinct (bench JSON keys)
+    for (const Fp8GroupedGemmConfig other : kFp8Configs) {
+      EXPECT_EQ(config == other, std::string(gpu::fp8_grouped_gemm_config_name(config)) ==
+                                     gpu::fp8_grouped_gemm_config_name(other));
+    }
+  }
   EXPECT_EQ(gpu::fp8_grouped_gemm_shape_problem(1536, 2048), nullptr);
   EXPECT_EQ(gpu::fp8_grouped_gemm_shape_problem(2048, 768), nullptr);
   EXPECT_NE(gpu::fp8_grouped_gemm_shape_problem(1536, 2000), nullptr);

@@ -143,11 +143,11 @@ json run_fp8(GpuMoeLayer& layer, const std::vector<double>& uniform, int64_t tok
   const gpu::Fp8GroupedGemmConfig default_config = gpu::fp8_grouped_gemm_config_for_rows(tokens * shape.num_experts_per_tok);
   json experts_by_config;
   double experts_ms = 0;
-  for (const auto config : {gpu::Fp8GroupedGemmConfig::kPingpong64x128x128, gpu::Fp8GroupedGemmConfig::kCooperative128x128x128}) {
+  for (int c = 0; c < gpu::kNumFp8GroupedGemmConfigs; ++c) {
+    const auto config = static_cast<gpu::Fp8GroupedGemmConfig>(c);
     layer.set_fp8_gemm_config(config);
     const double ms = median_ms(stream, opt.warmup, opt.reps, [&] { layer.run_experts(0, shape.num_slots); });
-    experts_by_config[config == gpu::Fp8GroupedGemmConfig::kPingpong64x128x128 ? "pingpong_64x128x128"
-                                                                                : "cooperative_128x128x128"] = ms;
+    experts_by_config[gpu::fp8_grouped_gemm_config_name(config)] = ms;
     if (config == default_config) experts_ms = ms;
   }
   layer.set_fp8_gemm_config(std::nullopt);
@@ -158,8 +158,7 @@ json run_fp8(GpuMoeLayer& layer, const std::vector<double>& uniform, int64_t tok
   return {{"layer_ms_recorder_on", layer_ms}, {"layer_ms_by_permute", layer_by_permute},
           {"fused_permute_default", default_fused}, {"experts_ms", experts_ms},
           {"experts_ms_by_config", experts_by_config},
-          {"default_config", default_config == gpu::Fp8GroupedGemmConfig::kPingpong64x128x128 ? "pingpong_64x128x128"
-                                                                                             : "cooperative_128x128x128"},
+          {"default_config", gpu::fp8_grouped_gemm_config_name(default_config)},
           {"experts_tflops", flops / (experts_ms * 1e-3) / 1e12},
           {"experts_roofline_fraction", floor_ms / experts_ms},
           {"experts_bound", flops / (2 * peak_flops) > bytes / peak_bytes ? "tensor-core (2x bf16 peak)" : "HBM"},

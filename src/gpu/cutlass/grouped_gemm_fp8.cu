@@ -1,5 +1,5 @@
 // FP8 grouped GEMM entry points (grouped_gemm_fp8.hpp): device facts, workspace layout, argument checks and the
-// dispatch to the per-config kernels (grouped_gemm_fp8_pingpong.cu, grouped_gemm_fp8_cooperative.cu).
+// dispatch to the per-config kernels (grouped_gemm_fp8_{pingpong,cooperative,swap_cooperative_*}.cu).
 #include <algorithm>
 
 #include <cuda_runtime.h>
@@ -31,9 +31,13 @@ GroupedGemmStatus prepare_fp8_grouped_gemm(int device, int max_groups, Fp8Groupe
     result = {"cudaDeviceGetAttribute (SM count)", static_cast<int>(status)};
   } else {
     ConfigFacts facts[kNumFp8GroupedGemmConfigs];
-    result = grouped_gemm_detail::prepare_fp8_pingpong_64x128x128(device, out.sm_count, max_groups, &facts[0]);
-    if (result.ok()) {
-      result = grouped_gemm_detail::prepare_fp8_cooperative_128x128x128(device, out.sm_count, max_groups, &facts[1]);
+    using Prepare = GroupedGemmStatus (*)(int, int, int, ConfigFacts*);
+    constexpr Prepare kPrepare[kNumFp8GroupedGemmConfigs] = {  // in Fp8GroupedGemmConfig order
+        grouped_gemm_detail::prepare_fp8_pingpong_64x128x128, grouped_gemm_detail::prepare_fp8_cooperative_128x128x128,
+        grouped_gemm_detail::prepare_fp8_swap_cooperative_128x16x128,
+        grouped_gemm_detail::prepare_fp8_swap_cooperative_128x32x128};
+    for (int c = 0; c < kNumFp8GroupedGemmConfigs && result.ok(); ++c) {
+      result = kPrepare[c](device, out.sm_count, max_groups, &facts[c]);
     }
     size_t arrays_bytes = 0;
     for (int c = 0; c < kNumFp8GroupedGemmConfigs && result.ok(); ++c) {
@@ -71,6 +75,10 @@ GroupedGemmStatus run_fp8_grouped_gemm(const Fp8GroupedGemmArgs& args, Fp8Groupe
       return grouped_gemm_detail::run_fp8_pingpong_64x128x128(args, limits, workspace, stream);
     case Fp8GroupedGemmConfig::kCooperative128x128x128:
       return grouped_gemm_detail::run_fp8_cooperative_128x128x128(args, limits, workspace, stream);
+    case Fp8GroupedGemmConfig::kSwapCooperative128x16x128:
+      return grouped_gemm_detail::run_fp8_swap_cooperative_128x16x128(args, limits, workspace, stream);
+    case Fp8GroupedGemmConfig::kSwapCooperative128x32x128:
+      return grouped_gemm_detail::run_fp8_swap_cooperative_128x32x128(args, limits, workspace, stream);
   }
   return {"run_fp8_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
 }

@@ -15,6 +15,14 @@
 // tensors_perform_update -> load_init) rebuilds both layouts from the group's problem shape and reads only
 // ptr_SFA[g] / ptr_SFB[g]; the layout arrays are still filled (as the probe and example 68 do) so a CUTLASS
 // that reads them gets the same layouts.
+//
+// kSwapAB (decode-sized groups, as grouped_gemm_bf16.cuh): CUTLASS computes D^T = B A^T, its M the weights' N and
+// its N the group's rows, so 1-16 rows fill a narrow N tile instead of padding a 64-row M tile. No memory layout
+// changes: the weights [N, K] are a row-major A, the rows [m, K] a column-major B, D^T column-major [N, m] is
+// row-major D [m, N]; Sm90BlockwiseScaleConfig<128, 1, 128> (MN-major) puts sa'(n, k) at n / 128 + (k / 128) *
+// (N/128) (the weight scales as they lie) and sb'(r, k) at r + (k / 128) * m (the group's activation scales).
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
@@ -32,22 +40,25 @@
 
 namespace fulcrum::gpu::grouped_gemm_detail {
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule, bool SwapAB = false>
 struct Fp8GroupedGemm {
+  static constexpr bool kSwapAB = SwapAB;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // <M, N, K> per group
   using GroupShape = typename ProblemShape::UnderlyingProblemShape;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using ElementScale = float;
-  using LayoutA = cutlass::layout::RowMajor;     // activations [M, K]
-  using LayoutB = cutlass::layout::ColumnMajor;  // weights stored [N, K]
+  using LayoutA = cutlass::layout::RowMajor;     // activations [M, K] (swapped: weights [N, K])
+  using LayoutB = cutlass::layout::ColumnMajor;  // weights stored [N, K] (swapped: activations [m, K])
   using LayoutC = cutlass::layout::RowMajor;
-  using LayoutD = cutlass::layout::RowMajor;     // out [M, N]
+  using LayoutD = std::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;  // out [m, N]
   static constexpr int kAlignmentAB = 16;        // e4m3 elements per 16 bytes (TMA)
   static constexpr int kAlignmentD = 8;          // bf16 elements per 16 bytes
   using ElementAccumulator = float;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kFp8BlockSize, kFp8BlockSize>;
+  static constexpr int kScaleM = kSwapAB ? kFp8BlockSize : 1;  // CUTLASS's M: the rows, or swapped the weights'
+  static constexpr int kScaleN = kSwapAB ? 1 : kFp8BlockSize;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kScaleM, kScaleN, kFp8BlockSize>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -68,7 +79,7 @@ struct Fp8GroupedGemm {
   using StrideB = typename GemmKernel::InternalStrideB;
   using StrideD = typename GemmKernel::InternalStrideD;
 
-  static_assert(CollectiveMainloop::ScaleGranularityM == 1 && CollectiveMainloop::ScaleGranularityN == kFp8BlockSize &&
+  static_assert(CollectiveMainloop::ScaleGranularityM == kScaleM && CollectiveMainloop::ScaleGranularityN == kScaleN &&
                     CollectiveMainloop::ScaleGranularityK == kFp8BlockSize,
                 "1x128 activation scales, 128x128 weight scales");
   static_assert(CollectiveMainloop::MMajorSFA && CollectiveMainloop::NMajorSFB, "MN-major scale layouts");
@@ -155,17 +166,31 @@ __global__ void fp8_grouped_gemm_setup_kernel(const int32_t* offsets, int num_gr
     const int32_t count = offsets[g + 1] - first;
     const int m = count > 0 ? count : 0;
     const int w = g % num_b;
-    arrays.shapes[g] = cute::make_shape(m, n, k);
-    arrays.a[g] = reinterpret_cast<const ElementA*>(a) + static_cast<int64_t>(first) * k;
-    arrays.b[g] = reinterpret_cast<const ElementB*>(b[w]);
+    const ElementA* rows = reinterpret_cast<const ElementA*>(a) + static_cast<int64_t>(first) * k;
+    const float* row_scales = a_scales + static_cast<int64_t>(first) * k_blocks;  // [Kb][m] of this group
     arrays.d[g] = reinterpret_cast<ElementD*>(d) + static_cast<int64_t>(first) * n;
-    arrays.sfa[g] = a_scales + static_cast<int64_t>(first) * k_blocks;  // [Kb][m] of this group
-    arrays.sfb[g] = b_scales[w];                                          // [Kb][N / 128]
-    arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
-    arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
-    arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
-    arrays.layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-    arrays.layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+    if constexpr (G::kSwapAB) {  // D^T [n, m] = W [n, k] x rows^T
+      arrays.shapes[g] = cute::make_shape(n, m, k);
+      arrays.a[g] = reinterpret_cast<const ElementA*>(b[w]);
+      arrays.b[g] = reinterpret_cast<const ElementB*>(rows);
+      arrays.sfa[g] = b_scales[w];  // [Kb][N / 128]
+      arrays.sfb[g] = row_scales;
+      arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {n, k, 1});
+      arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {m, k, 1});
+      arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {n, m, 1});
+    } else {
+      arrays.shapes[g] = cute::make_shape(m, n, k);
+      arrays.a[g] = rows;
+      arrays.b[g] = reinterpret_cast<const ElementB*>(b[w]);
+      arrays.sfa[g] = row_scales;
+      arrays.sfb[g] = b_scales[w];  // [Kb][N / 128]
+      arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
+      arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
+      arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+    }
+    const auto shape = G::kSwapAB ? cute::make_shape(n, m, k, 1) : cute::make_shape(m, n, k, 1);
+    arrays.layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(shape);
+    arrays.layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(shape);
   }
 }
 

@@ -29,8 +29,13 @@ struct CUstream_st;
 
 namespace fulcrum::gpu {
 
-enum class Fp8GroupedGemmConfig : int { kPingpong64x128x128 = 0, kCooperative128x128x128 = 1 };
-constexpr int kNumFp8GroupedGemmConfigs = 2;
+enum class Fp8GroupedGemmConfig : int {
+  kPingpong64x128x128 = 0,
+  kCooperative128x128x128 = 1,
+  kSwapCooperative128x16x128 = 2,  // swapped operands (grouped_gemm_fp8.cuh kSwapAB): a group's rows on a 16-wide N
+  kSwapCooperative128x32x128 = 3,  // or 32-wide N tile, the weights' rows on the 128-row M side
+};
+constexpr int kNumFp8GroupedGemmConfigs = 4;
 // Total rows from which the cooperative config is used. Measured on one H200 (`bench moe` times both configs,
 // bench/results/moe_fp8_sweep_h200.json): pingpong wins by 8-12% at 2048 rows, the two are within 2% at 8192,
 // cooperative wins by 3-9% at 16384 and by 6-16% at 65536-262144.
@@ -39,6 +44,17 @@ constexpr int64_t kFp8GroupedGemmCooperativeMinRows = 16384;
 inline Fp8GroupedGemmConfig fp8_grouped_gemm_config_for_rows(int64_t total_rows) {
   return total_rows >= kFp8GroupedGemmCooperativeMinRows ? Fp8GroupedGemmConfig::kCooperative128x128x128
                                                          : Fp8GroupedGemmConfig::kPingpong64x128x128;
+}
+
+// The config's name in bench JSON, test traces and the FULCRUM_FP8_*GEMM_CONFIGS switches' docs.
+inline const char* fp8_grouped_gemm_config_name(Fp8GroupedGemmConfig config) {
+  switch (config) {
+    case Fp8GroupedGemmConfig::kPingpong64x128x128: return "pingpong_64x128x128";
+    case Fp8GroupedGemmConfig::kCooperative128x128x128: return "cooperative_128x128x128";
+    case Fp8GroupedGemmConfig::kSwapCooperative128x16x128: return "swap_cooperative_128x16x128";
+    case Fp8GroupedGemmConfig::kSwapCooperative128x32x128: return "swap_cooperative_128x32x128";
+  }
+  return "unknown";
 }
 
 constexpr int kFp8BlockSize = 128;

@@ -13,5 +13,15 @@ GroupedGemmStatus run_fp8_pingpong_64x128x128(const Fp8GroupedGemmArgs& args, co
 GroupedGemmStatus prepare_fp8_cooperative_128x128x128(int device, int sm_count, int max_groups, ConfigFacts* facts);
 GroupedGemmStatus run_fp8_cooperative_128x128x128(const Fp8GroupedGemmArgs& args, const Fp8GroupedGemmLimits& limits,
                                                   void* workspace, CUstream_st* stream);
+GroupedGemmStatus prepare_fp8_swap_cooperative_128x16x128(int device, int sm_count, int max_groups,
+                                                          ConfigFacts* facts);
+GroupedGemmStatus run_fp8_swap_cooperative_128x16x128(const Fp8GroupedGemmArgs& args,
+                                                      const Fp8GroupedGemmLimits& limits, void* workspace,
+                                                      CUstream_st* stream);
+GroupedGemmStatus prepare_fp8_swap_cooperative_128x32x128(int device, int sm_count, int max_groups,
+                                                          ConfigFacts* facts);
+GroupedGemmStatus run_fp8_swap_cooperative_128x32x128(const Fp8GroupedGemmArgs& args,
+                                                      const Fp8GroupedGemmLimits& limits, void* workspace,
+                                                      CUstream_st* stream);
 
 }  // namespace fulcrum::gpu::grouped_gemm_detail

@@ -750,18 +750,10 @@ void GpuMoeLayer::expert_gemm(const GemmProblems& problems, int gemm_idx, int fi
 // rows pick the large tile (steps of >= kGroupedGemmLargeTileMinRows rows), for measurement (bench/moe_config_sweep.sh);
 // FULCRUM_BF16_SMALL_GEMM_CONFIGS=U,D the same for the smaller steps (decode: bench/run_gpu_env_sweep.sh). Read once.
 // Unset: `config` for both. Either way the choice depends on the total rows only (placement-invariant).
-static std::pair<int, int> forced_gemm_configs(const char* name) {
-  const char* env = std::getenv(name);
-  int up = -1, down = -1;
-  if (env != nullptr && std::sscanf(env, "%d,%d", &up, &down) == 2 && up >= 0 && down >= 0 &&
-      up < gpu::kNumGroupedGemmConfigs && down < gpu::kNumGroupedGemmConfigs) {
-    return {up, down};
-  }
-  return {-1, -1};
-}
 static std::pair<gpu::GroupedGemmConfig, gpu::GroupedGemmConfig> bf16_gemm_configs(gpu::GroupedGemmConfig config) {
-  static const std::pair<int, int> large = forced_gemm_configs("FULCRUM_BF16_GEMM_CONFIGS");
-  static const std::pair<int, int> small = forced_gemm_configs("FULCRUM_BF16_SMALL_GEMM_CONFIGS");
+  static const std::pair<int, int> large = gpu::env_config_pair("FULCRUM_BF16_GEMM_CONFIGS", gpu::kNumGroupedGemmConfigs);
+  static const std::pair<int, int> small =
+      gpu::env_config_pair("FULCRUM_BF16_SMALL_GEMM_CONFIGS", gpu::kNumGroupedGemmConfigs);
   const std::pair<int, int>& forced = config == gpu::GroupedGemmConfig::kPingpong128x128x64 ? large : small;
   if (forced.first < 0) return {config, config};
   return {static_cast<gpu::GroupedGemmConfig>(forced.first), static_cast<gpu::GroupedGemmConfig>(forced.second)};

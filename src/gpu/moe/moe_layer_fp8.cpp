@@ -6,6 +6,7 @@
 // same codes and scales (moe_layer.cpp, skinny_gemms).
 #include <cstdint>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -95,14 +96,30 @@ void GpuMoeLayer::randomize_fp8_experts(uint64_t seed) {
   own_fp8_pool_->fill_layer(0, global, seed);
 }
 
+// FULCRUM_FP8_SMALL_GEMM_CONFIGS=U,D (Fp8GroupedGemmConfig values) sets the gate_up and the down GEMM's configs of
+// steps below kFp8GroupedGemmCooperativeMinRows rows (decode, small prefill), FULCRUM_FP8_GEMM_CONFIGS=U,D those of
+// the larger steps; for measurement (bench/run_gpu_env_sweep.sh). Read once. Unset: `config` for both. Either way
+// the choice depends on the total rows only (placement-invariant).
+static std::pair<gpu::Fp8GroupedGemmConfig, gpu::Fp8GroupedGemmConfig> fp8_gemm_configs(int64_t total_rows) {
+  static const std::pair<int, int> large =
+      gpu::env_config_pair("FULCRUM_FP8_GEMM_CONFIGS", gpu::kNumFp8GroupedGemmConfigs);
+  static const std::pair<int, int> small =
+      gpu::env_config_pair("FULCRUM_FP8_SMALL_GEMM_CONFIGS", gpu::kNumFp8GroupedGemmConfigs);
+  const gpu::Fp8GroupedGemmConfig config = gpu::fp8_grouped_gemm_config_for_rows(total_rows);
+  const std::pair<int, int>& forced = total_rows >= gpu::kFp8GroupedGemmCooperativeMinRows ? large : small;
+  if (forced.first < 0) return {config, config};
+  return {static_cast<gpu::Fp8GroupedGemmConfig>(forced.first),
+          static_cast<gpu::Fp8GroupedGemmConfig>(forced.second)};
+}
+
 void GpuMoeLayer::cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local,
                                       int num_weights, int64_t max_rows, int64_t total_rows, uint16_t* out) {
   MoeWorkspace& w = ws();
   FULCRUM_CHECK(max_rows <= w.expert_rows() && max_rows <= shape_.max_tokens * shape_.num_experts_per_tok,
                 "FP8 experts: {} rows, scratch for {}", max_rows, w.expert_rows());
   const int h = shape_.hidden_size, i = shape_.moe_intermediate_size;
-  const gpu::Fp8GroupedGemmConfig config =  // placement-free: by total rows
-      fp8_gemm_config_.value_or(gpu::fp8_grouped_gemm_config_for_rows(total_rows));
+  auto [up_config, down_config] = fp8_gemm_configs(total_rows);  // placement-free: by total rows
+  if (fp8_gemm_config_.has_value()) up_config = down_config = *fp8_gemm_config_;
   const auto check = [](const gpu::GroupedGemmStatus& status, const char* which) {
     FULCRUM_CHECK(status.ok(), "CUTLASS FP8 grouped GEMM ({}): {} ({})", which, status.failed,
                   cudaGetErrorString(static_cast<cudaError_t>(status.cuda_error)));
@@ -122,7 +139,7 @@ void GpuMoeLayer::cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets
   gemm.d = w.h.as<uint16_t>();  // [rows, 2I]
   gemm.n = 2 * i;
   gemm.k = h;
-  check(gpu::run_fp8_grouped_gemm(gemm, config, w.fp8_gemm_limits(), w.fp8_gemm_workspace(), stream_), "gate_up");
+  check(gpu::run_fp8_grouped_gemm(gemm, up_config, w.fp8_gemm_limits(), w.fp8_gemm_workspace(), stream_), "gate_up");
   FULCRUM_CUDA_CHECK(gpu::launch_swiglu_quantize_fp8(w.h.as<uint16_t>(), i, offsets, num_groups, max_rows,
                                                      w.fp8_act.as<uint8_t>(), w.fp8_act_scales.as<float>(), stream_));
   gemm.a = w.fp8_act.as<uint8_t>();  // [rows, I]
@@ -132,7 +149,7 @@ void GpuMoeLayer::cutlass_experts_fp8(const uint16_t* in, const int32_t* offsets
   gemm.d = out;  // [rows, H]
   gemm.n = h;
   gemm.k = i;
-  check(gpu::run_fp8_grouped_gemm(gemm, config, w.fp8_gemm_limits(), w.fp8_gemm_workspace(), stream_), "down");
+  check(gpu::run_fp8_grouped_gemm(gemm, down_config, w.fp8_gemm_limits(), w.fp8_gemm_workspace(), stream_), "down");
 }
 
 }  // namespace fulcrum::backend
