@@ -263,13 +263,15 @@ TEST_F(ServerHttp, MetricsAreValidPrometheusText) {
   for (const char* name : {"fulcrum_requests_running", "fulcrum_requests_waiting", "fulcrum_prompt_tokens_total",
                            "fulcrum_generation_tokens_total", "fulcrum_step_seconds_count", "fulcrum_step_seconds_sum",
                            "fulcrum_kv_pages_used", "fulcrum_kv_pages_total", "fulcrum_eplb_rebalances_total",
-                           "fulcrum_eplb_bytes_migrated_total", "fulcrum_step_seconds_bucket{le=\"+Inf\"}"}) {
+                           "fulcrum_eplb_bytes_migrated_total", "fulcrum_step_seconds_bucket{le=\"+Inf\"}",
+                           "fulcrum_scheduler_host_seconds_total"}) {
     EXPECT_TRUE(m.contains(name)) << name;
   }
   EXPECT_EQ(m["fulcrum_kv_pages_total"], 48);
   EXPECT_GE(m["fulcrum_prompt_tokens_total"], 3);
   EXPECT_GE(m["fulcrum_generation_tokens_total"], 3);
   EXPECT_EQ(m["fulcrum_step_seconds_bucket{le=\"+Inf\"}"], m["fulcrum_step_seconds_count"]);
+  EXPECT_GT(m["fulcrum_scheduler_host_seconds_total"], 0) << "steps ran, so the scheduler spent time around them";
 }
 
 TEST_F(ServerHttp, ExpertDistributionDumpIsReadableByPlan) {

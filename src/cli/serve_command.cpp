@@ -168,7 +168,10 @@ void register_bench_serve_command(CLI::App& bench) {
                                {"latency_s", pct(report.latency_s)},
                                {"server_prompt_tokens", report.server_prompt_tokens},
                                {"server_prefix_cache_hit_tokens", report.server_hit_tokens},
-                               {"server_step_tokens", report.server_step_tokens}};
+                               {"server_step_tokens", report.server_step_tokens},
+                               {"server_steps", report.server_steps},
+                               {"server_step_ms_mean", report.server_step_ms_mean},
+                               {"server_host_ms_per_step", report.server_host_ms_per_step}};
       write_file_atomically(*json_path, doc.dump(2) + "\n");
     }
     FULCRUM_CHECK(report.failed == 0, "{} of {} requests failed", report.failed, report.failed + report.succeeded);

@@ -42,7 +42,7 @@ ServedModel query_model(const std::string& url) {
 }
 
 // Counters of /metrics by name (a Prometheus text line "name value"); absent ones are missing.
-std::map<std::string, double> scrape_counters(const std::string& url, std::initializer_list<const char*> names) {
+std::map<std::string, double> scrape_counters(const std::string& url, const std::vector<std::string>& names) {
   std::map<std::string, double> out;
   httplib::Client client(url);
   client.set_connection_timeout(5);
@@ -50,8 +50,8 @@ std::map<std::string, double> scrape_counters(const std::string& url, std::initi
   if (!res || res->status != 200) return out;
   std::istringstream lines(res->body);
   for (std::string line; std::getline(lines, line);) {
-    for (const char* name : names) {
-      if (line.rfind(std::string(name) + " ", 0) == 0) out[name] = std::stod(line.substr(std::strlen(name) + 1));
+    for (const std::string& name : names) {
+      if (line.rfind(name + " ", 0) == 0) out[name] = std::stod(line.substr(name.size() + 1));
     }
   }
   return out;
@@ -152,7 +152,11 @@ LoadReport run_load(const LoadOptions& o) {
   constexpr const char* kPrompt = "fulcrum_prompt_tokens_total";
   constexpr const char* kHits = "fulcrum_prefix_cache_hit_tokens_total";
   constexpr const char* kSteps = "fulcrum_step_tokens_total";
-  const std::map<std::string, double> before = scrape_counters(o.url, {kPrompt, kHits, kSteps});
+  constexpr const char* kStepCount = "fulcrum_step_seconds_count";
+  constexpr const char* kStepSum = "fulcrum_step_seconds_sum";
+  constexpr const char* kHost = "fulcrum_scheduler_host_seconds_total";
+  const std::vector<std::string> counters = {kPrompt, kHits, kSteps, kStepCount, kStepSum, kHost};
+  const std::map<std::string, double> before = scrape_counters(o.url, counters);
   std::atomic<int> issued{0};
   std::mutex mutex;
   LoadReport report;
@@ -198,13 +202,18 @@ LoadReport run_load(const LoadOptions& o) {
   }
   for (std::thread& t : threads) t.join();
   report.seconds = since(start, Clock::now());
-  const std::map<std::string, double> after = scrape_counters(o.url, {kPrompt, kHits, kSteps});
-  const auto delta = [&](const char* name) -> int64_t {
-    return before.contains(name) && after.contains(name) ? static_cast<int64_t>(after.at(name) - before.at(name)) : -1;
+  const std::map<std::string, double> after = scrape_counters(o.url, counters);
+  const auto delta = [&](const char* name) -> double {
+    return before.contains(name) && after.contains(name) ? after.at(name) - before.at(name) : -1;
   };
-  report.server_prompt_tokens = delta(kPrompt);
-  report.server_hit_tokens = delta(kHits);
-  report.server_step_tokens = delta(kSteps);
+  report.server_prompt_tokens = static_cast<int64_t>(delta(kPrompt));
+  report.server_hit_tokens = static_cast<int64_t>(delta(kHits));
+  report.server_step_tokens = static_cast<int64_t>(delta(kSteps));
+  report.server_steps = static_cast<int64_t>(delta(kStepCount));
+  if (report.server_steps > 0) {
+    if (delta(kStepSum) >= 0) report.server_step_ms_mean = 1000.0 * delta(kStepSum) / report.server_steps;
+    if (delta(kHost) >= 0) report.server_host_ms_per_step = 1000.0 * delta(kHost) / report.server_steps;
+  }
   return report;
 }
 
@@ -226,6 +235,10 @@ std::string format_load_report(const LoadOptions& o, const LoadReport& r) {
                        r.server_hit_tokens, r.server_prompt_tokens,
                        static_cast<double>(r.server_hit_tokens) / static_cast<double>(r.server_prompt_tokens),
                        r.server_step_tokens);
+  }
+  if (r.server_steps > 0 && r.server_step_ms_mean >= 0 && r.server_host_ms_per_step >= 0) {
+    out += fmt::format("server: {} steps, {:.3f} ms a step, {:.3f} ms of scheduler host work around each\n",
+                       r.server_steps, r.server_step_ms_mean, r.server_host_ms_per_step);
   }
   for (const std::string& e : r.errors) out += "error: " + e + "\n";
   return out;

@@ -36,6 +36,11 @@ struct LoadReport {
   // The server's /metrics counters over the run (-1 when it has none): prompt tokens admitted, those read
   // from its prefix cache, and tokens run through forward steps (prefill and decode computed).
   int64_t server_prompt_tokens = -1, server_hit_tokens = -1, server_step_tokens = -1;
+  // Forward steps over the run, their mean wall time, and the scheduler's host time per step around them
+  // (fulcrum_step_seconds, fulcrum_scheduler_host_seconds_total; -1 when the server has none): what of the
+  // inter-token latency is the step and what is host work between steps.
+  int64_t server_steps = -1;
+  double server_step_ms_mean = -1, server_host_ms_per_step = -1;
 };
 
 LoadReport run_load(const LoadOptions& options);

@@ -38,6 +38,11 @@ void ServerMetrics::observe_step(double seconds, int64_t batch_tokens) {
   batch_tokens_ += batch_tokens;
 }
 
+void ServerMetrics::add_scheduler_host_seconds(double seconds) {
+  std::lock_guard lock(mutex_);
+  scheduler_host_sum_ += seconds;
+}
+
 void ServerMetrics::set_eplb_balancedness(const std::vector<double>& per_layer, double mean) {
   std::lock_guard lock(mutex_);
   balancedness_ = per_layer;
@@ -94,6 +99,9 @@ std::string ServerMetrics::render(const QueueGauges& g) const {
   }
   out += fmt::format("fulcrum_step_seconds_bucket{{le=\"+Inf\"}} {}\n", step_count_);
   out += fmt::format("fulcrum_step_seconds_sum {}\nfulcrum_step_seconds_count {}\n", step_sum_, step_count_);
+  header(out, "fulcrum_scheduler_host_seconds_total", "counter",
+         "Scheduler time around the forward steps (admission, batching, handing out tokens): host work between steps.");
+  out += fmt::format("fulcrum_scheduler_host_seconds_total {}\n", scheduler_host_sum_);
   header(out, "fulcrum_step_tokens_total", "counter", "Tokens run through forward steps (prefill and decode).");
   out += fmt::format("fulcrum_step_tokens_total {}\n", batch_tokens_);
   header(out, "fulcrum_kv_pages_used", "gauge", "KV cache pages held by running requests (a page shared by several counts once).");

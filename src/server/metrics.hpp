@@ -43,6 +43,9 @@ class ServerMetrics {
   void add_prompt_tokens(int64_t n) { prompt_tokens_.fetch_add(n); }
   void add_generation_tokens(int64_t n) { generation_tokens_.fetch_add(n); }
   void observe_step(double seconds, int64_t batch_tokens);
+  // The scheduler's own time around a step that ran (admission, batch building, handing tokens to the
+  // requests, retiring): the host work between two forward steps, during which a GPU waits.
+  void add_scheduler_host_seconds(double seconds);
 
   // EPLB hooks.
   void set_eplb_balancedness(const std::vector<double>& per_layer, double mean);
@@ -64,6 +67,7 @@ class ServerMetrics {
   std::array<int64_t, kStepBuckets.size()> step_buckets_{};
   int64_t step_count_ = 0;
   double step_sum_ = 0;
+  double scheduler_host_sum_ = 0;
   int64_t batch_tokens_ = 0;
   std::vector<double> balancedness_;
   double balancedness_mean_ = 0;

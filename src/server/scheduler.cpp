@@ -264,6 +264,7 @@ std::optional<Scheduler::Ending> Scheduler::after_token(Sequence& seq, int32_t t
 }
 
 bool Scheduler::step() {
+  const auto entered = std::chrono::steady_clock::now();
   drop_cancelled();
   admit();
 
@@ -337,9 +338,8 @@ bool Scheduler::step() {
   }
   int64_t batch_tokens = 0;
   for (const model::StepSequence& in : batch) batch_tokens += static_cast<int64_t>(in.token_ids.size());
-  if (metrics_) {
-    metrics_->observe_step(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), batch_tokens);
-  }
+  const auto stepped = std::chrono::steady_clock::now();
+  if (metrics_) metrics_->observe_step(std::chrono::duration<double>(stepped - start).count(), batch_tokens);
 
   {
     std::lock_guard lock(mutex_);
@@ -393,6 +393,10 @@ bool Scheduler::step() {
     }
   }
   retire(finished);
+  if (metrics_) {
+    const auto now = std::chrono::steady_clock::now();
+    metrics_->add_scheduler_host_seconds(std::chrono::duration<double>((start - entered) + (now - stepped)).count());
+  }
   return true;
 }
 
