@@ -262,7 +262,9 @@ TEST_F(Fp8GroupedGemmTest, RefusedCallsLaunchNothing) {
 }
 
 TEST(Fp8GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
-  EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(0), Fp8GroupedGemmConfig::kPingpong64x128x128);
+  EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(0), Fp8GroupedGemmConfig::kSwapCooperative128x32x128);
+  EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(2048), Fp8GroupedGemmConfig::kSwapCooperative128x32x128);
+  EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(2049), Fp8GroupedGemmConfig::kPingpong64x128x128);
   EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(16383), Fp8GroupedGemmConfig::kPingpong64x128x128);
   EXPECT_EQ(gpu::fp8_grouped_gemm_config_for_rows(16384), Fp8GroupedGemmConfig::kCooperative128x128x128);
   for (const Fp8GroupedGemmConfig config : kFp8Configs) {  // names distinct (bench JSON keys)

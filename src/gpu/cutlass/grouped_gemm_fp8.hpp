@@ -41,7 +41,15 @@ constexpr int kNumFp8GroupedGemmConfigs = 4;
 // cooperative wins by 3-9% at 16384 and by 6-16% at 65536-262144.
 constexpr int64_t kFp8GroupedGemmCooperativeMinRows = 16384;
 
+// Total rows up to which the swapped 128x32x128 config is used (decode steps of up to 256 tokens of top-8).
+// Measured on one H100 (bench/results/fp8_small_gemm_configs_sweep_*_998523e_h100.json, 30B-A3B FP8 decode,
+// context 512, all 48 layers forced per value): 3,3 against the pingpong default 1.1% faster at batch 16, 1.4% at
+// 64 and 0.9% at 256; `bench moe` (moe_fp8_configs_998523e_h100.json) has it 1-2% ahead at 512 and 2048 rows for
+// both shapes, behind from 8192. The 16-wide swap tied it at 16 / 64 and lost 3.6% at 256: left to the switch.
+constexpr int64_t kFp8GroupedGemmSwapMaxRows = 2048;
+
 inline Fp8GroupedGemmConfig fp8_grouped_gemm_config_for_rows(int64_t total_rows) {
+  if (total_rows <= kFp8GroupedGemmSwapMaxRows) return Fp8GroupedGemmConfig::kSwapCooperative128x32x128;
   return total_rows >= kFp8GroupedGemmCooperativeMinRows ? Fp8GroupedGemmConfig::kCooperative128x128x128
                                                          : Fp8GroupedGemmConfig::kPingpong64x128x128;
 }
