@@ -44,8 +44,9 @@ constexpr int64_t kFp8GroupedGemmCooperativeMinRows = 16384;
 // Total rows up to which the swapped 128x32x128 config is used (decode steps of up to 256 tokens of top-8).
 // Measured on one H100 (bench/results/fp8_small_gemm_configs_sweep_*_998523e_h100.json, 30B-A3B FP8 decode,
 // context 512, all 48 layers forced per value): 3,3 against the pingpong default 1.1% faster at batch 16, 1.4% at
-// 64 and 0.9% at 256; `bench moe` (moe_fp8_configs_998523e_h100.json) has it 1-2% ahead at 512 and 2048 rows for
-// both shapes, behind from 8192. The 16-wide swap tied it at 16 / 64 and lost 3.6% at 256: left to the switch.
+// 64 and 0.9% at 256; `bench moe` (moe_fp8_configs_998523e_h100.json) has it 0.7-1.6% ahead at 512 and 2048 rows
+// for both shapes and behind from 8192, but at 128 rows of the 30B shape behind pingpong (0.192 vs 0.163 ms) where
+// the whole decode step was faster. The 16-wide swap was within 0.7% of it at 16 / 64 and lost 3.6% at 256.
 constexpr int64_t kFp8GroupedGemmSwapMaxRows = 2048;
 
 inline Fp8GroupedGemmConfig fp8_grouped_gemm_config_for_rows(int64_t total_rows) {
