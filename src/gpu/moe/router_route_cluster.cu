@@ -53,7 +53,7 @@ ClusterShape cluster_shape(int64_t num_tokens, int num_experts, int top_k, int h
 template <int R, int M>
 __global__ void __launch_bounds__(kThreads) router_route_cluster_kernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int n, int k, int k_split, int tiles,
-    int tile_slots, int64_t logits_bytes, float* __restrict__ logits, RouterArgs a, int num_slots,
+    int tile_slots, int64_t logits_bytes, bool late_release, float* __restrict__ logits, RouterArgs a, int num_slots,
     int32_t* slot_counts, int32_t* offsets, int32_t* entry_row, int32_t* row_token, int32_t* active) {
   static_assert(kThreads == kTinyPlanThreads, "block 0 plans as the 128-thread route block");
   extern __shared__ __align__(128) uint4 smem[];
@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kThreads) router_route_cluster_kernel(
   // Every block of the cluster has started before any writes into block 0's shared memory; before the PDL wait,
   // so the barrier overlaps the kernel before.
   cluster.sync();
-  gpu::wait_then_release();  // dependent_launch.cuh: x comes from the previous kernel
+  gpu::wait_for_previous();  // dependent_launch.cuh: x comes from the previous kernel
+  if (!late_release) gpu::release_dependents();
   float* remote_logits = cluster.map_shared_rank(s_logits, 0);
   const int group = warp / k_split, slice = warp % k_split;
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
@@ -118,6 +119,7 @@ __global__ void __launch_bounds__(kThreads) router_route_cluster_kernel(
   if (rank != 0) return;
   a.logits = s_logits;
   route_and_plan<kThreads>(a, num_slots, slot_counts, offsets, entry_row, row_token, active, plan_smem, s_hist);
+  if (late_release) gpu::release_dependents();
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -125,6 +127,13 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 bool cluster_enabled() {
   static const bool enabled = gpu::env_switch_on("FULCRUM_ROUTER_CLUSTER");
   return enabled;
+}
+
+// FULCRUM_ROUTER_CLUSTER_LATE_RELEASE=1: the next kernel is scheduled only once block 0 has planned (blocks 1.. let it
+// at their exit), not as soon as every block has waited; for measurement; read once.
+bool late_release() {
+  static const bool late = gpu::env_int("FULCRUM_ROUTER_CLUSTER_LATE_RELEASE", 0) != 0;
+  return late;
 }
 
 // The device's opt-in shared memory per block (queried once per process; the engine drives one device).
@@ -152,7 +161,7 @@ cudaError_t launch_shape(const ClusterShape& s, const uint16_t* x, const uint16_
   return gpu::launch_dependent_clustered(kernel, dim3(1, 1, kRouterClusterBlocks), dim3(kThreads), smem, stream,
                                          kRouterClusterBlocks, x, w, args.num_experts, hidden_size, s.k_split,
                                          static_cast<int>(s.tiles), static_cast<int>(s.tile_slots), s.logits_bytes,
-                                         logits, args, num_slots, slot_counts, offsets, entry_row, row_token, active);
+                                         late_release(), logits, args, num_slots, slot_counts, offsets, entry_row, row_token, active);
 }
 
 }  // namespace
