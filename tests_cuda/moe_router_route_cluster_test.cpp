@@ -62,7 +62,7 @@ TEST(RouterRouteClusterTest, EqualsTheRouterGemmAndTheSmallRouteBitForBit) {
   for (const int hidden : {2048, 4096}) {
     for (int tokens = 1; tokens <= cuda::moe::kRouterClusterMaxTokens; ++tokens) {
       SCOPED_TRACE(fmt::format("hidden {}, tokens {}", hidden, tokens));
-      ASSERT_TRUE(cuda::moe::router_route_cluster_applies(tokens, experts, top_k, hidden, slots));
+      ASSERT_TRUE(cuda::moe::router_route_cluster_fits(tokens, experts, top_k, hidden, slots));
       const auto x_bits = skinny_test::random_bf16(static_cast<size_t>(tokens) * hidden, 11 + tokens);
       const auto w_bits = skinny_test::random_bf16(static_cast<size_t>(experts) * hidden, 29 + hidden);
       std::vector<int32_t> slot_of(static_cast<size_t>(sources) * experts);  // source 1: experts 0..7 on replicas
@@ -107,10 +107,10 @@ TEST(RouterRouteClusterTest, EqualsTheRouterGemmAndTheSmallRouteBitForBit) {
 }
 
 TEST(RouterRouteClusterTest, RefusesWhatItDoesNotCover) {
-  EXPECT_FALSE(cuda::moe::router_route_cluster_applies(0, 128, 8, 2048, 136));
-  EXPECT_FALSE(cuda::moe::router_route_cluster_applies(cuda::moe::kRouterClusterMaxTokens + 1, 128, 8, 2048, 136));
-  EXPECT_FALSE(cuda::moe::router_route_cluster_applies(1, cuda::moe::kMaxRouterExperts + 1, 8, 2048, 136));
-  EXPECT_FALSE(cuda::moe::router_route_cluster_applies(1, 128, 8, 2044, 136));  // hidden % 8 != 0
+  EXPECT_FALSE(cuda::moe::router_route_cluster_fits(0, 128, 8, 2048, 136));
+  EXPECT_FALSE(cuda::moe::router_route_cluster_fits(cuda::moe::kRouterClusterMaxTokens + 1, 128, 8, 2048, 136));
+  EXPECT_FALSE(cuda::moe::router_route_cluster_fits(1, cuda::moe::kMaxRouterExperts + 1, 8, 2048, 136));
+  EXPECT_FALSE(cuda::moe::router_route_cluster_fits(1, 128, 8, 2044, 136));  // hidden % 8 != 0
   cuda::moe::RouterArgs dynamic;  // no static slots: refused
   dynamic.num_tokens = 1;
   dynamic.top_k = 8;

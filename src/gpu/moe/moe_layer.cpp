@@ -1008,8 +1008,8 @@ bool GpuMoeLayer::router_route_cluster_applies(const uint16_t* x, int64_t num_to
   return spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled() && router_ != nullptr &&
          uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(router_) % 16 == 0 && !gpu::ablated(gpu::AblatePart::kRouter) &&
-         !gpu::ablated(gpu::AblatePart::kRoute) &&
-         cuda::moe::router_route_cluster_applies(num_tokens, shape_.num_experts, shape_.num_experts_per_tok,
+         !gpu::ablated(gpu::AblatePart::kRoute) && cuda::moe::router_route_cluster_enabled() &&
+         cuda::moe::router_route_cluster_fits(num_tokens, shape_.num_experts, shape_.num_experts_per_tok,
                                                  shape_.hidden_size, shape_.num_slots);
 }
 

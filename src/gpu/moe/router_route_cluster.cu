@@ -124,11 +124,6 @@ __global__ void __launch_bounds__(kThreads) router_route_cluster_kernel(
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-bool cluster_enabled() {
-  static const bool enabled = gpu::env_switch_on("FULCRUM_ROUTER_CLUSTER");
-  return enabled;
-}
-
 // FULCRUM_ROUTER_CLUSTER_LATE_RELEASE=1: the next kernel is scheduled only once block 0 has planned (blocks 1.. let it
 // at their exit), not as soon as every block has waited; for measurement; read once.
 bool late_release() {
@@ -166,8 +161,13 @@ cudaError_t launch_shape(const ClusterShape& s, const uint16_t* x, const uint16_
 
 }  // namespace
 
-bool router_route_cluster_applies(int64_t num_tokens, int num_experts, int top_k, int hidden_size, int num_slots) {
-  if (!cluster_enabled() || num_tokens < 1 || num_tokens > kRouterClusterMaxTokens || num_experts < 1 ||
+bool router_route_cluster_enabled() {
+  static const bool enabled = gpu::env_int("FULCRUM_ROUTER_CLUSTER", 0) != 0;
+  return enabled;
+}
+
+bool router_route_cluster_fits(int64_t num_tokens, int num_experts, int top_k, int hidden_size, int num_slots) {
+  if (num_tokens < 1 || num_tokens > kRouterClusterMaxTokens || num_experts < 1 ||
       num_experts > kMaxRouterExperts || top_k < 1 || top_k > kMaxTopK || num_tokens * top_k > kSmallPlanMaxEntries ||
       num_slots < 1 || num_slots > kSmallPlanMaxSlots || hidden_size < 8 || hidden_size % 8 != 0) {
     return false;
@@ -181,7 +181,7 @@ bool router_route_cluster_applies(int64_t num_tokens, int num_experts, int top_k
 cudaError_t launch_router_route_cluster(const uint16_t* x, const uint16_t* router_w, int hidden_size, float* logits,
                                         const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
                                         int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream) {
-  if (!router_route_cluster_applies(args.num_tokens, args.num_experts, args.top_k, hidden_size, num_slots) ||
+  if (!router_route_cluster_fits(args.num_tokens, args.num_experts, args.top_k, hidden_size, num_slots) ||
       x == nullptr || router_w == nullptr || !aligned16(x) || !aligned16(router_w) || logits == nullptr ||
       args.static_slot_of == nullptr || args.expert_ids == nullptr || args.weights == nullptr ||
       args.slots == nullptr || slot_counts == nullptr || offsets == nullptr || entry_row == nullptr ||

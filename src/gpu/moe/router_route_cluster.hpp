@@ -20,14 +20,16 @@ constexpr int kRouterClusterMaxTokens = 4;
 
 // Whether launch_router_route_cluster takes this step: 1 <= T <= kRouterClusterMaxTokens, E <= kMaxRouterExperts,
 // T x k <= kSmallPlanMaxEntries, P <= kSmallPlanMaxSlots, hidden % 8 == 0, and the block's shared memory (its share
-// of the router's tiles, T x E logits, the plan) within what the device allows. FULCRUM_ROUTER_CLUSTER=0 turns it
-// off (the two launches then run; for measurement; read once).
-bool router_route_cluster_applies(int64_t num_tokens, int num_experts, int top_k, int hidden_size, int num_slots);
+// of the router's tiles, T x E logits, the plan) within what the device allows.
+bool router_route_cluster_fits(int64_t num_tokens, int num_experts, int top_k, int hidden_size, int num_slots);
+// Whether the MoE layer uses it: FULCRUM_ROUTER_CLUSTER=1 (off by default: measured slower than the two launches,
+// docs/benchmarks.md); read once.
+bool router_route_cluster_enabled();
 
 // x bf16 [T, hidden], router_w bf16 [E, hidden] (both 16-byte aligned) -> logits fp32 [T, E]; then args' routing
 // (args.logits is ignored: the first block reads its own copy; args.static_slot_of must be set) and the plan's
 // slot_counts [P], offsets [P + 1], entry_row [T k], row_token [T k], active [1 + P]. cudaErrorInvalidValue where
-// router_route_cluster_applies is false or a pointer is null / misaligned. Capture-safe (one cluster, fixed grid).
+// router_route_cluster_fits is false or a pointer is null / misaligned. Capture-safe (one cluster, fixed grid).
 cudaError_t launch_router_route_cluster(const uint16_t* x, const uint16_t* router_w, int hidden_size, float* logits,
                                         const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
                                         int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream);
