@@ -25,22 +25,12 @@ inline bool dependent_launch_enabled() {
   return enabled;
 }
 
-// The two halves of wait_then_release, for a kernel that lets the next grid be scheduled later than its wait.
-__device__ __forceinline__ void wait_for_previous() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void release_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Waits for the previous grid, then lets the next one be scheduled (after the wait: at most one grid runs ahead).
 __device__ __forceinline__ void wait_then_release() {
-  wait_for_previous();
-  release_dependents();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // The launch with programmatic stream serialization; `cluster_z` > 1 also groups the grid's blocks into thread block

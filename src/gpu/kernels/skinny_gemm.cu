@@ -20,6 +20,15 @@ namespace {
 
 using namespace skinny;
 
+template <bool kBf16Out>
+__device__ __forceinline__ void store_out(void* out, int64_t idx, float v) {
+  if constexpr (kBf16Out) {
+    static_cast<uint16_t*>(out)[idx] = to_bf16(v);
+  } else {
+    static_cast<float*>(out)[idx] = v;
+  }
+}
+
 // The warp's W rows and K slice [begin, end) (in chunks) in tile `tile` (4 / k_split groups of R rows). Rows
 // past n (the last group) read row n - 1 and store nothing.
 template <int R>
@@ -43,6 +52,22 @@ __device__ __forceinline__ TileSlice<R> tile_slice(const uint16_t* w, int n, int
     ts.w_rows[r] = reinterpret_cast<const uint4*>(w) + row * chunks;
   }
   return ts;
+}
+
+// The block's sums of tile `tile` (sum_slices' partial) stored to out [M, n]; then a barrier, since partial is
+// rewritten by the block's next tile.
+template <int R, int M, bool kBf16Out>
+__device__ __forceinline__ void store_tile(void* __restrict__ out, int n, int k_split, int64_t tile,
+                                           const float (*partial)[kRowsPerWarp * kMaxRows]) {
+  const int groups_per_block = kWarpsPerBlock / k_split;
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < groups_per_block * R * M) {
+    const int group = t / (R * M), j = t % (R * M);
+    const int r = j / M, i = j % M;
+    const int64_t row = (tile * groups_per_block + group) * R + r;
+    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
+  }
+  __syncthreads();
 }
 
 // Tile `tile`. x [M, k], w [n, k], out [M, n]. With kFirst, `first` holds the warp's first W trip of this

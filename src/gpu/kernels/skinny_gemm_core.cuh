@@ -216,32 +216,6 @@ __device__ __forceinline__ void sum_slices(const float (&acc)[R][M], int warp, i
   __syncthreads();
 }
 
-template <bool kBf16Out>
-__device__ __forceinline__ void store_out(void* out, int64_t idx, float v) {
-  if constexpr (kBf16Out) {
-    static_cast<uint16_t*>(out)[idx] = to_bf16(v);
-  } else {
-    static_cast<float*>(out)[idx] = v;
-  }
-}
-
-// The block's sums of tile `tile` (sum_slices' partial; tiles of kWarpsPerBlock / k_split groups of R rows) stored
-// to out [M, n], fp32 or bf16; then a barrier, since partial is
-// rewritten by the block's next tile.
-template <int R, int M, bool kBf16Out>
-__device__ __forceinline__ void store_tile(void* __restrict__ out, int n, int k_split, int64_t tile,
-                                           const float (*partial)[kRowsPerWarp * kMaxRows]) {
-  const int groups_per_block = kWarpsPerBlock / k_split;
-  const int t = static_cast<int>(threadIdx.x);
-  if (t < groups_per_block * R * M) {
-    const int group = t / (R * M), j = t % (R * M);
-    const int r = j / M, i = j % M;
-    const int64_t row = (tile * groups_per_block + group) * R + r;
-    if (row < n) store_out<kBf16Out>(out, i * static_cast<int64_t>(n) + row, partial[group * k_split][j]);
-  }
-  __syncthreads();
-}
-
 // ---- FP8 weights: e4m3 with 128 x 128 block scales ----
 // A W chunk is 16 e4m3 weights (one 16-byte load, twice the weights of a bf16 chunk) against 16 bf16 x values (two
 // 16-byte loads); 16 divides 128, so chunk c lies inside scale block c / 8 of its row. Lanes, trips, the lane

@@ -108,9 +108,6 @@ cudaError_t launch_gather_rows(const uint16_t* x, const int32_t* row_token, int6
 // one single-block launch, for the same bounds; the same outputs bit for bit as the two launches.
 cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, int32_t* slot_counts, int32_t* offsets,
                                       int32_t* entry_row, int32_t* row_token, int32_t* active, cudaStream_t stream);
-// Whether steps of at most 32 entries take the 128-thread block (FULCRUM_TINY_PLAN=0: the 1024-thread one, for
-// measurement; read once).
-bool tiny_plan_enabled();
 
 // act [n, I] = bf16(silu(gate) * up) from h [n, 2I] (gate | up), fp32 math.
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,

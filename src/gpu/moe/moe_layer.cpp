@@ -12,7 +12,6 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "gpu/moe/gpu_slot_pool.hpp"
 #include "gpu/moe/moe_kernels.hpp"
-#include "gpu/moe/router_route_cluster.hpp"
 #include "eplb/error.hpp"
 #include "gpu/ablation.hpp"
 #include "gpu/env_switch.hpp"
@@ -1004,30 +1003,8 @@ void GpuMoeLayer::forward_from_logits(const uint16_t* x, const float* logits, in
   combine(num_tokens, out);
 }
 
-bool GpuMoeLayer::router_route_cluster_applies(const uint16_t* x, int64_t num_tokens) const {
-  return spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled() && router_ != nullptr &&
-         uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(router_) % 16 == 0 && !gpu::ablated(gpu::AblatePart::kRouter) &&
-         !gpu::ablated(gpu::AblatePart::kRoute) && cuda::moe::router_route_cluster_enabled() &&
-         cuda::moe::router_route_cluster_fits(num_tokens, shape_.num_experts, shape_.num_experts_per_tok,
-                                                 shape_.hidden_size, shape_.num_slots);
-}
-
-void GpuMoeLayer::router_route_cluster(const uint16_t* x, int64_t num_tokens) {
-  MoeWorkspace& w = ws();
-  FULCRUM_CUDA_CHECK(cuda::moe::launch_router_route_cluster(
-      x, router_, shape_.hidden_size, w.logits.as<float>(), router_args(w.logits.as<float>(), num_tokens),
-      shape_.num_slots, w.counts.as<int32_t>(), w.offsets.as<int32_t>(), w.entry_row.as<int32_t>(),
-      w.row_token.as<int32_t>(), w.active.as<int32_t>(), stream_));
-}
-
 void GpuMoeLayer::forward_experts(const uint16_t* x, int64_t num_tokens) {
   check_holds_all_slots();
-  if (has_spec_ && router_route_cluster_applies(x, num_tokens)) {
-    router_route_cluster(x, num_tokens);
-    skinny_gemms(x, num_tokens);
-    return;
-  }
   if (!gpu::ablated(gpu::AblatePart::kRouter)) router_logits(x, num_tokens);
   experts_from_logits(x, ws().logits.as<float>(), num_tokens);
 }

@@ -359,11 +359,6 @@ class GpuMoeLayer {
   void skinny_gemms(const uint16_t* x, int64_t num_tokens);
   // Static replicas, a small step: routing and the permutation plan in one launch (launch_small_route_permute).
   void route_permute_small(const float* logits, int64_t num_tokens);
-  // Decode steps of 1..4 tokens on the skinny path with static replicas: router logits, route and plan in one
-  // cluster launch (router_route_cluster.hpp) instead of router_logits + route_permute_small. Whether it applies, and
-  // the launch.
-  bool router_route_cluster_applies(const uint16_t* x, int64_t num_tokens) const;
-  void router_route_cluster(const uint16_t* x, int64_t num_tokens);
 
   MoeLayerShape shape_;
   int device_idx_ = 0;
