@@ -26,12 +26,10 @@ inline bool dependent_launch_enabled() {
 }
 
 // Waits for the previous grid, then lets the next one be scheduled (after the wait: at most one grid runs ahead).
-// With release false (measurement: FULCRUM_*_LATE_RELEASE) only waits: the next grid is then scheduled as this one's
-// blocks exit.
-__device__ __forceinline__ void wait_then_release(bool release = true) {
+__device__ __forceinline__ void wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (release) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   // with it, fewer resident blocks).
   constexpr bool kFirstTrip = !kFp8 && kChunk == 1;
   const bool early = kFirstTrip && a.plan_ready_early;
-  if (!early) wait_then_release(!a.late_release);  // dependent_launch.cuh: before any read of an earlier kernel's output
+  if (!early) wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
   const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
   int64_t item_begin, item_end;
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
       settle();
     }
     if (item < item_end) load_first_trip<R>(w_rows, begin, end, lane, first);
-    if (early) wait_then_release(!a.late_release);  // the x rows come from the previous kernel
+    if (early) wait_then_release();  // the x rows come from the previous kernel
     // A unit's slice sums and stores, once the next unit is found and L2 asked for its first W trip.
     const auto finish = [&](const float (&acc)[R][1]) {
       const int row = r0;
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_bulk_kernel(const Expe
   extern __shared__ __align__(128) uint4 stage_chunks[];  // [stages][pieces][tile columns][k / 8]
   __shared__ __align__(8) uint64_t full[kBulkStages];
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
-  if (!a.plan_ready_early) wait_then_release(!a.late_release);  // dependent_launch.cuh: the plan comes from the previous kernel
+  if (!a.plan_ready_early) wait_then_release();  // dependent_launch.cuh: the plan comes from the previous kernel
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int groups_per_block = kWarpsPerBlock / k_split, group = warp / k_split, slice = warp % k_split;
   constexpr int kCols = kColsPerWarp<kSwiGlu, R>;
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_bulk_kernel(const Expe
     for (int s = 0; s < stages && item_begin + s < item_end; ++s) ask(s, item_begin + s);
   }
   __syncthreads();  // the barriers are initialized before anyone waits on them
-  if (a.plan_ready_early) wait_then_release(!a.late_release);  // the x rows come from the previous kernel
+  if (a.plan_ready_early) wait_then_release();  // the x rows come from the previous kernel
   const int64_t begin = chunks * slice / k_split, end = chunks * (slice + 1) / k_split;
   const Fp8ScaleCols no_scales;
   int use = 0;

@@ -47,9 +47,6 @@ struct ExpertSkinnyArgs {
   // right after the gate_up one): the kernel may then read them, and load its first weights, before it waits
   // for that kernel (programmatic dependent launch). bf16 weights only; FULCRUM_SKINNY_EARLY_W=0 ignores it.
   bool plan_ready_early = false;
-  // The next kernel is scheduled only as this one's blocks exit, not once they passed their wait (measurement:
-  // FULCRUM_DOWN_LATE_RELEASE=1 for the down GEMM; the results do not change).
-  bool late_release = false;
   // How bf16 weights reach the warps (skinny_gemm.hpp's choice): kAuto bulk copies into shared memory for the down
   // GEMM of slots of 2+ rows where an item's rows fit, register loads otherwise (expert_skinny_gemm.cu, measured;
   // FULCRUM_EXPERT_SKINNY_BULK overrides it); kRegisters / kBulk either always. The same bits whichever.

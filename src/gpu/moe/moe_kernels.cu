@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
     RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
-    int32_t* row_token, int32_t* active, bool late_release) {
+    int32_t* row_token, int32_t* active) {
   extern __shared__ __align__(16) int32_t plan_smem[];
   const int num_entries = static_cast<int>(a.num_tokens) * a.top_k;
   unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + plan_entry_slot_offset(num_slots) + num_entries);
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
     __syncthreads();
     a.static_slot_of = s_slot_of;
   }
-  gpu::wait_then_release(!late_release);  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
+  gpu::wait_then_release();  // gpu/kernels/dependent_launch.cuh: before any read of an earlier kernel's output
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t t = warp; t < a.num_tokens; t += kThreads / 32) route_token(a, t, lane, s_hist);
   flush_histogram(a, s_hist);
@@ -698,10 +698,8 @@ cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, in
   const auto kernel = tiny ? small_route_permute_kernel<kTinyPlanThreads> : small_route_permute_kernel<kSmallPlanThreads>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (status != cudaSuccess) return status;
-  // FULCRUM_ROUTE_LATE_RELEASE=1 (measurement; read once): the expert GEMM after it is scheduled only as it exits.
-  static const bool late_release = gpu::env_int("FULCRUM_ROUTE_LATE_RELEASE", 0) != 0;
   return gpu::launch_dependent(kernel, dim3(1), dim3(tiny ? kTinyPlanThreads : kSmallPlanThreads), smem, stream, args,
-                               num_slots, slot_counts, offsets, entry_row, row_token, active, late_release);
+                               num_slots, slot_counts, offsets, entry_row, row_token, active);
 }
 
 cudaError_t launch_silu_mul_bf16(const uint16_t* h, int64_t num_rows, int intermediate_size, uint16_t* act,

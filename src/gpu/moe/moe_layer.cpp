@@ -948,8 +948,6 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   // The plan came before the gate_up GEMM: written by the kernel before last, complete when this one starts. Not so
   // when the gate_up launch is ablated (the plan's kernel is then the one just before).
   gemm.plan_ready_early = !gpu::ablated(gpu::AblatePart::kGateUp);
-  static const bool down_late_release = gpu::env_int("FULCRUM_DOWN_LATE_RELEASE", 0) != 0;  // measurement; read once
-  gemm.late_release = down_late_release;
   gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
   if (!gpu::ablated(gpu::AblatePart::kDown)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
