@@ -4,7 +4,7 @@
 Usage: scripts/engine_bench_tables.py bench/results/generate_h200.json [bench/results/serve_h200.json]
        scripts/engine_bench_tables.py --compare A.json B.json LABEL_A LABEL_B
        scripts/engine_bench_tables.py --prefix-cache PREFIX_CACHE.json ...
-       scripts/engine_bench_tables.py --sweep SWEEP.json ...   (bench/run_gpu_env_sweep.sh runs gathered in one JSON)
+       scripts/engine_bench_tables.py --sweep SWEEP.json ...   (the sweep_VAR.json bench/run_gpu_env_sweep.sh writes)
        scripts/engine_bench_tables.py --side-by-side LABEL=RUN.json ...   (runs of one call; ratios to the first)
        scripts/engine_bench_tables.py --dense-fp8 bench/results/dense_fp8_gemm_h200.json
 Every figure printed is read from the JSON; nothing is computed but ratios and unit changes.
