@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -117,6 +118,36 @@ TEST(FuzzRegression, TokenizerIdsMustBeIntegersInRangeAndErrorsQuoteNoRawBytes) 
   spec = tiny_byte_level_spec({});
   spec["model"]["merges"] = {"a\nb"};
   expect_one_line(build_error(spec), "merge 'a\\x0ab' is not two tokens");
+}
+
+// config.json strings were quoted raw (fuzz_config: model_type "qw\n3_moe" made a two-line error), and the
+// quantization_config values whole (a long array, or invalid UTF-8, whose dump() throws a foreign exception); the
+// same for a safetensors dtype.
+TEST(FuzzRegression, ConfigAndSafetensorsStringsInErrorsArePrintableAndCut) {
+  const nlohmann::json base = nlohmann::json::parse(slurp(golden_model_dir("qwen3moe-tiny-fp8") + "/config.json"));
+  const auto config_error = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json config = base;
+    edit(config);
+    return error_of([&] { model::parse_qwen3_moe_config(config, "config.json"); });
+  };
+  expect_one_line(config_error([](auto& c) { c["model_type"] = "qw\n3_moe"; }),
+                  "unsupported model type 'qw\\x0a3_moe'");
+  expect_one_line(config_error([](auto& c) { c["hidden_act"] = "si\rlu"; }), "unsupported activation 'si\\x0dlu'");
+  expect_one_line(config_error([](auto& c) { c["model_type"] = std::string(5000, 'q'); }), "...' (expected qwen3_moe)");
+  expect_one_line(config_error([](auto& c) { c["quantization_config"] = std::vector<int>(2000, 7); }),
+                  "must be an object, got [7,7,7");
+  expect_one_line(config_error([](auto& c) { c["quantization_config"]["fmt"] = std::string("e4\xffm3"); }),
+                  "key 'quantization_config.fmt': unsupported value");
+  expect_one_line(config_error([](auto& c) { c["quantization_config"]["weight_block_size"] = std::vector<int>(2000, 1); }),
+                  "unsupported block size [1,1,1");
+  TempDir dir("fuzz_regression_dtype");
+  const std::string header = R"({"t": {"dtype": "F\n32", "shape": [1], "data_offsets": [0, 4]}})";
+  std::string file(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(file.data(), &n, 8);
+  const std::string path = dir.file("dtype.safetensors");
+  std::ofstream(path, std::ios::binary) << file + header + std::string(4, '\0');
+  expect_one_line(error_of([&] { model::SafetensorsFile f(path); }), "unsupported dtype 'F\\x0a32'");
 }
 
 }  // namespace

@@ -127,20 +127,21 @@ std::optional<Fp8BlockQuantization> parse_quantization_config(const json& root, 
   FULCRUM_CHECK(root.is_object(), "{}: config must be a JSON object", origin);
   if (!root.contains("quantization_config") || root["quantization_config"].is_null()) return std::nullopt;
   const json& q = root["quantization_config"];
-  FULCRUM_CHECK(q.is_object(), "{}: key 'quantization_config' must be an object, got {}", origin, q.dump());
+  FULCRUM_CHECK(q.is_object(), "{}: key 'quantization_config' must be an object, got {}", origin,
+                eplb::json_excerpt(q));
   // quant_method, fmt and activation_scheme: exactly the strings of the Qwen3-*-FP8 checkpoints.
   for (const auto& [key, expected] : {std::pair{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"}}) {
     FULCRUM_CHECK(q.contains(key), "{}: missing key 'quantization_config.{}' (expected \"{}\")", origin, key, expected);
     FULCRUM_CHECK(q[key].is_string() && q[key].get<std::string>() == expected,
-                  "{}: key 'quantization_config.{}': unsupported value {} (only \"{}\")", origin, key, q[key].dump(),
-                  expected);
+                  "{}: key 'quantization_config.{}': unsupported value {} (only \"{}\")", origin, key,
+                  eplb::json_excerpt(q[key]), expected);
   }
   FULCRUM_CHECK(q.contains("weight_block_size"), "{}: missing key 'quantization_config.weight_block_size'", origin);
   const json& block = q["weight_block_size"];
   FULCRUM_CHECK(block.is_array() && block.size() == 2 && block[0].is_number_integer() && block[1].is_number_integer() &&
                     block[0].get<int64_t>() == 128 && block[1].get<int64_t>() == 128,
                 "{}: key 'quantization_config.weight_block_size': unsupported block size {} (only [128, 128])", origin,
-                block.dump());
+                eplb::json_excerpt(block));
   return Fp8BlockQuantization{128, 128};
 }
 
@@ -194,10 +195,11 @@ Qwen3MoeConfig parse_qwen3_moe_config(const json& root, const std::string& origi
   const ConfigReader reader(root, origin);
   const std::string model_type = reader.text("model_type");
   FULCRUM_CHECK(model_type == "qwen3_moe", "{}: key 'model_type': unsupported model type '{}' (expected qwen3_moe)",
-                origin, model_type);
+                origin, eplb::printable_excerpt(model_type));
   if (reader.has("hidden_act")) {
     const std::string act = reader.text("hidden_act");
-    FULCRUM_CHECK(act == "silu", "{}: key 'hidden_act': unsupported activation '{}' (only silu)", origin, act);
+    FULCRUM_CHECK(act == "silu", "{}: key 'hidden_act': unsupported activation '{}' (only silu)", origin,
+                  eplb::printable_excerpt(act));
   }
   FULCRUM_CHECK(!reader.boolean("use_sliding_window", false),
                 "{}: key 'use_sliding_window': sliding-window attention is not supported", origin);

@@ -73,7 +73,8 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
   info.name = name;
   FULCRUM_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), "{}: missing or non-string dtype", origin);
   const std::string dtype = entry["dtype"].get<std::string>();
-  FULCRUM_CHECK(parse_dtype(dtype, &info.dtype), "{}: unknown or unsupported dtype '{}'", origin, dtype);
+  FULCRUM_CHECK(parse_dtype(dtype, &info.dtype), "{}: unknown or unsupported dtype '{}'", origin,
+                eplb::printable_excerpt(dtype));
   FULCRUM_CHECK(entry.contains("shape") && entry["shape"].is_array(), "{}: missing or non-list shape", origin);
   uint64_t numel = 1;
   for (const json& dim : entry["shape"]) {
