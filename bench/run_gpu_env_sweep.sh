@@ -26,7 +26,8 @@ for value in "$@"; do
 done
 unset "$var"
 if [ ${#labelled[@]} -gt 0 ]; then
-  python3 "$(dirname "$0")/peer/gather_sweep.py" "$out/sweep_${var}.json" --command "bench/run_gpu_env_sweep.sh $commit $var \"$batches\" $*" \
-    --what "bench generate decode (30B-A3B shape, 48 layers, random weights, contexts ${CONTEXTS:-512}${EXTRA_FLAGS:+, $EXTRA_FLAGS}) under $var = $*, in this order, one call at commit $commit" \
-    "${labelled[@]}"
+  what="bench generate decode (30B-A3B shape, 48 layers, random weights, contexts ${CONTEXTS:-512}"
+  what+="${EXTRA_FLAGS:+, $EXTRA_FLAGS}) under $var = $*, in this order, one call at commit $commit"
+  python3 "$(dirname "$0")/peer/gather_sweep.py" "$out/sweep_${var}.json" \
+    --command "bench/run_gpu_env_sweep.sh $commit $var \"$batches\" $*" --what "$what" "${labelled[@]}"
 fi

@@ -138,8 +138,9 @@ TEST(FuzzRegression, ConfigAndSafetensorsStringsInErrorsArePrintableAndCut) {
                   "must be an object, got [7,7,7");
   expect_one_line(config_error([](auto& c) { c["quantization_config"]["fmt"] = std::string("e4\xffm3"); }),
                   "key 'quantization_config.fmt': unsupported value");
-  expect_one_line(config_error([](auto& c) { c["quantization_config"]["weight_block_size"] = std::vector<int>(2000, 1); }),
-                  "unsupported block size [1,1,1");
+  expect_one_line(
+      config_error([](auto& c) { c["quantization_config"]["weight_block_size"] = std::vector<int>(2000, 1); }),
+      "unsupported block size [1,1,1");
   TempDir dir("fuzz_regression_dtype");
   const std::string header = R"({"t": {"dtype": "F\n32", "shape": [1], "data_offsets": [0, 4]}})";
   std::string file(8, '\0');
@@ -148,6 +149,10 @@ TEST(FuzzRegression, ConfigAndSafetensorsStringsInErrorsArePrintableAndCut) {
   const std::string path = dir.file("dtype.safetensors");
   std::ofstream(path, std::ios::binary) << file + header + std::string(4, '\0');
   expect_one_line(error_of([&] { model::SafetensorsFile f(path); }), "unsupported dtype 'F\\x0a32'");
+  // A sharded checkpoint's index names its tensors too.
+  std::ofstream(dir.file("model.safetensors.index.json")) << R"({"weight_map": {"a\nb": 3}})";
+  expect_one_line(error_of([&] { model::Checkpoint c(dir.path()); }),
+                  "weight_map entry of 'a\\x0ab' must be a file name");
 }
 
 }  // namespace

@@ -364,18 +364,19 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
                 "{}: missing key 'weight_map'", index_path.string());
   std::map<std::string, const SafetensorsFile*> shard_by_file;
   for (const auto& [name, file] : index["weight_map"].items()) {
-    FULCRUM_CHECK(file.is_string(), "{}: weight_map entry of '{}' must be a file name", index_path.string(), name);
+    FULCRUM_CHECK(file.is_string(), "{}: weight_map entry of '{}' must be a file name", index_path.string(),
+                  eplb::printable_excerpt(name, 256));
     const std::string shard_name = file.get<std::string>();
     FULCRUM_CHECK(shard_name.find('/') == std::string::npos && shard_name != ".." && !shard_name.empty(),
                   "{}: weight_map entry of '{}' must be a file in the same folder, got '{}'", index_path.string(),
-                  name, shard_name);
+                  eplb::printable_excerpt(name, 256), eplb::printable_excerpt(shard_name));
     auto it = shard_by_file.find(shard_name);
     if (it == shard_by_file.end()) {
       shards_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / shard_name).string()));
       it = shard_by_file.emplace(shard_name, shards_.back().get()).first;
     }
-    FULCRUM_CHECK(it->second->contains(name), "{}: missing tensor '{}' (listed in {})", it->second->path(), name,
-                  index_path.string());
+    FULCRUM_CHECK(it->second->contains(name), "{}: missing tensor '{}' (listed in {})", it->second->path(),
+                  eplb::printable_excerpt(name, 256), index_path.string());
     file_of_[name] = it->second;
   }
   for (const auto& shard : shards_) {
