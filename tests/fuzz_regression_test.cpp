@@ -33,6 +33,14 @@ void expect_one_line(const std::string& message, const std::string& needle) {
   EXPECT_NE(message.find(needle), std::string::npos) << "'" << needle << "' not in: " << message;
 }
 
+// A safetensors file of this JSON header: its 8-byte length, the header, 4 data bytes.
+std::string file_of_header(const std::string& header) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + std::string(4, '\0');
+}
+
 // nlohmann's parser throws out_of_range (not parse_error) for a number beyond the double range; it escaped
 // parse_json_text as a foreign exception from the loads, placement and config.json readers.
 TEST(FuzzRegression, NumberBeyondTheDoubleRangeIsAOneLineErrorOfEveryJsonReader) {
@@ -77,12 +85,6 @@ TEST(FuzzRegression, SafetensorsNamesWithControlCharactersOrOverlongAreRefusedAt
       "\x05\x00" "0]}}\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"
       "\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00");
   expect_one_line(open_error(found), "tensor name 'seq0.greeseq1.greedy_tok\\x0as' holds a control character");
-  const auto file_of_header = [](const std::string& header) {
-    std::string out(8, '\0');
-    const uint64_t n = header.size();
-    std::memcpy(out.data(), &n, 8);
-    return out + header + std::string(4, '\0');
-  };
   const std::string entry = R"({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]})";
   expect_one_line(open_error(file_of_header(R"({"a\u0007": )" + entry + "}")), "holds a control character");
   expect_one_line(open_error(file_of_header("{\"" + std::string(513, 'w') + "\": " + entry + "}")),
@@ -143,11 +145,8 @@ TEST(FuzzRegression, ConfigAndSafetensorsStringsInErrorsArePrintableAndCut) {
       "unsupported block size [1,1,1");
   TempDir dir("fuzz_regression_dtype");
   const std::string header = R"({"t": {"dtype": "F\n32", "shape": [1], "data_offsets": [0, 4]}})";
-  std::string file(8, '\0');
-  const uint64_t n = header.size();
-  std::memcpy(file.data(), &n, 8);
   const std::string path = dir.file("dtype.safetensors");
-  std::ofstream(path, std::ios::binary) << file + header + std::string(4, '\0');
+  std::ofstream(path, std::ios::binary) << file_of_header(header);
   expect_one_line(error_of([&] { model::SafetensorsFile f(path); }), "unsupported dtype 'F\\x0a32'");
   // A sharded checkpoint's index names its tensors too.
   std::ofstream(dir.file("model.safetensors.index.json")) << R"({"weight_map": {"a\nb": 3}})";
