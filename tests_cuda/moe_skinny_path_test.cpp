@@ -12,6 +12,7 @@
 //              ||gpu - ref|| / ||ref|| (kBf16Tolerance: the same bf16 roundings, fp32 sums in another order)
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -418,6 +419,83 @@ TEST_F(MoeSkinnyPathTest, LayerMatchesReferenceAndCutlassPath) {
       fmt::print("  skinny path H{} T{} {}: rel err vs reference {:.2e}, vs CUTLASS path {:.2e}\n", c.hidden, c.tokens,
                  eplb::to_string(algorithm), ref_error, cutlass_error);
     }
+  }
+}
+
+// A one-token step whose expert GEMMs route the token themselves (set_route_in_gemm: no route launch) gives what the
+// route launch gives, bit for bit: the layer output, the expert rows, the plan (experts, weights, slots, counts,
+// offsets, entry rows, row tokens, active slots) and the recorder's counts. The plan arrays are overwritten with
+// 0xff bytes before the routed forward, so each value compared was written by it. The 30B-A3B and 235B-A22B router
+// shapes (E 128, k 8) with redundant slots, three tokens each; and the FP8 / T > 1 / dynamic cases keep the launch.
+TEST_F(MoeSkinnyPathTest, RouteInGemmEqualsRouteLaunch) {
+  struct Case {
+    int hidden, intermediate, extra;
+  };
+  for (const Case c : {Case{2048, 768, 8}, Case{4096, 1536, 32}}) {
+    const int experts = 128, top_k = 8, p = experts + c.extra;
+    const std::vector<int32_t> map = layer_map_for(experts, c.extra, 51);
+    const MoeWeights w = random_moe_weights(c.hidden, c.intermediate, experts, map, 52);
+    GpuMoeLayer layer(moe_shape(c.hidden, c.intermediate, experts, top_k, p, 4));
+    layer.upload_weights(to_bits(w.router), to_bits(w.gate_up), to_bits(w.down));
+    layer.set_replica_choice(
+        moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, experts, eplb::Topology{p, 1, 1}, 1, {}));
+    DeviceBuffer d_hist(sizeof(unsigned long long) * experts);
+    layer.set_recorder(d_hist.as<unsigned long long>());
+    DeviceBuffer d_out(sizeof(float) * c.hidden);
+    backend::MoeWorkspace& ws = *layer.workspace();
+    for (uint32_t seed : {53u, 54u, 55u}) {
+      SCOPED_TRACE(fmt::format("H{} I{} P{} x seed {}", c.hidden, c.intermediate, p, seed));
+      const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(c.hidden, seed, 1.0f)));
+      struct Run {
+        std::vector<float> out, weights;
+        std::vector<uint16_t> rows;
+        std::vector<int32_t> experts, slots, counts, offsets, entry_row, row_token, active;
+        std::vector<unsigned long long> hist;
+      };
+      const auto run = [&](bool in_gemm) {
+        layer.set_route_in_gemm(in_gemm);
+        EXPECT_EQ(layer.route_in_gemm_applies(1), in_gemm);
+        EXPECT_EQ(cudaMemset(d_hist.as<void>(), 0, d_hist.bytes()), cudaSuccess);
+        for (DeviceBuffer* b : {&ws.expert_ids, &ws.weights, &ws.slots, &ws.counts, &ws.offsets, &ws.entry_row,
+                                &ws.row_token, &ws.active, &ws.act, &ws.expert_out}) {
+          EXPECT_EQ(cudaMemset(b->as<void>(), 0xff, b->bytes()), cudaSuccess);
+        }
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        layer.forward(d_x.as<uint16_t>(), 1, d_out.as<float>());
+        layer.synchronize();
+        Run r;
+        r.out = to_host(d_out.as<float>(), c.hidden);
+        r.weights = to_host(layer.weights(), top_k);
+        r.rows = to_host(layer.expert_out(), int64_t{top_k} * c.hidden);
+        r.experts = to_host(layer.expert_ids(), top_k);
+        r.slots = to_host(layer.entry_slots(), top_k);
+        r.counts = to_host(ws.counts.as<int32_t>(), p);
+        r.offsets = to_host(layer.slot_offsets(), p + 1);
+        r.entry_row = to_host(layer.entry_row(), top_k);
+        r.row_token = to_host(ws.row_token.as<int32_t>(), top_k);
+        r.active = to_host(ws.active.as<int32_t>(), 1 + top_k);
+        r.hist = to_host(d_hist.as<unsigned long long>(), experts);
+        return r;
+      };
+      const Run launch = run(false), in_gemm = run(true);
+      EXPECT_EQ(std::memcmp(launch.out.data(), in_gemm.out.data(), sizeof(float) * launch.out.size()), 0);
+      EXPECT_EQ(std::memcmp(launch.weights.data(), in_gemm.weights.data(), sizeof(float) * top_k), 0);
+      EXPECT_EQ(launch.rows, in_gemm.rows);
+      EXPECT_EQ(launch.experts, in_gemm.experts);
+      EXPECT_EQ(launch.slots, in_gemm.slots);
+      EXPECT_EQ(launch.counts, in_gemm.counts);
+      EXPECT_EQ(launch.offsets, in_gemm.offsets);
+      EXPECT_EQ(launch.entry_row, in_gemm.entry_row);
+      EXPECT_EQ(launch.row_token, in_gemm.row_token);
+      EXPECT_EQ(launch.active, in_gemm.active);
+      EXPECT_EQ(launch.hist, in_gemm.hist);
+      EXPECT_EQ(std::accumulate(in_gemm.hist.begin(), in_gemm.hist.end(), 0ull), static_cast<unsigned long long>(top_k));
+    }
+    layer.set_route_in_gemm(true);
+    EXPECT_FALSE(layer.route_in_gemm_applies(2));  // the launch routes steps of several tokens
+    layer.set_replica_choice(moe::make_replica_choice(eplb::DispatchAlgorithm::kDynamic, map, experts,
+                                                      eplb::Topology{p, 1, 1}, 1, std::vector<uint64_t>{0x5eedull}));
+    EXPECT_FALSE(layer.route_in_gemm_applies(1));  // and dynamic replica choice
   }
 }
 
