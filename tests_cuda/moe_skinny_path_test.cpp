@@ -489,7 +489,8 @@ TEST_F(MoeSkinnyPathTest, RouteInGemmEqualsRouteLaunch) {
       EXPECT_EQ(launch.row_token, in_gemm.row_token);
       EXPECT_EQ(launch.active, in_gemm.active);
       EXPECT_EQ(launch.hist, in_gemm.hist);
-      EXPECT_EQ(std::accumulate(in_gemm.hist.begin(), in_gemm.hist.end(), 0ull), static_cast<unsigned long long>(top_k));
+      EXPECT_EQ(std::accumulate(in_gemm.hist.begin(), in_gemm.hist.end(), 0ull),
+                static_cast<unsigned long long>(top_k));
     }
     layer.set_route_in_gemm(true);
     EXPECT_FALSE(layer.route_in_gemm_applies(2));  // the launch routes steps of several tokens

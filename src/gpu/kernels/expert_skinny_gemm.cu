@@ -202,8 +202,9 @@ __device__ __noinline__ void write_route_plan(const ExpertSkinnyArgs& a, const E
 // before the wait (FirstTrip, skinny_gemm_core.cuh). 1-row chunks: at most 128 registers, so the 4 blocks per SM
 // of the persistent grid (skinny_blocks_per_sm(1)) are all resident (ptxas otherwise gives the FP8 SwiGLU one 161
 // and the bf16 ones with the first trip 168: 3 blocks per SM); chunks of more rows: no minimum, as tuned.
-// kRoute: the step's one token routed here (launch_expert_skinny_gemm's route; 1-row chunks of bf16 weights): the gate_up
-// GEMM routes after its wait, the down GEMM (plan_ready_early: the logits are the kernel before last's) before it.
+// kRoute: the step's one token routed here (launch_expert_skinny_gemm's route; 1-row chunks of bf16 weights): the
+// gate_up GEMM routes after its wait, the down GEMM (plan_ready_early: the logits are the kernel before last's)
+// before it.
 template <bool kSwiGlu, bool kFp8, int kChunk, int R, bool kRoute = false>
 __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
     expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles, bool balanced, bool l2_next,
@@ -321,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
     };
     if (item < item_end) {
       float acc[R][1];
-      rows_dot<R, 1, kSwiGlu, kFp8, true, false, kRoute && kSwiGlu>(a, w_rows, scales, r0, begin, end, lane, &first, acc);
+      rows_dot<R, 1, kSwiGlu, kFp8, true, false, kRoute && kSwiGlu>(a, w_rows, scales, r0, begin, end, lane, &first,
+                                                                   acc);
       finish(acc);
     }
     while (item < item_end) {
