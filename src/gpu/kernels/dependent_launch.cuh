@@ -26,22 +26,11 @@ inline bool dependent_launch_enabled() {
 }
 
 // Waits for the previous grid, then lets the next one be scheduled (after the wait: at most one grid runs ahead).
-// With release_first the next grid may be scheduled before this one waits, so it can start what it does before its
-// own wait (weight loads) while this one's predecessor still runs: only for kernels whose next kernel reads nothing
-// an earlier kernel wrote before its wait (the expert down GEMM's early plan read needs its predecessor to wait
-// first). FULCRUM_PDL_RELEASE_FIRST=1 turns it on for the step's norm and q/k norm + RoPE kernels (measurement).
-__device__ __forceinline__ void wait_then_release(bool release_first = false) {
+__device__ __forceinline__ void wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (release_first) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (!release_first) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-// FULCRUM_PDL_RELEASE_FIRST=1 (read once; off by default).
-inline bool release_first_enabled() {
-  static const bool enabled = env_int("FULCRUM_PDL_RELEASE_FIRST", 0) != 0;
-  return enabled;
 }
 
 // The launch with programmatic stream serialization; `cluster_z` > 1 also groups the grid's blocks into thread block

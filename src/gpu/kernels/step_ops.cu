@@ -73,9 +73,8 @@ __global__ void embedding_kernel(const uint16_t* table, const int32_t* token_ids
 // in router order of weight * expert row, fp32 FMAs (launch_moe_combine_add_rms_norm).
 __global__ void __launch_bounds__(1024)
     add_rms_norm_vector_kernel(float* residual, const float* delta, const uint16_t* weight, float eps,
-                               const int32_t* rows, int hidden, uint16_t* out, MoeCombineDelta moe,
-                               bool release_first) {
-  wait_then_release(release_first);  // dependent_launch.cuh: before any read of an earlier kernel's output
+                               const int32_t* rows, int hidden, uint16_t* out, MoeCombineDelta moe) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ double scratch[32];
   const int64_t i = blockIdx.x;
   const int64_t r = rows ? rows[i] : i;
@@ -156,8 +155,8 @@ __global__ void __launch_bounds__(kQkWarps * 32)
     qk_norm_rope_kv_append_kernel(const float* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float eps,
                                   const int32_t* positions, const float* inv_freq, const int32_t* kv_rows,
                                   int num_heads, int num_kv_heads, int head_dim, int head_blocks, uint16_t* q_out,
-                                  uint16_t* k_pool, uint16_t* v_pool, bool release_first) {
-  wait_then_release(release_first);  // dependent_launch.cuh: before any read of an earlier kernel's output
+                                  uint16_t* k_pool, uint16_t* v_pool) {
+  wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float s_cos[kPairs * 32], s_sin[kPairs * 32];
   const int64_t t = blockIdx.x / head_blocks;
   const int head = static_cast<int>(blockIdx.x % head_blocks) * kQkWarps + static_cast<int>(threadIdx.x) / 32;
@@ -279,7 +278,7 @@ cudaError_t launch_add_rms_norm(float* residual, const float* delta, const uint1
                       (delta == nullptr || aligned(delta, 16)) && aligned(weight, 16) && aligned(out, 16);
   if (vector) {
     return launch_dependent(add_rms_norm_vector_kernel, dim3(blocks), dim3(warps_for(hidden / 8)), 0, stream, residual,
-                            delta, weight, eps, rows, hidden, out, MoeCombineDelta{}, release_first_enabled());
+                            delta, weight, eps, rows, hidden, out, MoeCombineDelta{});
   }
   return launch_dependent(add_rms_norm_scalar_kernel, dim3(blocks), dim3(kScalarThreads), 0, stream, residual, delta,
                           weight, eps, rows, hidden, out);
@@ -300,7 +299,7 @@ cudaError_t launch_moe_combine_add_rms_norm(float* residual, const MoeCombineDel
   if (num_out_rows == 0) return cudaSuccess;
   return launch_dependent(add_rms_norm_vector_kernel, dim3(static_cast<unsigned int>(num_out_rows)),
                           dim3(warps_for(hidden / 8)), 0, stream, residual, static_cast<const float*>(nullptr), weight,
-                          eps, rows, hidden, out, moe, release_first_enabled());
+                          eps, rows, hidden, out, moe);
 }
 
 cudaError_t launch_qk_norm_rope_kv_append(const float* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float eps,
@@ -320,8 +319,7 @@ cudaError_t launch_qk_norm_rope_kv_append(const float* qkv, const uint16_t* q_no
                       : head_dim == 128 ? qk_norm_rope_kv_append_kernel<2>
                                         : qk_norm_rope_kv_append_kernel<4>;
   return launch_dependent(kernel, dim3(blocks), dim3(threads), 0, stream, qkv, q_norm, k_norm, eps, positions, inv_freq,
-                          kv_rows, num_heads, num_kv_heads, head_dim, head_blocks, q_out, k_pool, v_pool,
-                          release_first_enabled());
+                          kv_rows, num_heads, num_kv_heads, head_dim, head_blocks, q_out, k_pool, v_pool);
 }
 
 cudaError_t launch_silu_mul(const float* gate_up, int64_t num_rows, int width, uint16_t* act, cudaStream_t stream) {
