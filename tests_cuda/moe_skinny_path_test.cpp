@@ -422,10 +422,11 @@ TEST_F(MoeSkinnyPathTest, LayerMatchesReferenceAndCutlassPath) {
   }
 }
 
-// Every value the skinny path reads in a step was written in that step (or is a weight): with the plan arrays and the
-// expert scratch filled with NaN / -1 bytes before each forward, six forwards of 1, 2 and 4 tokens (the 1-row and
-// chunked kernels, the down GEMM reading its plan before its wait) give the first forward's output bit for bit, and
-// no NaN. A read racing a write of the same step would see the fill.
+// Every value the skinny path reads in a step was written in that step (or is a weight): with workspace arrays filled
+// with NaN / -1 bytes before each forward (the plan arrays, the SwiGLU rows, the expert rows; each set alone and all
+// together, so a failure names what was read early), six forwards of 1, 2 and 4 tokens (the 1-row and chunked
+// kernels, the down GEMM reading its plan before its wait) give the unpoisoned forward's output bit for bit, and no
+// NaN. A read racing a write of the same step would see the fill.
 TEST_F(MoeSkinnyPathTest, StepReadsOnlyWhatItWrote) {
   const int hidden = 2048, intermediate = 768, experts = 128, top_k = 8, extra = 8, p = experts + extra;
   const std::vector<int32_t> map = layer_map_for(experts, extra, 61);
@@ -433,28 +434,32 @@ TEST_F(MoeSkinnyPathTest, StepReadsOnlyWhatItWrote) {
   GpuMoeLayer layer(moe_shape(hidden, intermediate, experts, top_k, p, 4));
   layer.upload_weights(to_bits(w.router), to_bits(w.gate_up), to_bits(w.down));
   backend::MoeWorkspace& ws = *layer.workspace();
+  const std::vector<DeviceBuffer*> plan = {&ws.expert_ids, &ws.weights, &ws.slots,     &ws.counts,
+                                           &ws.offsets,    &ws.entry_row, &ws.row_token, &ws.active};
+  const std::vector<std::pair<std::string, std::vector<DeviceBuffer*>>> fills = {
+      {"plan", plan}, {"act", {&ws.act}}, {"expert_out", {&ws.expert_out}},
+      {"all", {&ws.expert_ids, &ws.weights, &ws.slots, &ws.counts, &ws.offsets, &ws.entry_row, &ws.row_token,
+               &ws.active, &ws.act, &ws.expert_out}}};
   for (const int64_t tokens : {1, 2, 4}) {
     layer.set_replica_choice(moe::make_replica_choice(eplb::DispatchAlgorithm::kStatic, map, experts,
                                                       eplb::Topology{p, 1, 1}, tokens, {}));
     ASSERT_TRUE(layer.uses_skinny(tokens));
     const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(tokens * hidden, 63, 1.0f)));
     DeviceBuffer d_out(sizeof(float) * tokens * hidden);
-    std::vector<float> first;
-    for (int round = 0; round < 6; ++round) {
-      SCOPED_TRACE(fmt::format("T{} round {}", tokens, round));
-      for (DeviceBuffer* b : {&ws.expert_ids, &ws.weights, &ws.slots, &ws.counts, &ws.offsets, &ws.entry_row,
-                              &ws.row_token, &ws.active, &ws.act, &ws.expert_out}) {
-        ASSERT_EQ(cudaMemset(b->as<void>(), 0xff, b->bytes()), cudaSuccess);
-      }
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto forward = [&]() {
       layer.forward(d_x.as<uint16_t>(), tokens, d_out.as<float>());
       layer.synchronize();
-      const std::vector<float> out = to_host(d_out.as<float>(), tokens * hidden);
-      EXPECT_EQ(std::count_if(out.begin(), out.end(), [](float v) { return std::isnan(v); }), 0);
-      if (round == 0) {
-        first = out;
-      } else {
-        EXPECT_EQ(std::memcmp(first.data(), out.data(), sizeof(float) * out.size()), 0);
+      return to_host(d_out.as<float>(), tokens * hidden);
+    };
+    const std::vector<float> expected = forward();
+    for (const auto& [name, buffers] : fills) {
+      for (int round = 0; round < 6; ++round) {
+        SCOPED_TRACE(fmt::format("T{} {} filled, round {}", tokens, name, round));
+        for (DeviceBuffer* b : buffers) ASSERT_EQ(cudaMemset(b->as<void>(), 0xff, b->bytes()), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> out = forward();
+        EXPECT_EQ(std::count_if(out.begin(), out.end(), [](float v) { return std::isnan(v); }), 0);
+        EXPECT_EQ(std::memcmp(expected.data(), out.data(), sizeof(float) * out.size()), 0);
       }
     }
   }
