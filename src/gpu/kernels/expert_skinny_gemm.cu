@@ -7,12 +7,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 
 #include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/kernels/bulk_copy.cuh"
 #include "gpu/kernels/dependent_launch.cuh"
-#include "gpu/kernels/router_top_k.cuh"
 #include "gpu/kernels/skinny_gemm_core.cuh"
 
 namespace fulcrum::gpu {
@@ -35,9 +33,7 @@ struct Fp8ScaleCols {
 };
 
 // The warp's dot products of rows [r0, r0 + M) of the block's slot with its W rows (acc, summed over the warp).
-// kTokenX: every row reads x row 0 (a one-token step routed in the gate_up GEMM; compile-time: a runtime flag here
-// made the 1-row kernels spill).
-template <int R, int M, bool kSwiGlu, bool kFp8, bool kFirst, bool kShared = false, bool kTokenX = false>
+template <int R, int M, bool kSwiGlu, bool kFp8, bool kFirst, bool kShared = false>
 __device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4* const (&w_rows)[R],
                                          const Fp8ScaleCols& scales, int r0, int64_t begin, int64_t end, int lane,
                                          const FirstTrip<R>* first, float (&acc)[R][M]) {
@@ -45,7 +41,7 @@ __device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4*
   const uint4* x_rows[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) {
-    const int64_t src = kTokenX ? 0 : a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
+    const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
     x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
   }
   if constexpr (kShared) {  // W rows bulk-copied to shared memory (bf16)
@@ -116,84 +112,6 @@ __device__ __forceinline__ void rows_in_chunk(int m, const ExpertSkinnyArgs& a, 
                                              partial);
 }
 
-// ---- A one-token step routed in the GEMM (launch_expert_skinny_gemm's route) ----
-constexpr int kRouteMaxExperts = 256, kRouteMaxTopK = 16;
-static_assert(kRouteMaxTopK <= 32, "one lane per entry");
-struct RouteShared {
-  int32_t slot_of[kRouteMaxExperts];          // the source's static dispatch row (before the wait)
-  const void* weights[kSkinnyRouteMaxSlots];  // the slots' weight pointers (before the wait)
-  int32_t sorted_slot[kRouteMaxTopK];         // slot of permuted row y: slots ascending, entry order within one
-  int32_t expert[kRouteMaxTopK], slot[kRouteMaxTopK], row[kRouteMaxTopK];  // of entry j
-  float weight[kRouteMaxTopK];
-};
-struct NoRoute {};
-template <bool kRoute>
-using RouteSmem = std::conditional_t<kRoute, RouteShared, NoRoute>;
-template <bool kRoute>
-using RouteParam = std::conditional_t<kRoute, ExpertSkinnyRoute, NoRoute>;
-
-// What routing reads that no kernel of the step writes, into shared memory; every thread calls it.
-__device__ __forceinline__ void route_prefetch(const ExpertSkinnyArgs& a, const ExpertSkinnyRoute& r,
-                                               RouteShared& rs) {
-  for (int e = threadIdx.x; e < r.num_experts; e += blockDim.x) rs.slot_of[e] = __ldg(r.slot_of + e);
-  for (int q = threadIdx.x; q < a.num_slots; q += blockDim.x) rs.weights[q] = a.weights[q];
-}
-
-// Warp 0 routes the token (the router kernel's softmax and top-k) and ranks its entries by (slot, entry): the
-// rows small_permutation_block gives them. The caller synchronizes the block after.
-__device__ __forceinline__ void route_in_warp(const ExpertSkinnyRoute& r, RouteShared& rs) {
-  const int lane = static_cast<int>(threadIdx.x) % 32, k = r.top_k;
-  float prob = 0.0f, sum = 0.0f;
-  int expert = -1;
-  warp_softmax_top_k<kRouteMaxExperts / 32, kRouteMaxTopK>(r.logits, r.num_experts, k, lane, prob, expert, sum);
-  const int slot = lane < k ? rs.slot_of[expert] : INT32_MAX;
-  int rank = 0;
-#pragma unroll
-  for (int j = 0; j < kRouteMaxTopK; ++j) {
-    if (j >= k) break;
-    const int other = __shfl_sync(0xffffffffu, slot, j);
-    rank += other < slot || (other == slot && j < lane) ? 1 : 0;
-  }
-  if (lane < k) {
-    rs.sorted_slot[rank] = slot;
-    rs.expert[lane] = expert;
-    rs.slot[lane] = slot;
-    rs.row[lane] = rank;
-    rs.weight[lane] = r.norm_topk_prob ? prob / sum : prob;
-  }
-}
-
-// Block 0 of the gate_up GEMM: what launch_small_route_permute writes for the same step (the combine, the recorder
-// and slot-count readers take it from there). Every thread calls it, after the block synchronized past routing.
-__device__ __noinline__ void write_route_plan(const ExpertSkinnyArgs& a, const ExpertSkinnyRoute& r,
-                                                 const RouteShared& rs) {
-  const int k = r.top_k, tid = static_cast<int>(threadIdx.x);
-  if (tid < k) {
-    r.expert_ids[tid] = rs.expert[tid];
-    r.weights[tid] = rs.weight[tid];
-    r.slots[tid] = rs.slot[tid];
-    r.entry_row[tid] = rs.row[tid];
-    r.row_token[tid] = 0;
-    if (r.histogram != nullptr) atomicAdd(&r.histogram[rs.expert[tid]], 1ull);
-  }
-  for (int q = tid; q <= a.num_slots; q += static_cast<int>(blockDim.x)) {
-    int count = 0, before = 0, active_before = 0;
-    for (int y = 0; y < k; ++y) {
-      const int s = rs.sorted_slot[y];
-      count += s == q ? 1 : 0;
-      before += s < q ? 1 : 0;
-      active_before += s < q && (y == 0 || rs.sorted_slot[y - 1] != s) ? 1 : 0;
-    }
-    r.offsets[q] = before;
-    if (q < a.num_slots) {
-      r.counts[q] = count;
-      if (count > 0) r.active[1 + active_before] = q;
-    } else {
-      r.active[0] = active_before;
-    }
-  }
-}
-
 // Block b takes a contiguous range of the active slots' (slot, column tile) items, slot-major, so consecutive
 // items of a block mostly share a slot and its row range: b * items / grid on (balanced: every block busy; at
 // batch 1 the gate_up GEMM has 768 items for 528 blocks), or ceil(items / grid) each (FULCRUM_SKINNY_BALANCED=0,
@@ -202,32 +120,16 @@ __device__ __noinline__ void write_route_plan(const ExpertSkinnyArgs& a, const E
 // before the wait (FirstTrip, skinny_gemm_core.cuh). 1-row chunks: at most 128 registers, so the 4 blocks per SM
 // of the persistent grid (skinny_blocks_per_sm(1)) are all resident (ptxas otherwise gives the FP8 SwiGLU one 161
 // and the bf16 ones with the first trip 168: 3 blocks per SM); chunks of more rows: no minimum, as tuned.
-// kRoute: the step's one token routed here (launch_expert_skinny_gemm's route; 1-row chunks of bf16 weights): the
-// gate_up GEMM routes after its wait, the down GEMM (plan_ready_early: the logits are the kernel before last's)
-// before it.
-template <bool kSwiGlu, bool kFp8, int kChunk, int R, bool kRoute = false>
+template <bool kSwiGlu, bool kFp8, int kChunk, int R>
 __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
-    expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles, bool balanced, bool l2_next,
-                         const RouteParam<kRoute> route) {
+    expert_skinny_kernel(const ExpertSkinnyArgs a, int k_split, int tiles, bool balanced, bool l2_next) {
   // The first W trip ahead: bf16 with 1-row chunks only (chunks of 2..8 rows went from 120..168 to 127..255 registers
   // with it, fewer resident blocks).
   constexpr bool kFirstTrip = !kFp8 && kChunk == 1;
-  static_assert(!kRoute || kFirstTrip, "routing in the GEMM: bf16 weights, 1-row chunks");
   const bool early = kFirstTrip && a.plan_ready_early;
-  __shared__ RouteSmem<kRoute> rs;
-  if constexpr (kRoute) route_prefetch(a, route, rs);
   if (!early) wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
-  if constexpr (kRoute) {
-    if (threadIdx.x < 32) route_in_warp(route, rs);
-    __syncthreads();
-  }
-  int64_t items = 0;
-  if constexpr (kRoute) {
-    items = static_cast<int64_t>(route.top_k) * tiles;  // one item per entry and tile, entries in row order
-  } else {
-    items = static_cast<int64_t>(__ldg(a.active)) * tiles;
-  }
+  const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
   int64_t item_begin, item_end;
   if (balanced) {  // within one item of each other
     item_begin = blockIdx.x * items / gridDim.x;
@@ -251,14 +153,7 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   // Item `item`'s slot (its row range and weights, read when the slot changes) and the warp's W rows in it.
   const auto enter_item = [&](int64_t item) {
     const int y = static_cast<int>(item / tiles);
-    if constexpr (kRoute) {
-      if (y != slot_index) {
-        slot_index = y;
-        row_begin = y;
-        row_end = y + 1;
-        w = reinterpret_cast<const uint4*>(rs.weights[rs.sorted_slot[y]]);
-      }
-    } else if (y != slot_index) {
+    if (y != slot_index) {
       slot_index = y;
       const int slot = __ldg(a.active + 1 + y);
       row_begin = __ldg(a.offsets + slot);
@@ -322,18 +217,13 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
     };
     if (item < item_end) {
       float acc[R][1];
-      rows_dot<R, 1, kSwiGlu, kFp8, true, false, kRoute && kSwiGlu>(a, w_rows, scales, r0, begin, end, lane, &first,
-                                                                   acc);
+      rows_dot<R, 1, kSwiGlu, kFp8, true>(a, w_rows, scales, r0, begin, end, lane, &first, acc);
       finish(acc);
     }
     while (item < item_end) {
       float acc[R][1];
-      rows_dot<R, 1, kSwiGlu, kFp8, false, false, kRoute && kSwiGlu>(a, w_rows, scales, r0, begin, end, lane, nullptr,
-                                                                    acc);
+      rows_dot<R, 1, kSwiGlu, kFp8, false>(a, w_rows, scales, r0, begin, end, lane, nullptr, acc);
       finish(acc);
-    }
-    if constexpr (kRoute) {
-      if (kSwiGlu && blockIdx.x == 0) write_route_plan(a, route, rs);  // the gate_up GEMM writes the plan
     }
   } else {
     for (; item < item_end; ++item) {
@@ -420,34 +310,25 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 template <bool kSwiGlu, bool kFp8 = false>
 cudaError_t launch_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a, int64_t blocks, int k_split, int tiles,
-                           cudaStream_t stream, const ExpertSkinnyRoute* route = nullptr) {
+                           cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
   constexpr int kWide = kWideRowsPerWarp, kNarrow = kRowsPerWarp;
   const bool balanced = skinny_balanced_enabled(), l2_next = skinny_l2_next_enabled();
-  if constexpr (!kFp8) {
-    if (route != nullptr) {  // chunk == 1 (launch_expert_skinny_gemm checked)
-      return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, false, 1, kWide, true>, grid, block, 0, stream, a,
-                                     k_split, tiles, balanced, l2_next, *route)
-                  : launch_dependent(expert_skinny_kernel<kSwiGlu, false, 1, kNarrow, true>, grid, block, 0, stream, a,
-                                     k_split, tiles, balanced, l2_next, *route);
-    }
-  }
-  const NoRoute none;
   switch (chunk) {
     case 1:
       return wide ? launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kWide>, grid, block, 0, stream, a, k_split,
-                                     tiles, balanced, l2_next, none)
+                                     tiles, balanced, l2_next)
                   : launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 1, kNarrow>, grid, block, 0, stream, a,
-                                     k_split, tiles, balanced, l2_next, none);
+                                     k_split, tiles, balanced, l2_next);
     case 2:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 2, kNarrow>, grid, block, 0, stream, a, k_split,
-                              tiles, balanced, l2_next, none);
+                              tiles, balanced, l2_next);
     case 4:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, 4, kNarrow>, grid, block, 0, stream, a, k_split,
-                              tiles, balanced, l2_next, none);
+                              tiles, balanced, l2_next);
     default:
       return launch_dependent(expert_skinny_kernel<kSwiGlu, kFp8, kMaxRows, kNarrow>, grid, block, 0, stream, a,
-                              k_split, tiles, balanced, l2_next, none);
+                              k_split, tiles, balanced, l2_next);
   }
 }
 
@@ -499,8 +380,7 @@ cudaError_t launch_bulk_chunked(int chunk, bool wide, const ExpertSkinnyArgs& a,
 
 }  // namespace
 
-cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream,
-                                      const ExpertSkinnyRoute* route) {
+cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream) {
   ExpertSkinnyArgs a = args;
   a.plan_ready_early = a.plan_ready_early && skinny_early_w_enabled();
   if (a.n < 1 || a.k <= 0 || a.k % 8 != 0 || a.max_rows < 1 || a.num_slots < 1) return cudaErrorInvalidValue;
@@ -531,19 +411,6 @@ cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t
   const int64_t blocks = skinny_grid_blocks(max_items, chunk);
   if (tiles > INT32_MAX || blocks > INT32_MAX) return cudaErrorInvalidValue;
   const bool wide = rows_per_group == kWideRowsPerWarp;
-  if (route != nullptr) {  // routed here: register loads, 1-row chunks (expert_skinny_kernel's kRoute)
-    const ExpertSkinnyRoute& r = *route;
-    const bool plan = !a.swiglu || (r.expert_ids != nullptr && r.weights != nullptr && r.slots != nullptr &&
-                                        r.counts != nullptr && r.offsets != nullptr && r.entry_row != nullptr &&
-                                        r.row_token != nullptr && r.active != nullptr);
-    if (fp8 || chunk != 1 || r.logits == nullptr || r.slot_of == nullptr || r.num_experts < 1 || r.num_experts > kRouteMaxExperts ||
-        r.top_k < 1 || r.top_k > kRouteMaxTopK || r.top_k > r.num_experts || a.max_rows != r.top_k ||
-        a.num_slots > kSkinnyRouteMaxSlots || !plan) {
-      return cudaErrorInvalidValue;
-    }
-    return a.swiglu ? launch_chunked<true>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream, route)
-                    : launch_chunked<false>(chunk, wide, a, blocks, k_split, static_cast<int>(tiles), stream, route);
-  }
   if (!fp8 && a.loads != SkinnyWeightLoads::kRegisters) {
     const cudaError_t bulk =
         a.swiglu ? launch_bulk_chunked<true>(chunk, wide, a, k_split, static_cast<int>(tiles), tile_cols, max_items,

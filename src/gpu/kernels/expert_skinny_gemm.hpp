@@ -29,33 +29,6 @@
 
 namespace fulcrum::gpu {
 
-// A one-token step with static replicas routed by the expert GEMMs themselves (no route kernel between the
-// router GEMM and the gate_up GEMM: one kernel boundary less on the decode critical path). Every block of the
-// gate_up GEMM routes the token from its logits after its wait (one warp: gpu/kernels/router_top_k.cuh, the
-// router kernel's arithmetic) and orders its entries by slot as the small permutation does (entry order within a
-// slot); the down GEMM does the same before its wait (the logits come from the kernel before last). Block 0 of the
-// gate_up GEMM writes what the route kernel would have (plan below, histogram), for the combine, the recorder
-// and slot-count readers. Needs bf16 weights, max_rows == top_k and max_slot_rows == 1; E <= 256,
-// top_k <= 16, num_slots <= kSkinnyRouteMaxSlots.
-constexpr int kSkinnyRouteMaxSlots = 512;
-struct ExpertSkinnyRoute {
-  const float* logits = nullptr;     // [E]
-  const int32_t* slot_of = nullptr;  // [E] static dispatch row of the token's source
-  int num_experts = 0;
-  int top_k = 0;
-  bool norm_topk_prob = true;
-  // The plan, written by the gate_up GEMM's block 0 (the down GEMM's launch does not read these):
-  int32_t* expert_ids = nullptr;     // [k]
-  float* weights = nullptr;          // [k]
-  int32_t* slots = nullptr;          // [k]
-  int32_t* counts = nullptr;         // [P]
-  int32_t* offsets = nullptr;        // [P + 1]
-  int32_t* entry_row = nullptr;      // [k]
-  int32_t* row_token = nullptr;      // [k]
-  int32_t* active = nullptr;         // [1 + k]
-  unsigned long long* histogram = nullptr;  // recorder row [E], or null
-};
-
 struct ExpertSkinnyArgs {
   const uint16_t* x = nullptr;               // [*, k] bf16 rows
   const int32_t* row_source = nullptr;       // [rows] x row of each permuted row, or null (row r reads x row r)
@@ -87,10 +60,6 @@ struct ExpertSkinnyArgs {
   const float* const* fp8_scales = nullptr;     // [P]
 };
 
-// With `route`, the step's one token is routed by the launch (ExpertSkinnyRoute): x is its row (gate_up: every
-// permuted row reads x row 0) or the permuted rows (down); args' offsets / active / row_source are not read. (A
-// separate argument: a larger ExpertSkinnyArgs made the 1-row kernels spill, measured by ptxas.)
-cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream,
-                                      const ExpertSkinnyRoute* route = nullptr);
+cudaError_t launch_expert_skinny_gemm(const ExpertSkinnyArgs& args, cudaStream_t stream);
 
 }  // namespace fulcrum::gpu

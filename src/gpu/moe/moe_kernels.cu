@@ -7,7 +7,6 @@
 #include "backend/cuda/launch_util.cuh"
 #include "gpu/moe/moe_kernels.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
-#include "gpu/kernels/router_top_k.cuh"
 #include "gpu/kernels/fp8_block_quant.cuh"  // unpack8: 8 bf16 of one 16-byte load
 
 namespace fulcrum::cuda::moe {
@@ -38,9 +37,60 @@ __device__ __forceinline__ void route_token(const RouterArgs& a, int64_t t, int 
   const bool record = a.histogram != nullptr;
   const int num_experts = a.num_experts, top_k = a.top_k;
   const float* row = a.logits + t * num_experts;  // [E]
+  float logit[kLogitsPerLane];
+  float max_logit = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kLogitsPerLane; ++i) {
+    const int e = lane + 32 * i;
+    logit[i] = e < num_experts ? row[e] : -INFINITY;
+    max_logit = fmaxf(max_logit, logit[i]);
+  }
+  max_logit = warp_max(max_logit);
+  double denom = 0.0, ex[kLogitsPerLane];  // each exponential computed once (double: a long instruction sequence)
+#pragma unroll
+  for (int i = 0; i < kLogitsPerLane; ++i) {
+    ex[i] = lane + 32 * i < num_experts ? exp(static_cast<double>(logit[i]) - max_logit) : 0.0;
+    if (lane + 32 * i < num_experts) denom += ex[i];
+  }
+  denom = warp_sum(denom);
+  float prob[kLogitsPerLane];  // -1: not an expert, or already chosen
+#pragma unroll
+  for (int i = 0; i < kLogitsPerLane; ++i) {
+    prob[i] = lane + 32 * i < num_experts ? static_cast<float>(ex[i] / denom) : -1.0f;
+  }
+  // k rounds of warp-wide argmax; ties go to the lower expert index, as the CPU's sort. A probability (>= 0)
+  // orders as its bits, so each round is two warp reductions (redux.sync): the largest key (bits + 1; 0 for a
+  // lane without a candidate), then the lowest expert holding it; the same choice as a butterfly of
+  // (probability, expert) pairs in two instructions instead of ten shuffles.
   float my_prob = 0.0f, sum = 0.0f;
   int my_expert = -1;
-  gpu::warp_softmax_top_k<kLogitsPerLane, kMaxTopK>(row, num_experts, top_k, lane, my_prob, my_expert, sum);
+#pragma unroll
+  for (int j = 0; j < kMaxTopK; ++j) {
+    if (j >= top_k) break;
+    float lane_best = -2.0f;
+    int lane_e = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      if (prob[i] > lane_best) {
+        lane_best = prob[i];
+        lane_e = lane + 32 * i;
+      }
+    }
+    const unsigned key = lane_best >= 0.0f ? __float_as_uint(lane_best) + 1u : 0u;
+    const unsigned best_key = __reduce_max_sync(0xffffffffu, key);
+    const int best_e = static_cast<int>(
+        __reduce_min_sync(0xffffffffu, key == best_key ? static_cast<unsigned>(lane_e) : 0x7fffffffu));
+    const float best = __uint_as_float(best_key - 1u);
+#pragma unroll
+    for (int i = 0; i < kLogitsPerLane; ++i) {
+      if (lane + 32 * i == best_e) prob[i] = -1.0f;
+    }
+    sum += best;  // every lane sums the same values in j order
+    if (lane == j) {
+      my_prob = best;
+      my_expert = best_e;
+    }
+  }
   int multi = 0;  // dynamic: entries whose expert has several replicas
   if (lane < top_k) {
     const int64_t entry = t * top_k + lane;

@@ -910,44 +910,12 @@ void GpuMoeLayer::skinny_experts(const uint16_t* x, int64_t num_tokens) {
   skinny_gemms(x, num_tokens);
 }
 
-bool GpuMoeLayer::route_in_gemm_default() {
-  static const bool enabled = gpu::env_int("FULCRUM_ROUTE_IN_GEMM", 0) != 0 && fused_small_route_enabled();
-  return enabled;
-}
-
-bool GpuMoeLayer::route_in_gemm_applies(int64_t num_tokens) const {
-  return route_in_gemm_ && num_tokens == 1 && spec_.algorithm == eplb::DispatchAlgorithm::kStatic &&
-         !shape_.fp8_experts && shape_.num_experts <= cuda::moe::kMaxRouterExperts &&
-         shape_.num_experts_per_tok <= 16 && shape_.num_slots <= gpu::kSkinnyRouteMaxSlots &&
-         !gpu::ablated(gpu::AblatePart::kRoute) && !gpu::ablated(gpu::AblatePart::kGateUp) &&
-         !gpu::ablated(gpu::AblatePart::kDown);
-}
-
-void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens, const float* route_logits) {
+void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens) {
   MoeWorkspace& w = ws();
   const int p = shape_.num_slots;
   const int64_t entries = num_tokens * shape_.num_experts_per_tok;
   own_problems_built_ = false;
   gpu::ExpertSkinnyArgs gemm;
-  gpu::ExpertSkinnyRoute route;
-  const gpu::ExpertSkinnyRoute* routed = route_logits != nullptr ? &route : nullptr;
-  if (routed != nullptr) {  // the one token routed by the GEMMs (ExpertSkinnyRoute): no route launch
-    const cuda::moe::RouterArgs r = router_args(route_logits, num_tokens);
-    route.logits = r.logits;
-    route.slot_of = r.static_slot_of;  // source 0's row
-    route.num_experts = r.num_experts;
-    route.top_k = r.top_k;
-    route.norm_topk_prob = r.norm_topk_prob;
-    route.expert_ids = r.expert_ids;
-    route.weights = r.weights;
-    route.slots = r.slots;
-    route.counts = w.counts.as<int32_t>();
-    route.offsets = w.offsets.as<int32_t>();
-    route.entry_row = w.entry_row.as<int32_t>();
-    route.row_token = w.row_token.as<int32_t>();
-    route.active = w.active.as<int32_t>();
-    route.histogram = r.histogram;
-  }
   gemm.x = x;  // token rows [T, H], read through row_token
   gemm.row_source = w.row_token.as<int32_t>();
   gemm.offsets = w.offsets.as<int32_t>();
@@ -965,9 +933,7 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens, const floa
   gemm.max_slot_rows = static_cast<int>(num_tokens);
   gemm.swiglu = true;
   gemm.out = w.act.as<uint16_t>();  // [rows, I]
-  if (!gpu::ablated(gpu::AblatePart::kGateUp)) {
-    FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_, routed));
-  }
+  if (!gpu::ablated(gpu::AblatePart::kGateUp)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
   gemm.x = w.act.as<uint16_t>();
   gemm.row_source = nullptr;
   gemm.weights = down_ptrs_.as<const uint16_t* const>();
@@ -983,7 +949,7 @@ void GpuMoeLayer::skinny_gemms(const uint16_t* x, int64_t num_tokens, const floa
   // when the gate_up launch is ablated (the plan's kernel is then the one just before).
   gemm.plan_ready_early = !gpu::ablated(gpu::AblatePart::kGateUp);
   gemm.out = w.expert_out.as<uint16_t>();  // [rows, H]
-  if (!gpu::ablated(gpu::AblatePart::kDown)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_, routed));
+  if (!gpu::ablated(gpu::AblatePart::kDown)) FULCRUM_CUDA_CHECK(gpu::launch_expert_skinny_gemm(gemm, stream_));
 }
 
 bool GpuMoeLayer::fused_cutlass_route_default() {
@@ -1001,10 +967,6 @@ bool GpuMoeLayer::fused_cutlass_route_applies(int64_t num_tokens) const {
 void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens) {
   check_holds_all_slots();
   const bool skinny = uses_skinny(num_tokens) && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  if (skinny && route_in_gemm_applies(num_tokens)) {  // one token: the expert GEMMs route it themselves
-    skinny_gemms(x, num_tokens, logits);
-    return;
-  }
   if (skinny && num_tokens > 0 && spec_.algorithm == eplb::DispatchAlgorithm::kStatic && fused_small_route_enabled()) {
     // Static replicas: the router and the permutation in one launch (one kernel less per layer in decode).
     if (!gpu::ablated(gpu::AblatePart::kRoute)) route_permute_small(logits, num_tokens);

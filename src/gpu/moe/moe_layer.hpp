@@ -250,11 +250,6 @@ class GpuMoeLayer {
   // unless FULCRUM_FUSED_CUTLASS_ROUTE=0 or FULCRUM_FUSED_ROUTER=0). Both give the same output bit for bit.
   bool fused_cutlass_route_applies(int64_t num_tokens) const;
   void set_fused_cutlass_route(bool on) { fused_cutlass_route_ = on; }
-  // Whether a forward of num_tokens tokens has its expert GEMMs route the token themselves (gpu::ExpertSkinnyRoute:
-  // one-token steps on the skinny path, static replicas, bf16 experts; no route launch). Off unless
-  // FULCRUM_ROUTE_IN_GEMM=1; set_route_in_gemm overrides it for this layer. The same outputs bit for bit.
-  bool route_in_gemm_applies(int64_t num_tokens) const;
-  void set_route_in_gemm(bool on) { route_in_gemm_ = on; }
   // What the permutation's expert GEMMs use now (kAuto resolved; kCutlass falls back to kAuto's cuBLAS
   // choice when it cannot run) and, when kCutlass was asked for or kAuto would pick it but cannot run, why.
   bool uses_cutlass() const;
@@ -361,8 +356,7 @@ class GpuMoeLayer {
   // The skinny path after route: permutation, then skinny_gemms: both expert GEMMs (SwiGLU fused) -> expert_out
   // rows (with static replicas experts_from_logits routes and permutes in one launch, then skinny_gemms).
   void skinny_experts(const uint16_t* x, int64_t num_tokens);
-  // route_logits set: the GEMMs route the step's one token from them (route_in_gemm_applies).
-  void skinny_gemms(const uint16_t* x, int64_t num_tokens, const float* route_logits = nullptr);
+  void skinny_gemms(const uint16_t* x, int64_t num_tokens);
   // Static replicas, a small step: routing and the permutation plan in one launch (launch_small_route_permute).
   void route_permute_small(const float* logits, int64_t num_tokens);
 
@@ -375,8 +369,6 @@ class GpuMoeLayer {
   int64_t skinny_max_entries_ = kDefaultSkinnyMaxEntries;
   bool fused_cutlass_route_ = fused_cutlass_route_default();
   static bool fused_cutlass_route_default();
-  bool route_in_gemm_ = route_in_gemm_default();
-  static bool route_in_gemm_default();
   model::moe::ReplicaChoiceSpec spec_;
   bool has_spec_ = false;
   unsigned long long* histogram_row_ = nullptr;
