@@ -20,6 +20,7 @@
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "backend/cuda/cuda_backend.hpp"
@@ -459,7 +460,21 @@ TEST_F(MoeSkinnyPathTest, StepReadsOnlyWhatItWrote) {
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         const std::vector<float> out = forward();
         EXPECT_EQ(std::count_if(out.begin(), out.end(), [](float v) { return std::isnan(v); }), 0);
-        EXPECT_EQ(std::memcmp(expected.data(), out.data(), sizeof(float) * out.size()), 0);
+        if (std::memcmp(expected.data(), out.data(), sizeof(float) * out.size()) != 0) {
+          // Where the fill came through: NaN bf16 values in the SwiGLU rows and in the expert rows, and the plan.
+          const int64_t rows = tokens * top_k;
+          const auto nan_bf16 = [](const std::vector<uint16_t>& v) {
+            return std::count_if(v.begin(), v.end(), [](uint16_t b) { return (b & 0x7f80) == 0x7f80 && (b & 0x7f); });
+          };
+          ADD_FAILURE() << fmt::format(
+              "output differs from the unfilled forward; NaN values in act {} of {}, in expert rows {} of {}; "
+              "active {}, row_token {}, offsets of the active slots {}",
+              nan_bf16(to_host(ws.act.as<uint16_t>(), rows * intermediate)), rows * intermediate,
+              nan_bf16(to_host(layer.expert_out(), rows * hidden)), rows * hidden,
+              fmt::join(to_host(ws.active.as<int32_t>(), 1 + rows), ","),
+              fmt::join(to_host(ws.row_token.as<int32_t>(), rows), ","),
+              fmt::join(to_host(layer.slot_offsets(), p + 1), ","));
+        }
       }
     }
   }
