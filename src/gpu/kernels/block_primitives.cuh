@@ -7,10 +7,13 @@
 #include <climits>
 #include <cstdint>
 
+#include "gpu/kernels/dependent_launch.cuh"
+
 namespace fulcrum::gpu::block {
 
 // f(i, row[i]) for every i in [0, n), each element by one thread; 16-byte loads, kUnroll of them in flight per
-// thread, when the row is 16-byte aligned (scalar loads otherwise). Thread t's elements come in increasing i.
+// thread, when the row is 16-byte aligned (scalar loads otherwise). Thread t's elements come in increasing i. The row is
+// an earlier kernel's output (the LM head's logits): loaded as dependent_launch.cuh's load_produced says.
 template <int kThreads, int kUnroll, typename F>
 __device__ __forceinline__ void for_each_float(const float* row, int n, F&& f) {
   int tail = 0;
@@ -21,7 +24,7 @@ __device__ __forceinline__ void for_each_float(const float* row, int n, F&& f) {
       float4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (q + u * kThreads < n4) v[u] = __ldg(row4 + q + u * kThreads);
+        if (q + u * kThreads < n4) v[u] = load_produced(row4 + q + u * kThreads);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -31,7 +34,7 @@ __device__ __forceinline__ void for_each_float(const float* row, int n, F&& f) {
     }
     tail = 4 * n4;
   }
-  for (int i = tail + threadIdx.x; i < n; i += kThreads) f(i, __ldg(row + i));
+  for (int i = tail + threadIdx.x; i < n; i += kThreads) f(i, load_produced(row + i));
 }
 
 // Exclusive prefix sum of v over the threads in thread order; *total = the sum of all. warp_sums: shared

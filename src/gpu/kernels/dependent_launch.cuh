@@ -12,6 +12,7 @@
 // down GEMM's plan (ExpertSkinnyArgs::plan_ready_early), written by the kernel before last, which had completed
 // before the kernel just before passed its wait and released this one. Kernels launched the ordinary way keep ordinary
 // stream order. FULCRUM_PDL=0 launches everything the ordinary way (for measurement); read once.
+#include <cstdint>
 #include <utility>
 
 #include <cuda_runtime.h>
@@ -31,6 +32,36 @@ __device__ __forceinline__ void wait_then_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Loads of what an earlier kernel of the step wrote, after wait_then_release(): ordinary global loads (`.cg`:
+// through L2, for the small plan arrays; `ld.global` for activation rows, which a block reuses from L1). Never
+// the non-coherent path (__ldg, ld.global.nc, or a plain load through `const __restrict__`, which the compiler may
+// turn into one): it declares the data read-only for the kernel's whole lifetime, which a dependent launch breaks
+// (the kernel runs while the one before still writes), so such a load may be scheduled ahead of
+// griddepcontrol.wait. Measured on an H200 (acee781): with its plan and SwiGLU rows filled with 0xff before a
+// one-token step, the expert gate_up GEMM, which read the plan through __ldg after its wait, computed from the
+// fill in every try (MoeSkinnyPathTest.StepReadsOnlyWhatItWrote; FULCRUM_PDL=0 and compute-sanitizer, which both
+// serialize the kernels, passed). `volatile`: the compiler keeps them after the wait's asm.
+__device__ __forceinline__ int32_t load_produced(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float load_produced(const float* p) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 load_produced(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 load_produced(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
 }
 
 // The launch with programmatic stream serialization; `cluster_z` > 1 also groups the grid's blocks into thread block

@@ -41,7 +41,7 @@ __device__ __forceinline__ void rows_dot(const ExpertSkinnyArgs& a, const uint4*
   const uint4* x_rows[M];
 #pragma unroll
   for (int i = 0; i < M; ++i) {
-    const int64_t src = a.row_source != nullptr ? __ldg(a.row_source + r0 + i) : r0 + i;
+    const int64_t src = a.row_source != nullptr ? load_produced(a.row_source + r0 + i) : r0 + i;
     x_rows[i] = reinterpret_cast<const uint4*>(a.x) + src * chunks;
   }
   if constexpr (kShared) {  // W rows bulk-copied to shared memory (bf16)
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
   const bool early = kFirstTrip && a.plan_ready_early;
   if (!early) wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output
   __shared__ float partial[kWarpsPerBlock][kRowsPerWarp * kMaxRows];
-  const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
+  const int64_t items = static_cast<int64_t>(load_produced(a.active)) * tiles;
   int64_t item_begin, item_end;
   if (balanced) {  // within one item of each other
     item_begin = blockIdx.x * items / gridDim.x;
@@ -155,9 +155,9 @@ __global__ void __launch_bounds__(kThreads, kChunk == 1 ? 4 : 0)
     const int y = static_cast<int>(item / tiles);
     if (y != slot_index) {
       slot_index = y;
-      const int slot = __ldg(a.active + 1 + y);
-      row_begin = __ldg(a.offsets + slot);
-      row_end = __ldg(a.offsets + slot + 1);
+      const int slot = load_produced(a.active + 1 + y);
+      row_begin = load_produced(a.offsets + slot);
+      row_end = load_produced(a.offsets + slot + 1);
       if constexpr (kFp8) {
         w = reinterpret_cast<const uint4*>(a.fp8_weights[slot]);
         slot_scales = a.fp8_scales[slot];
@@ -256,13 +256,13 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_bulk_kernel(const Expe
   const int tile_cols = groups_per_block * kCols;  // output columns of an item (W rows of each piece)
   const int64_t chunks = a.k / 8;                  // per W row
   const int64_t piece = tile_cols * chunks, per_stage = kPieces * piece;
-  const int64_t items = static_cast<int64_t>(__ldg(a.active)) * tiles;
+  const int64_t items = static_cast<int64_t>(load_produced(a.active)) * tiles;
   const int64_t item_begin = blockIdx.x * items / gridDim.x, item_end = (blockIdx.x + 1) * items / gridDim.x;
   const auto columns_of = [&](int64_t item) {
     return static_cast<int>(min(static_cast<int64_t>(tile_cols), a.n - (item % tiles) * tile_cols));
   };
   const auto ask = [&](int stage, int64_t item) {  // one thread
-    const int slot = __ldg(a.active + 1 + item / tiles);
+    const int slot = load_produced(a.active + 1 + item / tiles);
     const uint4* w = reinterpret_cast<const uint4*>(a.weights[slot]);
     const int64_t first_col = (item % tiles) * tile_cols;
     const uint32_t bytes = static_cast<uint32_t>(columns_of(item) * chunks * 16);
@@ -284,8 +284,8 @@ __global__ void __launch_bounds__(kThreads) expert_skinny_bulk_kernel(const Expe
   for (int64_t item = item_begin; item < item_end; ++item, ++use) {
     const int stage = use % stages;
     bulk::wait_phase(&full[stage], static_cast<uint32_t>(use / stages) & 1u);
-    const int slot = __ldg(a.active + 1 + item / tiles);
-    const int row_begin = __ldg(a.offsets + slot), row_end = __ldg(a.offsets + slot + 1);
+    const int slot = load_produced(a.active + 1 + item / tiles);
+    const int row_begin = load_produced(a.offsets + slot), row_end = load_produced(a.offsets + slot + 1);
     const int last = columns_of(item) - 1;  // columns past n read the last column's rows and store nothing
     const uint4* w_rows[R];
 #pragma unroll

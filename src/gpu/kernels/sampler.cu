@@ -178,7 +178,7 @@ bool sampler_split_enabled() {
 
 // Pass A, split: block (row, split) writes the stats of logits [split * chunk, +chunk) of its row (chunk a
 // multiple of 4: kStatsChunk, or the whole row when unsplit). Rows on x: a call may have more than 65535.
-__global__ void __launch_bounds__(kStatsThreads) row_stats_kernel(const float* __restrict__ logits, int64_t row_stride,
+__global__ void __launch_bounds__(kStatsThreads) row_stats_kernel(const float* logits, int64_t row_stride,
                                                                   int vocab, int chunk, bool want_lse,
                                                                   RowStats* __restrict__ out) {
   wait_then_release();  // dependent_launch.cuh: the logits come from the kernel before
@@ -452,9 +452,9 @@ __device__ int sample_row(Shared& s, RowCtx& c, const SamplerRow& p, int num_fin
 }
 
 __global__ void __launch_bounds__(kThreads, 2)
-    sample_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab, const SamplerRow* __restrict__ rows,
+    sample_kernel(const float* logits, int64_t row_stride, int vocab, const SamplerRow* __restrict__ rows,
                   int32_t* __restrict__ tokens, float* __restrict__ logprobs, double* ws_mass, uint32_t* ws_count,
-                  const RowStats* __restrict__ partials, int splits) {
+                  const RowStats* partials, int splits) {
   wait_then_release();  // dependent_launch.cuh: the partial stats come from the kernel before
   __shared__ Shared s;
   const int r = blockIdx.x;

@@ -73,7 +73,7 @@ __device__ __forceinline__ void store_tile(void* __restrict__ out, int n, int k_
 // Tile `tile`. x [M, k], w [n, k], out [M, n]. With kFirst, `first` holds the warp's first W trip of this
 // tile (load_first_trip); every warp still reaches __syncthreads.
 template <int R, int M, bool kBf16Out, bool kFirst = false>
-__device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int n,
+__device__ __forceinline__ void skinny_tile(const uint16_t* x, const uint16_t* __restrict__ w, int n,
                                             int k, int k_split, void* __restrict__ out, int64_t tile,
                                             float (*partial)[kRowsPerWarp * kMaxRows],
                                             const FirstTrip<R>* first = nullptr) {
@@ -96,7 +96,7 @@ __device__ __forceinline__ void skinny_tile(const uint16_t* __restrict__ x, cons
 // with early_w false (FULCRUM_SKINNY_EARLY_W=0, for measurement) right after it. No bulk L2 prefetch of W: prefetches of the
 // first and the next 1..4 tiles measured slower at batch 1 and 4 (bench/results/skinny_prefetch_sweep_h200.json).
 template <int R, int M, bool kBf16Out>
-__global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* __restrict__ x,
+__global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* x,
                                                                const uint16_t* __restrict__ w, int n, int k,
                                                                int k_split, int64_t tiles, bool early_w,
                                                                bool l2_next, void* __restrict__ out) {
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const uint16_t* _
 // register held for it; the register path keeps at most two 16-byte loads per lane and row in flight, and only its
 // first trip before the wait. Lanes read 16-byte chunks of a row side by side (conflict-free), x through L1.
 template <int R, int M, bool kBf16Out>
-__global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* __restrict__ x,
+__global__ void __launch_bounds__(kThreads) skinny_bulk_kernel(const uint16_t* x,
                                                                const uint16_t* __restrict__ w, int n, int k,
                                                                int k_split, int64_t tiles, int stages,
                                                                void* __restrict__ out) {
@@ -249,7 +249,7 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 // Tile `tile` with FP8 weights: w e4m3 [n, k], w_scales [ceil(k / 128)][ceil(n / 128)].
 template <int R, int M, bool kBf16Out>
-__device__ __forceinline__ void skinny_tile_fp8(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w,
+__device__ __forceinline__ void skinny_tile_fp8(const uint16_t* x, const uint8_t* __restrict__ w,
                                                 const float* __restrict__ w_scales, int n, int k, int k_split,
                                                 void* __restrict__ out, int64_t tile,
                                                 float (*partial)[kRowsPerWarp * kMaxRows]) {
@@ -282,7 +282,7 @@ __device__ __forceinline__ void skinny_tile_fp8(const uint16_t* __restrict__ x, 
 // As skinny_gemm_kernel. 1 x row: at most 128 registers, so the 4 blocks per SM of the persistent grid fit.
 template <int R, int M, bool kBf16Out>
 __global__ void __launch_bounds__(kThreads, M == 1 ? 4 : 0)
-    skinny_gemm_fp8_kernel(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w,
+    skinny_gemm_fp8_kernel(const uint16_t* x, const uint8_t* __restrict__ w,
                            const float* __restrict__ w_scales, int n, int k, int k_split, int64_t tiles,
                            void* __restrict__ out) {
   wait_then_release();  // dependent_launch.cuh: before any read of an earlier kernel's output

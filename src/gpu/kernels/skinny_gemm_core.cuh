@@ -10,11 +10,13 @@
 // are combined by an xor butterfly, slices in slice order; the K slices follow from n / 4 and k alone
 // (choose_k_split). R = 8 (for 1 x row: at 2 the registers cost more than it gains, measured) keeps 16 independent 16-byte W loads in
 // flight per lane instead of 8 and halves the block synchronizations per byte of W. W is read once, so its loads
-// bypass L1 (x, a few rows, stays in L1 / L2).
+// bypass L1 (x, a few rows, stays in L1 / L2; an earlier kernel's output, so loaded as dependent_launch.cuh's
+// load_produced says).
 #include <cstdint>
 
 #include <cuda_bf16.h>
 
+#include "gpu/kernels/dependent_launch.cuh"
 #include "gpu/kernels/skinny_plan.hpp"
 
 namespace fulcrum::gpu::skinny {
@@ -90,7 +92,7 @@ __device__ __forceinline__ void warp_dot_shared(const uint4* const (&w_rows)[R],
 #pragma unroll
     for (int r = 0; r < R; ++r) wv[r] = w_rows[r][c];
 #pragma unroll
-    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
+    for (int i = 0; i < M; ++i) xv[i] = load_produced(x_rows[i] + c);
     fma_chunk<R, M>(acc, wv, xv);
   }
   warp_sum<R, M>(acc);
@@ -142,7 +144,7 @@ __device__ __forceinline__ void fma_trip(float (&acc)[R][M], const uint4 (&wv)[k
   for (int t = 0; t < kChunksPerTrip; ++t) {
     uint4 xv[M];
 #pragma unroll
-    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c + 32 * t);
+    for (int i = 0; i < M; ++i) xv[i] = load_produced(x_rows[i] + c + 32 * t);
     fma_chunk<R, M>(acc, wv[t], xv);
   }
 }
@@ -180,7 +182,7 @@ __device__ __forceinline__ void warp_dot(const uint4* const (&w_rows)[R], const 
     for (int r = 0; r < R; ++r) wv[r] = load_w(w_rows[r] + c);
     uint4 xv[M];
 #pragma unroll
-    for (int i = 0; i < M; ++i) xv[i] = __ldg(x_rows[i] + c);
+    for (int i = 0; i < M; ++i) xv[i] = load_produced(x_rows[i] + c);
     fma_chunk<R, M>(acc, wv, xv);
   }
   warp_sum<R, M>(acc);
@@ -301,8 +303,8 @@ __device__ __forceinline__ void warp_dot_fp8(const uint4* const (&w_rows)[R], co
       uint4 xv[M][2];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        xv[i][0] = __ldg(x_rows[i] + 2 * (c + 32 * t));
-        xv[i][1] = __ldg(x_rows[i] + 2 * (c + 32 * t) + 1);
+        xv[i][0] = load_produced(x_rows[i] + 2 * (c + 32 * t));
+        xv[i][1] = load_produced(x_rows[i] + 2 * (c + 32 * t) + 1);
       }
       fma_chunk_fp8<R, M, S>(acc, wv[t], xv, sv[t]);
     }
@@ -317,8 +319,8 @@ __device__ __forceinline__ void warp_dot_fp8(const uint4* const (&w_rows)[R], co
     uint4 xv[M][2];
 #pragma unroll
     for (int i = 0; i < M; ++i) {
-      xv[i][0] = __ldg(x_rows[i] + 2 * c);
-      xv[i][1] = __ldg(x_rows[i] + 2 * c + 1);
+      xv[i][0] = load_produced(x_rows[i] + 2 * c);
+      xv[i][1] = load_produced(x_rows[i] + 2 * c + 1);
     }
     fma_chunk_fp8<R, M, S>(acc, wv, xv, sv);
   }
