@@ -4,7 +4,8 @@
 // kernels (a decode step issues ~12 per layer) overlap instead of adding up. Contract for every kernel launched
 // this way: each of its blocks calls wait_then_release() before it reads anything an earlier kernel wrote (the
 // wait returns when the previous grid has completed and its writes are visible; since every block of that grid
-// waited in turn, every earlier kernel has completed too), and before it exits. Exceptions read before the wait
+// waited in turn, every earlier kernel has completed too), and before it exits; it reads such data with
+// load_produced below, never through the non-coherent path, which may be scheduled ahead of the wait. Exceptions read before the wait
 // only what no kernel of the same step writes: weights, and (the decode attention's early_kv) the step's input
 // arrays, which only the step's host-to-device copy writes, and K / V of positions an earlier step appended (a
 // shared prefix page is read only once its owner's step has written it: server/prefix_cache.hpp); a kernel that
