@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu/kernels/expert_skinny_gemm.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "model/checkpoint_writer.hpp"
 #include "moe_test_util.hpp"
@@ -150,6 +151,40 @@ inline MoeWeights random_moe_weights(int hidden, int intermediate, int experts, 
 // Slots [begin, begin + count) of per-slot weights of `per_slot` values each.
 inline std::vector<float> slot_range(const std::vector<float>& all, int begin, int count, int64_t per_slot) {
   return {all.begin() + begin * per_slot, all.begin() + (begin + count) * per_slot};
+}
+
+// The MoE layer's two expert skinny GEMMs over one plan: gate_up + SwiGLU from x [*, h] (rows read through
+// row_source) into act [rows, i], then down from act into out [rows, h].
+struct ExpertGemms {
+  gpu::ExpertSkinnyArgs gate_up, down;
+};
+inline ExpertGemms expert_gemms(const uint16_t* x, const int32_t* row_source, const int32_t* offsets,
+                                const int32_t* active, const backend::DeviceBuffer& gate_up_ptrs,
+                                const backend::DeviceBuffer& down_ptrs, int h, int i, int max_rows, int num_slots,
+                                uint16_t* act, uint16_t* out) {
+  ExpertGemms g;
+  gpu::ExpertSkinnyArgs& a = g.gate_up;
+  a.x = x;
+  a.row_source = row_source;
+  a.offsets = offsets;
+  a.active = active;
+  a.weights = gate_up_ptrs.as<const uint16_t* const>();
+  a.n = i;
+  a.k = h;
+  a.max_rows = max_rows;
+  a.num_slots = num_slots;
+  a.swiglu = true;
+  a.out = act;
+  gpu::ExpertSkinnyArgs& b = g.down;
+  b = a;
+  b.x = act;
+  b.row_source = nullptr;
+  b.weights = down_ptrs.as<const uint16_t* const>();
+  b.n = h;
+  b.k = i;
+  b.swiglu = false;
+  b.out = out;
+  return g;
 }
 
 }  // namespace fulcrum::test

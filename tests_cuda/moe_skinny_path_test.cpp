@@ -72,39 +72,6 @@ std::vector<float> expected_rows(const std::vector<uint16_t>& x, const std::vect
   return out;
 }
 
-// The MoE layer's two expert skinny GEMMs over one plan: gate_up + SwiGLU from x [*, h] (rows read through
-// row_source) into act [rows, i], then down from act into out [rows, h].
-struct ExpertGemms {
-  gpu::ExpertSkinnyArgs gate_up, down;
-};
-ExpertGemms expert_gemms(const uint16_t* x, const int32_t* row_source, const int32_t* offsets, const int32_t* active,
-                         const DeviceBuffer& gate_up_ptrs, const DeviceBuffer& down_ptrs, int h, int i, int max_rows,
-                         int num_slots, uint16_t* act, uint16_t* out) {
-  ExpertGemms g;
-  gpu::ExpertSkinnyArgs& a = g.gate_up;
-  a.x = x;
-  a.row_source = row_source;
-  a.offsets = offsets;
-  a.active = active;
-  a.weights = gate_up_ptrs.as<const uint16_t* const>();
-  a.n = i;
-  a.k = h;
-  a.max_rows = max_rows;
-  a.num_slots = num_slots;
-  a.swiglu = true;
-  a.out = act;
-  gpu::ExpertSkinnyArgs& b = g.down;
-  b = a;
-  b.x = act;
-  b.row_source = nullptr;
-  b.weights = down_ptrs.as<const uint16_t* const>();
-  b.n = h;
-  b.k = i;
-  b.swiglu = false;
-  b.out = out;
-  return g;
-}
-
 // One launch gives what a host counting sort gives, for slot counts beyond one block's scan (P = 1500) and the
 // largest small step (1024 entries).
 TEST_F(MoeSkinnyPathTest, SmallPermutationMatchesHostCountingSort) {

@@ -17,6 +17,7 @@
 #include "gpu/kernels/sampler.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "late_copy.hpp"
+#include "moe_cuda_test_util.hpp"
 #include "skinny_test_util.hpp"
 
 namespace fulcrum::test {
@@ -110,28 +111,14 @@ TEST_F(PdlLateProducerTest, ExpertSkinnyGemmsReadPlanAndRowsOnlyAfterTheirWait) 
     const DeviceBuffer staged = upload(arena);
     DeviceBuffer inputs(arena_bytes), act(sizeof(uint16_t) * rows * inter), out(sizeof(uint16_t) * rows * h);
     const auto* base = inputs.as<uint8_t>();
-    gpu::ExpertSkinnyArgs a;
-    a.x = reinterpret_cast<const uint16_t*>(base);
-    a.row_source = reinterpret_cast<const int32_t*>(base + source_at);
-    a.offsets = reinterpret_cast<const int32_t*>(base + offsets_at);
-    a.active = reinterpret_cast<const int32_t*>(base + active_at);
-    a.weights = d_gate_up_ptrs.as<const uint16_t* const>();
-    a.n = inter;
-    a.k = h;
-    a.max_rows = rows;
-    a.num_slots = slots;
-    a.max_slot_rows = tokens;
-    a.swiglu = true;
-    a.out = act.as<uint16_t>();
-    gpu::ExpertSkinnyArgs b = a;
-    b.x = act.as<uint16_t>();
-    b.row_source = nullptr;
-    b.weights = d_down_ptrs.as<const uint16_t* const>();
-    b.n = h;
-    b.k = inter;
-    b.swiglu = false;
+    ExpertGemms gemms = expert_gemms(reinterpret_cast<const uint16_t*>(base),
+                                     reinterpret_cast<const int32_t*>(base + source_at),
+                                     reinterpret_cast<const int32_t*>(base + offsets_at),
+                                     reinterpret_cast<const int32_t*>(base + active_at), d_gate_up_ptrs, d_down_ptrs, h,
+                                     inter, rows, slots, act.as<uint16_t>(), out.as<uint16_t>());
+    gpu::ExpertSkinnyArgs &a = gemms.gate_up, &b = gemms.down;
+    a.max_slot_rows = b.max_slot_rows = tokens;
     b.plan_ready_early = true;
-    b.out = out.as<uint16_t>();
     std::vector<std::vector<uint16_t>> acts, outs;
     for (const bool in_place : {true, false}) {
       ASSERT_EQ(cudaMemset(act.as<void>(), 0xff, act.bytes()), cudaSuccess);
