@@ -52,8 +52,8 @@ __device__ double block_sum(double v, double* warp_slots) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    top_logprobs_kernel(const float* logits, int64_t row_stride, int vocab, int num_top,
-                        const int32_t* tokens, float* __restrict__ token_logprobs,
+    top_logprobs_kernel(const float* __restrict__ logits, int64_t row_stride, int vocab, int num_top,
+                        const int32_t* __restrict__ tokens, float* __restrict__ token_logprobs,
                         int32_t* __restrict__ top_ids, float* __restrict__ top_logprobs) {
   __shared__ Pick pick_slots[kWarps];
   __shared__ double sum_slots[kWarps];
