@@ -118,10 +118,11 @@ TEST_F(MoeSkinnyPathTest, SmallPermutationMatchesHostCountingSort) {
 }
 
 // The fused router + permutation (static replicas) gives the two launches' outputs bit for bit: routing
-// (experts, weights, slots), the recorder histogram, and the permutation, from 1 token to the largest small step.
+// (experts, weights, slots), the recorder histogram, and the permutation, from 1 token to the largest small step
+// (1 to 4 tokens: the one-warp permutation, 136 slots in five chunks of 32; 37 and 128: the block's scans).
 TEST_F(MoeSkinnyPathTest, FusedRoutePermuteEqualsTheTwoLaunches) {
   const int experts = 128, top_k = 8, slots = 136, sources = 2;
-  for (const int tokens : {1, 4, 37, 128}) {
+  for (const int tokens : {1, 2, 3, 4, 37, 128}) {
     SCOPED_TRACE(fmt::format("tokens {}", tokens));
     std::mt19937 rng(static_cast<uint32_t>(tokens));
     std::normal_distribution<float> normal(0.0f, 2.0f);

@@ -346,16 +346,76 @@ __global__ void __launch_bounds__(kSmallPlanThreads) small_permutation_kernel(
                                              row_token, active, plan_smem);
 }
 
+// The permutation of at most 32 entries by one warp (lane e holds entry e), the same outputs as
+// small_permutation_block: an entry's rank among the earlier entries of its slot from __match_any_sync, the
+// offsets and active slots from warp scans over the slots in chunks of 32. No block barrier and no global round
+// trip for the slots: the block variant's two block scans and five barriers were most of a one-token step's
+// route kernel (ncu at acee781: 6.6 us, 54% of its stalls at barriers). plan_smem as the block variant's: counts
+// [P] zeroed by this warp before the kernel's dependent-launch wait (they become first rows in place), the
+// entries' slots at plan_entry_slot_offset(P), written by the routing warps (the caller synchronized after).
+__device__ __forceinline__ void tiny_permutation_warp(int num_entries, int top_k, int num_slots, int32_t* slots,
+                                                      int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
+                                                      int32_t* row_token, int32_t* active, int32_t* plan_smem) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int32_t* first_row = plan_smem;  // [P]: counts, then (in place) the first row of each slot
+  const bool has_entry = lane < num_entries;
+  const int slot = has_entry ? plan_smem[plan_entry_slot_offset(num_slots) + lane] : -1;
+  if (has_entry) slots[lane] = slot;  // the routing's output, as the block variant leaves it
+  const unsigned peers = __match_any_sync(kAll, slot) & __ballot_sync(kAll, has_entry);
+  const int rank = __popc(peers & ((1u << lane) - 1u));
+  if (has_entry && rank == 0) first_row[slot] = __popc(peers);
+  __syncwarp();
+  int rows_before = 0, active_before = 0;
+  for (int base = 0; base < num_slots; base += 32) {
+    const int q = base + lane;
+    const int count = q < num_slots ? first_row[q] : 0;
+    int inclusive = count;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int up = __shfl_up_sync(kAll, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    const unsigned with_rows = __ballot_sync(kAll, count > 0);
+    if (q < num_slots) {
+      const int row = rows_before + inclusive - count;
+      slot_counts[q] = count;
+      offsets[q] = row;
+      first_row[q] = row;
+      if (count > 0) active[1 + active_before + __popc(with_rows & ((1u << lane) - 1u))] = q;
+    }
+    rows_before += __shfl_sync(kAll, inclusive, 31);
+    active_before += __popc(with_rows);
+  }
+  if (lane == 0) {
+    offsets[num_slots] = rows_before;
+    active[0] = active_before;
+  }
+  __syncwarp();
+  if (has_entry) {
+    const int row = first_row[slot] + rank;
+    entry_row[lane] = row;
+    row_token[row] = lane / top_k;
+  }
+}
+
 // Routing (static replicas) and the permutation of a small step in one block: warp w routes tokens w, w + 32, ...,
-// then the block permutes the slots it wrote. Dynamic shared memory: [plan_entry_slot_offset(P) + N] int32, then [E]
-// histogram counts.
-template <int kThreads>
+// then the block permutes the slots it wrote (kWarpPlan, at most 32 entries: warp 0 alone, tiny_permutation_warp).
+// Dynamic shared memory: [plan_entry_slot_offset(P) + N] int32, then [E] histogram counts.
+template <int kThreads, bool kWarpPlan>
 __global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
     RouterArgs a, int num_slots, int32_t* slot_counts, int32_t* offsets, int32_t* entry_row,
     int32_t* row_token, int32_t* active) {
   extern __shared__ __align__(16) int32_t plan_smem[];
   const int num_entries = static_cast<int>(a.num_tokens) * a.top_k;
   unsigned int* s_hist = reinterpret_cast<unsigned int*>(plan_smem + plan_entry_slot_offset(num_slots) + num_entries);
+  int32_t* const slots_out = a.slots;
+  if constexpr (kWarpPlan) {
+    if (threadIdx.x < 32) {
+      for (int q = static_cast<int>(threadIdx.x); q < num_slots; q += 32) plan_smem[q] = 0;
+    }
+    a.slots = plan_smem + plan_entry_slot_offset(num_slots);  // route_token writes the slots here
+  }
   // Before the wait, what no kernel of the step writes: the histogram cleared and, for a step of few sources, the
   // static dispatch rows of its sources copied to shared memory (they change only between steps), so the lookup
   // after the routing is not a global round trip.
@@ -372,8 +432,15 @@ __global__ void __launch_bounds__(kThreads) small_route_permute_kernel(
   for (int64_t t = warp; t < a.num_tokens; t += kThreads / 32) route_token(a, t, lane, s_hist);
   flush_histogram(a, s_hist);
   __syncthreads();  // the slots written above, for the whole block
-  small_permutation_block<kThreads>(a.slots, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row,
-                                    row_token, active, plan_smem);
+  if constexpr (kWarpPlan) {
+    if (threadIdx.x < 32) {
+      tiny_permutation_warp(num_entries, a.top_k, num_slots, slots_out, slot_counts, offsets, entry_row, row_token,
+                            active, plan_smem);
+    }
+  } else {
+    small_permutation_block<kThreads>(slots_out, num_entries, a.top_k, num_slots, slot_counts, offsets, entry_row,
+                                      row_token, active, plan_smem);
+  }
 }
 
 // bf16(silu(gate) * up) in fp32, the one expression every SwiGLU kernel here evaluates (so their bits agree).
@@ -678,9 +745,14 @@ cudaError_t launch_small_permutation(const int32_t* slots, int64_t num_entries, 
                                row_token, active);
 }
 
-// FULCRUM_TINY_PLAN=0: the 1024-thread block for every small step (measurement; read once).
+// FULCRUM_TINY_PLAN=0: the 1024-thread block for every small step; FULCRUM_WARP_PLAN=0: steps of at most 32
+// entries permuted by the 128-thread block's scans instead of one warp (measurement; each read once).
 static bool tiny_plan_enabled() {
   static const bool enabled = gpu::env_switch_on("FULCRUM_TINY_PLAN");
+  return enabled;
+}
+static bool warp_plan_enabled() {
+  static const bool enabled = gpu::env_switch_on("FULCRUM_WARP_PLAN");
   return enabled;
 }
 
@@ -695,7 +767,9 @@ cudaError_t launch_small_route_permute(const RouterArgs& args, int num_slots, in
                                          static_cast<size_t>(num_entries)) +
                       (args.histogram != nullptr ? sizeof(unsigned int) * args.num_experts : 0);
   const bool tiny = num_entries <= kTinyPlanThreads / 4 && tiny_plan_enabled();
-  const auto kernel = tiny ? small_route_permute_kernel<kTinyPlanThreads> : small_route_permute_kernel<kSmallPlanThreads>;
+  const auto kernel = !tiny                ? small_route_permute_kernel<kSmallPlanThreads, false>
+                      : warp_plan_enabled() ? small_route_permute_kernel<kTinyPlanThreads, true>
+                                            : small_route_permute_kernel<kTinyPlanThreads, false>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (status != cudaSuccess) return status;
   return gpu::launch_dependent(kernel, dim3(1), dim3(tiny ? kTinyPlanThreads : kSmallPlanThreads), smem, stream, args,
