@@ -9,7 +9,6 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
 #include "gpu/cutlass/grouped_gemm_fp8.hpp"
-#include "gpu/env_switch.hpp"
 #include "gpu/kernels/dense_mma_gemm.hpp"
 #include "gpu/kernels/fp8_quant.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
@@ -20,13 +19,6 @@ namespace {
 constexpr int64_t kDenseMmaMaxN = 16384;  // the tensor-core path's widest W (the projections, not the LM head)
 // cuBLAS's recommendation for Hopper is 32 MiB; a captured graph must not make cuBLAS allocate.
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
-// The FMA skinny kernel's rows for n <= 2048 (O, router): kSkinnyGemmMaxRows, or FULCRUM_DENSE_MMA_FMA_MAX_ROWS
-// (1..8, for measurement: fewer send 2.. rows to the tensor-core kernel); read once.
-int fma_skinny_max_rows() {
-  static const int rows =
-      static_cast<int>(std::clamp<long long>(env_int("FULCRUM_DENSE_MMA_FMA_MAX_ROWS", kSkinnyGemmMaxRows), 1, kSkinnyGemmMaxRows));
-  return rows;
-}
 }  // namespace
 
 DenseGemm::DenseGemm(CUstream_st* stream, int device_idx, const DenseFp8Capacity& fp8) : stream_(stream), fp8_(fp8) {
@@ -97,7 +89,7 @@ void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, 
   // takes the same path.
   const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(out) % 4 == 0;
-  if ((m == 1 || (m <= fma_skinny_max_rows() && n <= 2048)) && k % 8 == 0 && aligned && n <= INT32_MAX && k <= INT32_MAX && use_skinny_) {
+  if ((m == 1 || (m <= kSkinnyGemmMaxRows && n <= 2048)) && k % 8 == 0 && aligned && n <= INT32_MAX && k <= INT32_MAX && use_skinny_) {
     const cudaError_t status = launch_skinny_gemm(
         x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
         out_type == GemmOut::kF32 ? static_cast<float*>(out) : nullptr,
