@@ -9,14 +9,12 @@
 #include "backend/cuda/cuda_check.hpp"
 #include "eplb/error.hpp"
 #include "gpu/cutlass/grouped_gemm_fp8.hpp"
-#include "gpu/kernels/dense_mma_gemm.hpp"
 #include "gpu/kernels/fp8_quant.hpp"
 #include "gpu/kernels/skinny_gemm.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 
 namespace fulcrum::gpu {
 namespace {
-constexpr int64_t kDenseMmaMaxN = 16384;  // the tensor-core path's widest W (the projections, not the LM head)
 // cuBLAS's recommendation for Hopper is 32 MiB; a captured graph must not make cuBLAS allocate.
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 }  // namespace
@@ -95,18 +93,6 @@ void DenseGemm::run(const uint16_t* x, const uint16_t* w, int64_t m, int64_t n, 
         out_type == GemmOut::kF32 ? static_cast<float*>(out) : nullptr,
         out_type == GemmOut::kBf16 ? static_cast<uint16_t*>(out) : nullptr, stream_);
     FULCRUM_CHECK(status == cudaSuccess, "skinny GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k, cudaGetErrorString(status));
-    return;
-  }
-  // 2..32 rows that the FMA kernel does not take, short of the LM head (where cuBLAS streams near the copy
-  // bandwidth): the tensor-core kernel (dense_mma_gemm.hpp).
-  if (m <= kDenseMmaMaxRows && n <= kDenseMmaMaxN && k % 8 == 0 && aligned && k <= INT32_MAX && use_skinny_ &&
-      dense_mma_enabled()) {
-    const cudaError_t status = launch_dense_mma_gemm(
-        x, w, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-        out_type == GemmOut::kF32 ? static_cast<float*>(out) : nullptr,
-        out_type == GemmOut::kBf16 ? static_cast<uint16_t*>(out) : nullptr, stream_);
-    FULCRUM_CHECK(status == cudaSuccess, "tensor-core GEMM [{}, {}] x [{}, {}]^T: {}", m, k, n, k,
-                  cudaGetErrorString(status));
     return;
   }
   FULCRUM_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "dense GEMM [{}, {}] x [{}, {}]^T too large", m, k, n, k);
