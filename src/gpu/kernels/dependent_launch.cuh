@@ -46,7 +46,7 @@ __device__ __forceinline__ void wait_then_release() {
 // serialize the kernels, passed). `volatile`: the compiler keeps them after the wait's asm.
 __device__ __forceinline__ int32_t load_produced(const int32_t* p) {
   int32_t v;
-  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ float load_produced(const float* p) {
