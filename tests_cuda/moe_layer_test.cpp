@@ -368,6 +368,69 @@ TEST_P(MoeLayerTest, SlotWeightsElsewhereGiveBitwiseTheSameOutput) {
   }
 }
 
+// A placement switched between replays of a captured forward (the live-EPLB step of issue 14, on one GPU): the
+// forward is captured in a CUDA graph under placement A (the layer's own slot weights), then set_replica_choice(B)
+// rewrites the dispatch tables in place and set_slot_weights points at B's slot weights held elsewhere. The
+// replay must give bitwise the eager forward under B, which equals A's (placement invariance); B's tables over A's
+// weights must change it (so the replay read the new table). One step on the skinny path (4 tokens), one on
+// CUTLASS (64 tokens, 2 sources). Balanced dispatch synchronizes in routing: not capturable, skipped.
+TEST_P(MoeLayerTest, PlacementSwitchedUnderACapturedForward) {
+  if (GetParam() == eplb::DispatchAlgorithm::kBalanced) GTEST_SKIP() << "balanced dispatch is not capturable";
+  for (const Case c : {Case{2048, 768, 16, 4, 4, 4, 1}, Case{2048, 768, 16, 4, 4, 64, 2}}) {
+    SCOPED_TRACE(name_of(c));
+    const std::vector<int32_t> map_a = layer_map_for(c.experts, c.extra_slots, 41);
+    const std::vector<int32_t> map_b = layer_map_for(c.experts, c.extra_slots, 42);
+    ASSERT_NE(map_a, map_b);
+    auto layer = make_layer(c, map_a, 43);
+    const MoeWeights b = random_moe_weights(c.hidden, c.intermediate, c.experts, map_b, 43);  // the same experts
+    const int p = c.experts + c.extra_slots;
+    const int64_t gate_up_size = 2 * int64_t{c.intermediate} * c.hidden, down_size = int64_t{c.hidden} * c.intermediate;
+    const DeviceBuffer b_gate_up = to_device(to_bits(b.gate_up)), b_down = to_device(to_bits(b.down));
+    std::vector<const uint16_t*> b_gate_up_ptrs, b_down_ptrs;
+    for (int s = 0; s < p; ++s) {
+      b_gate_up_ptrs.push_back(b_gate_up.as<uint16_t>() + s * gate_up_size);
+      b_down_ptrs.push_back(b_down.as<uint16_t>() + s * down_size);
+    }
+    const DeviceBuffer d_x = to_device(to_bits(random_bf16_values(c.tokens * c.hidden, 44, 1.0f)));
+    DeviceBuffer d_out(sizeof(float) * c.tokens * c.hidden);
+    const auto read = [&] {
+      layer->synchronize();
+      return to_host(d_out.as<float>(), c.tokens * c.hidden);
+    };
+    const auto eager = [&] {
+      layer->forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>());
+      return read();
+    };
+    layer->set_replica_choice(spec_for(c, map_b));
+    layer->set_slot_weights(b_gate_up_ptrs, b_down_ptrs);
+    const std::vector<float> under_b = eager();
+    layer->set_replica_choice(spec_for(c, map_a));
+    layer->set_slot_weights({}, {});
+    const std::vector<float> under_a = eager();
+    EXPECT_TRUE(bitwise_equal(under_a, under_b)) << "placement invariance";
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(layer->stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    layer->forward(d_x.as<uint16_t>(), c.tokens, d_out.as<float>());
+    ASSERT_EQ(cudaStreamEndCapture(layer->stream(), &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    const auto replay = [&] {
+      EXPECT_EQ(cudaMemsetAsync(d_out.as<float>(), 0xff, sizeof(float) * c.tokens * c.hidden, layer->stream()),
+                cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec, layer->stream()), cudaSuccess);
+      return read();
+    };
+    EXPECT_TRUE(bitwise_equal(replay(), under_a)) << "replay under A";
+    layer->set_replica_choice(spec_for(c, map_b));  // B's tables; the slots still hold A's weights
+    EXPECT_FALSE(bitwise_equal(replay(), under_a)) << "the replay did not read the switched table";
+    layer->set_slot_weights(b_gate_up_ptrs, b_down_ptrs);
+    EXPECT_TRUE(bitwise_equal(replay(), under_b)) << "replay under B";
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+}
+
 // The EP receive side on one GPU: a layer holding local slots [6, 13) of 20 runs its experts on rows in 3
 // segments (slot-contiguous, some (segment, slot) groups and one whole segment empty) -> the reference's
 // SwiGLU rows. randomize_weights gives local slot l the values of global slot 6 + l: the same rows through a

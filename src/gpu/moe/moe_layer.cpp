@@ -51,12 +51,29 @@ DeviceBuffer device_array(int64_t n) {
 }
 
 template <typename T>
-DeviceBuffer upload_array(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer buffer = device_array<T>(static_cast<int64_t>(host.size()));
+void copy_host_array(DeviceBuffer& buffer, const std::vector<T>& host, cudaStream_t stream) {
   if (!host.empty()) {
     FULCRUM_CUDA_CHECK(cudaMemcpyAsync(buffer.as<T>(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice, stream));
   }
+}
+
+template <typename T>
+DeviceBuffer upload_array(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer buffer = device_array<T>(static_cast<int64_t>(host.size()));
+  copy_host_array(buffer, host, stream);
   return buffer;
+}
+
+// `host` into `buffer`: in place when the buffer has exactly its size (a captured CUDA graph keeps reading the
+// same address, so a dispatch table switched between steps reaches graphs captured before), else a new buffer.
+template <typename T>
+void upload_into(DeviceBuffer& buffer, const std::vector<T>& host, cudaStream_t stream) {
+  const size_t bytes = sizeof(T) * std::max<size_t>(host.size(), 1);
+  if (buffer.bytes() != bytes) {
+    buffer = upload_array(host, stream);
+  } else {
+    copy_host_array(buffer, host, stream);
+  }
 }
 
 // cuBLAS's scratch for the router GEMM and the cuBLAS expert GEMMs: set explicitly so that a captured call
@@ -487,10 +504,10 @@ void GpuMoeLayer::set_replica_choice(const model::moe::ReplicaChoiceSpec& spec) 
   }
   spec_ = spec;
   has_spec_ = true;
-  static_slot_of_ = upload_array(spec.static_slot_of, stream_);
-  replica_offsets_ = upload_array(spec.replica_offsets, stream_);
-  replica_slots_ = upload_array(spec.replica_slots, stream_);
-  source_streams_ = upload_array(spec.source_streams, stream_);
+  upload_into(static_slot_of_, spec.static_slot_of, stream_);
+  upload_into(replica_offsets_, spec.replica_offsets, stream_);
+  upload_into(replica_slots_, spec.replica_slots, stream_);
+  upload_into(source_streams_, spec.source_streams, stream_);
   synchronize();
 }
 

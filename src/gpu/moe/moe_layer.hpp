@@ -230,7 +230,9 @@ class GpuMoeLayer {
   // down [H, I] (GpuSlotPool::fp8_ptrs); all four of L entries.
   void set_fp8_slot_weights(const Fp8SlotPtrs& slots);
   // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
-  // Allocates and uploads; call between forwards.
+  // Call between forwards (it waits for the layer's stream). A table of the size the previous spec's had is
+  // rewritten in place (same device address), so a captured static or dynamic forward follows a switched
+  // placement on its next replay, as set_slot_weights; other sizes allocate anew.
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
   // Balanced replica choice over expert-parallel ranks (comm::NcclEpMoeLayer): this layer's tokens are the
   // one source of its spec, global source `source_idx` of the spec topology's GPUs; `gather` turns this
