@@ -261,6 +261,77 @@ TEST_F(GpuEngineTest, PlacementDoesNotChangeLogits) {
   }
 }
 
+// Live EPLB on one GPU (issue 14's per-rank step): a greedy decode whose placement switches twice between steps
+// while its decode graphs replay (slot s -> s % E with 8 replicas, then the experts permuted with replicas of 3
+// hot experts, then another permutation) gives the tokens and logprobs of the run without switches bit for bit,
+// captures no graph for the switches, and leaves every slot holding its expert's bytes (weights filled for the
+// last placement from the start compare equal). Placements of another shape or missing an expert are one-line
+// errors that move nothing.
+TEST_F(GpuEngineTest, LivePlacementSwitchKeepsTokensAndGraphs) {
+  const model::Qwen3MoeConfig config = small_config();
+  const int num_moe = static_cast<int>(config.moe_layer_indices().size()), e = config.num_experts, p = e + 8;
+  const eplb::Topology topo{p, 1, 1};
+  const auto placement = [&](int mul, int add, int hot) {
+    eplb::Placement pl(topo, num_moe, e);
+    for (int l = 0; l < num_moe; ++l) {
+      for (int s = 0; s < p; ++s) pl.layer(l)[s] = s < e ? (s * mul + add * l) % e : (s - e) % hot;
+    }
+    pl.validate();
+    return pl;
+  };
+  const eplb::Placement start = placement(1, 0, e), second = placement(7, 1, 3), third = placement(5, 2, 5);
+  gpu::GpuEngineOptions o = small_options();
+  o.placement = start;
+  gpu::GpuEngine::Counters fixed_counters, live_counters;
+  std::vector<std::pair<int32_t, float>> fixed;
+  {
+    gpu::GpuEngine engine(config, o);
+    engine.fill_random(31);
+    fixed = greedy_decode(engine, 5, 40, 12, &fixed_counters);
+  }
+  gpu::GpuEngine engine(config, o);
+  engine.fill_random(31);
+  int64_t moved_second = 0, moved_third = 0;
+  const auto live = greedy_decode(engine, 5, 40, 12, &live_counters, [&](int step) {
+    if (step == 4) moved_second = engine.apply_placement(second);
+    if (step == 8) moved_third = engine.apply_placement(third);
+  });
+  ASSERT_EQ(live.size(), fixed.size());
+  for (size_t i = 0; i < live.size(); ++i) {
+    EXPECT_EQ(live[i].first, fixed[i].first) << i;
+    EXPECT_EQ(std::memcmp(&live[i].second, &fixed[i].second, 4), 0) << i << ": " << live[i].second << " vs " << fixed[i].second;
+  }
+  EXPECT_EQ(moved_second, eplb::experts_moved(start, second));
+  EXPECT_EQ(moved_third, eplb::experts_moved(second, third));
+  EXPECT_GT(moved_third, 0);
+  EXPECT_EQ(live_counters.graph_captures, fixed_counters.graph_captures) << "a switch forced a new capture";
+  EXPECT_EQ(live_counters.graph_replays, fixed_counters.graph_replays);
+  EXPECT_EQ(engine.placement().physical_to_logical_map, third.physical_to_logical_map);
+
+  gpu::GpuEngineOptions o3 = small_options();
+  o3.placement = third;
+  gpu::GpuEngine filled(config, o3);
+  filled.fill_random(31);
+  for (int l = 0; l < num_moe; ++l) {
+    for (int s = 0; s < p; ++s) {
+      EXPECT_EQ(engine.weights().slot_pool()->download_slot(l, s), filled.weights().slot_pool()->download_slot(l, s))
+          << "layer " << l << " slot " << s;
+    }
+  }
+
+  eplb::Placement missing = third;  // an expert of layer 0 held once loses its slot
+  const std::vector<int> counts = eplb::replica_counts(third.layer(0), e);
+  const int lost = static_cast<int>(std::find(counts.begin(), counts.end(), 1) - counts.begin());
+  ASSERT_LT(lost, e);
+  for (int s = 0; s < p; ++s) {
+    if (missing.layer(0)[s] == lost) missing.layer(0)[s] = (lost + 1) % e;
+  }
+  EXPECT_THROW(engine.apply_placement(missing), Error);
+  const eplb::Placement other_shape = eplb::trivial_placement(eplb::Topology{e, 1, 1}, num_moe, e);
+  EXPECT_THROW(engine.apply_placement(other_shape), Error);
+  EXPECT_EQ(engine.placement().physical_to_logical_map, third.physical_to_logical_map) << "a refused placement moved slots";
+}
+
 // --weight-cache: the first start loads the checkpoint and writes the cache, the second loads the cache and gives
 // the same logits bit for bit; a cache written for another placement, or a truncated one, is a one-line error.
 TEST_F(GpuEngineTest, WeightCacheRoundTripsAndRefusesAnotherPlacement) {

@@ -2,6 +2,7 @@
 // Pieces the GPU engine tests share (gpu_engine_test.cpp, gpu_engine_fp8_test.cpp, gpu_prompt_logprobs_test.cpp):
 // step entries, random prompts, the small MoE config whose shapes suit every kernel path, and a greedy decode
 // loop that returns every step's tokens and logprobs (for eager vs graph comparisons).
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -54,8 +55,10 @@ inline model::Qwen3MoeConfig small_config(int layers = 3) {
 // `batch` sequences with prompts of 3, 3 + prompt_step, ... tokens (seeds 7, 8, ...), then `steps` greedy decode
 // steps with logprobs: every decoded (token, logprob), step by step. Each entry must succeed with a finite
 // logprob; `counters`, when given, gets the engine's counters at the end.
+// `before_step(s)`, when given, runs before decode step s (0-based), between steps.
 inline std::vector<std::pair<int32_t, float>> greedy_decode(gpu::GpuEngine& engine, int batch, int prompt_step, int steps,
-                                                           gpu::GpuEngine::Counters* counters) {
+                                                           gpu::GpuEngine::Counters* counters,
+                                                           const std::function<void(int)>& before_step = {}) {
   std::vector<std::vector<int32_t>> prompts;
   std::vector<model::StepSequence> first;
   for (int i = 0; i < batch; ++i) {
@@ -67,6 +70,7 @@ inline std::vector<std::pair<int32_t, float>> greedy_decode(gpu::GpuEngine& engi
   std::vector<std::pair<int32_t, float>> seen;
   std::vector<int32_t> last = out.tokens;
   for (int s = 0; s < steps; ++s) {
+    if (before_step) before_step(s);
     std::vector<model::StepSequence> b;
     for (int i = 0; i < batch; ++i) {
       b.push_back(entry(i, std::span(&last[i], 1), true));

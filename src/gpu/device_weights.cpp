@@ -1,5 +1,6 @@
 #include "gpu/device_weights.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -477,6 +478,14 @@ void DeviceWeights::fill_random(uint64_t seed) {
   }
   FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
   for (int moe = 0; slots_ && moe < placement_.num_layers; ++moe) slots_->fill_layer(moe, placement_.layer(moe), seed);
+}
+
+int DeviceWeights::migrate_layer(int moe_layer, std::span<const int32_t> new_row) {
+  FULCRUM_CHECK(slots_ != nullptr && moe_layer >= 0 && moe_layer < placement_.num_layers,
+                "GPU weights: no MoE layer {} to migrate ({} MoE layers)", moe_layer, placement_.num_layers);
+  const int moved = slots_->migrate_layer_locally(moe_layer, placement_.layer(moe_layer), new_row);
+  std::copy(new_row.begin(), new_row.end(), placement_.layer(moe_layer).begin());
+  return moved;
 }
 
 namespace {

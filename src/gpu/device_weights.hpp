@@ -110,11 +110,17 @@ class DeviceWeights {
 
   const model::Qwen3MoeConfig& config() const { return config_; }
   const eplb::Placement& placement() const { return placement_; }
+  // Live EPLB on this GPU: MoE layer `moe_layer`'s slots take new_row (its physical -> logical row, the
+  // placement's slot count) by the slot pool's local migration (GpuSlotPool::migrate_layer_locally: weights and
+  // FP8 scales together); placement() and later cache writes follow. Returns the slots that moved. The caller
+  // makes sure no queued work reads the layer's old buffers, and points the layer at the new ones.
+  int migrate_layer(int moe_layer, std::span<const int32_t> new_row);
   const LayerWeights& layer(int layer_idx) const { return layers_[static_cast<size_t>(layer_idx)]; }
   const uint16_t* embedding() const { return embed_; }   // [V, H]
   const uint16_t* final_norm() const { return norm_; }   // [H]
   const uint16_t* lm_head() const { return lm_head_; }   // [V, H] (the embedding when tied)
   backend::GpuSlotPool* slot_pool() { return slots_.get(); }  // null for a model without MoE layers
+  const backend::GpuSlotPool* slot_pool() const { return slots_.get(); }
   bool fp8_experts() const { return fp8_experts_for(config_); }
   const Fp8Dense& fp8_dense() const { return fp8_dense_; }
   int expert_intermediate_size() const { return expert_intermediate_for(config_); }

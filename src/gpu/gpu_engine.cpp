@@ -236,23 +236,14 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
     shape.max_tokens = t;
     shape.external_weights = true;
     const auto moe_ws = std::make_shared<backend::MoeWorkspace>(shape, options_.device);
-    const eplb::Topology topo{shape.num_slots, 1, 1};
     for (int m = 0; m < num_moe; ++m) {
       auto layer = std::make_unique<backend::GpuMoeLayer>(shape, options_.device, stream_, moe_ws);
       const LayerWeights& lw = weights_->layer(config.moe_layer_indices()[static_cast<size_t>(m)]);
       layer->set_router_weights(lw.router);
-      if (shape.fp8_experts) {
-        layer->set_fp8_slot_weights(weights_->slot_pool()->fp8_ptrs(m));
-      } else {
-        layer->set_slot_weights(weights_->slot_pool()->gate_up_ptrs(m), weights_->slot_pool()->down_ptrs(m));
-      }
-      const std::span<const int32_t> map = options_.placement.layer(m);
-      std::vector<uint64_t> streams;
-      if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));
-      layer->set_replica_choice(model::moe::make_replica_choice(options_.dispatch, map, config.num_experts, topo, t, streams));
       layer->set_recorder(w.histogram + int64_t{m} * config.num_experts);
       layer->set_skinny_max_entries(options_.skinny_max_entries);
       moe_.push_back(std::move(layer));
+      point_moe_layer_at_slots(m);
     }
   }
   attention_ = make_attention_runner(options_.attention, config, options_.page_size, t, s, options_.device);
@@ -285,6 +276,45 @@ GpuEngine::~GpuEngine() {
   ws_.reset();
   gemm_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+// MoE layer m's slot pointers (the pool's current buffers) and replica tables (the placement's row m): both
+// rewritten in place on a layer that had them, so captured decode graphs follow (GpuMoeLayer::set_slot_weights,
+// set_replica_choice).
+void GpuEngine::point_moe_layer_at_slots(int m) {
+  backend::GpuMoeLayer& layer = *moe_[static_cast<size_t>(m)];
+  if (layer.shape().fp8_experts) {
+    layer.set_fp8_slot_weights(weights_->slot_pool()->fp8_ptrs(m));
+  } else {
+    layer.set_slot_weights(weights_->slot_pool()->gate_up_ptrs(m), weights_->slot_pool()->down_ptrs(m));
+  }
+  const eplb::Topology topo{options_.placement.num_physical_experts(), 1, 1};
+  std::vector<uint64_t> streams;
+  if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));
+  layer.set_replica_choice(model::moe::make_replica_choice(options_.dispatch, options_.placement.layer(m),
+                                                           config_.num_experts, topo, options_.max_batch_tokens, streams));
+}
+
+int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
+  const eplb::Placement& now = options_.placement;
+  FULCRUM_CHECK(!moe_.empty(), "GPU engine: a placement for a model without MoE layers");
+  FULCRUM_CHECK(next.num_layers == now.num_layers && next.num_logical_experts == now.num_logical_experts &&
+                    next.num_physical_experts() == now.num_physical_experts() && next.topology.num_gpus == 1,
+                "GPU engine: a placement of {} layers x {} slots for {} experts on {} GPUs; this engine runs {} x {} "
+                "for {} on one",
+                next.num_layers, next.num_physical_experts(), next.num_logical_experts, next.topology.num_gpus,
+                now.num_layers, now.num_physical_experts(), now.num_logical_experts);
+  next.validate();
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no queued step reads a buffer the migration frees
+  int64_t moved = 0;
+  for (int m = 0; m < next.num_layers; ++m) {
+    const std::span<const int32_t> row = next.layer(m);
+    if (std::equal(row.begin(), row.end(), now.layer(m).begin())) continue;
+    moved += weights_->migrate_layer(m, row);
+    std::copy(row.begin(), row.end(), options_.placement.layer(m).begin());
+    point_moe_layer_at_slots(m);
+  }
+  return moved;
 }
 
 void GpuEngine::load(model::Checkpoint& checkpoint, const std::function<void(int, int)>& on_layer) {

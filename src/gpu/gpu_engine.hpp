@@ -104,6 +104,15 @@ class GpuEngine final : public model::StepModel {
   void fill_kv_random(uint64_t seed);
   void assume_prefilled(model::SequenceId id, int64_t num_tokens);
 
+  // Live EPLB on this GPU: the MoE layers take `next` (the same layers, experts and slot count, one GPU). Per
+  // layer whose row changes, each slot whose expert changes receives it (weights and FP8 scales, one blob each)
+  // by a device copy from a slot that holds it now, into a spare buffer of the slot pool, and is remapped to it;
+  // the layer's slot pointers and dispatch tables are rewritten in place, so decode graphs captured before keep
+  // replaying. Between steps (it waits for the engine's stream). Returns the slots that moved. A placement of
+  // another shape or an invalid one (an expert without a slot) is a one-line error before anything moves.
+  int64_t apply_placement(const eplb::Placement& next);
+  const eplb::Placement& placement() const { return options_.placement; }
+
   // Routed tokens per (MoE layer, logical expert) since construction or the last reset: [moe_layers * E].
   std::vector<int64_t> expert_counts();
   void reset_expert_counts();
@@ -143,6 +152,7 @@ class GpuEngine final : public model::StepModel {
   // logprob bits (enqueued; valid after the stream's next wait). Eager only, as head_rows_to_host.
   void prompt_logprobs_to_host(int64_t num_rows, int num_top);
   void run_decode_graph(const StepShape& shape);
+  void point_moe_layer_at_slots(int moe_layer);
   void advance(std::span<const model::StepSequence> batch);
 
   model::Qwen3MoeConfig config_;

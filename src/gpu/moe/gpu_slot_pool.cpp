@@ -1,8 +1,13 @@
 #include "gpu/moe/gpu_slot_pool.hpp"
 
+#include <algorithm>
+
+#include <fmt/format.h>
+
 #include "backend/cuda/cuda_check.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
+#include "eplb/placement.hpp"
 #include "model/random_weights.hpp"
 
 namespace fulcrum::backend {
@@ -22,6 +27,41 @@ eplb_runtime::SlotBufferMap checked_map(const SlotPoolShape& shape) {
 }
 
 }  // namespace
+
+std::vector<eplb::SlotTransfer> plan_layer_transfers(const eplb::Topology& topo, int layer_idx,
+                                                     std::span<const int32_t> old_row, std::span<const int32_t> new_row) {
+  const auto p = static_cast<size_t>(topo.num_physical_experts);
+  FULCRUM_CHECK(old_row.size() == p && new_row.size() == p,
+                "slot pool migration: layer {}: rows of {} and {} slots, the topology has {}", layer_idx,
+                old_row.size(), new_row.size(), p);
+  int32_t max_expert = 0;
+  for (const auto row : {old_row, new_row}) {
+    for (const int32_t e : row) {
+      FULCRUM_CHECK(e >= 0, "slot pool migration: layer {}: logical expert {} in a row", layer_idx, e);
+      max_expert = std::max(max_expert, e);
+    }
+  }
+  // Every expert of the new row needs a source in the old one.
+  std::vector<uint8_t> held(static_cast<size_t>(max_expert) + 1, 0);
+  for (const int32_t e : old_row) held[static_cast<size_t>(e)] = 1;
+  for (size_t slot = 0; slot < p; ++slot) {
+    FULCRUM_CHECK(held[static_cast<size_t>(new_row[slot])] != 0,
+                  "slot pool migration: layer {}: new row slot {} holds logical expert {}, which no slot of the old row "
+                  "holds",
+                  layer_idx, slot, new_row[slot]);
+  }
+  eplb::Placement from(topo, 1, max_expert + 1);
+  eplb::Placement to(topo, 1, max_expert + 1);
+  std::copy(old_row.begin(), old_row.end(), from.layer(0).begin());
+  std::copy(new_row.begin(), new_row.end(), to.layer(0).begin());
+  try {
+    from.validate();  // ids in range, every expert held (plan_migration assumes both)
+    to.validate();
+    return eplb::plan_migration(from, to).transfers;
+  } catch (const Error& e) {
+    throw Error(fmt::format("slot pool migration: layer {}: {}", layer_idx, e.what()));
+  }
+}
 
 int64_t fp8_scales_offset(int64_t rows, int64_t cols) { return (rows * cols + 15) / 16 * 16; }
 
@@ -216,6 +256,36 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> GpuSlotPool::download_bu
 
 std::pair<std::vector<uint16_t>, std::vector<uint16_t>> GpuSlotPool::download_slot(int layer_idx, int local_slot) const {
   return download_buffer(map_.buffer_of(layer_idx, local_slot));
+}
+
+void GpuSlotPool::copy_buffer_async(int32_t dst, int32_t src, CUstream_st* stream) const {
+  check_buffer(dst);
+  check_buffer(src);
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(gate_up_blob(dst), gate_up_blob(src), static_cast<size_t>(gate_up_blob_bytes()),
+                                     cudaMemcpyDeviceToDevice, stream));
+  FULCRUM_CUDA_CHECK(cudaMemcpyAsync(down_blob(dst), down_blob(src), static_cast<size_t>(down_blob_bytes()),
+                                     cudaMemcpyDeviceToDevice, stream));
+}
+
+int GpuSlotPool::migrate_layer_locally(int layer_idx, std::span<const int32_t> old_row, std::span<const int32_t> new_row) {
+  check_layer(layer_idx);
+  const eplb::Topology topo{shape_.slots_per_layer, 1, 1};
+  const std::vector<eplb::SlotTransfer> transfers = plan_layer_transfers(topo, layer_idx, old_row, new_row);
+  if (transfers.empty()) return 0;
+  const std::vector<int32_t> reserved = map_.reserve(layer_idx, static_cast<int>(transfers.size()));
+  try {
+    for (size_t j = 0; j < transfers.size(); ++j) {
+      copy_buffer_async(reserved[j], map_.buffer_of(layer_idx, transfers[j].src_slot), stream_);
+    }
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } catch (...) {
+    cudaStreamSynchronize(stream_);  // no copy still writes a buffer that goes back to the free list
+    map_.release_reserved(layer_idx);
+    throw;
+  }
+  for (size_t j = 0; j < transfers.size(); ++j) map_.remap(layer_idx, transfers[j].dst_slot, reserved[j]);
+  map_.release_reserved(layer_idx);
+  return static_cast<int>(transfers.size());
 }
 
 }  // namespace fulcrum::backend

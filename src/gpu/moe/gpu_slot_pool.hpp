@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "gpu/moe/moe_layer.hpp"
+#include "eplb/migration_plan.hpp"
+#include "eplb/topology.hpp"
 #include "eplb_runtime/slot_buffer_map.hpp"
 
 struct CUstream_st;  // cudaStream_t
@@ -54,6 +56,13 @@ struct Fp8SlotPtrs {
 // fp8_scales_offset(rows, cols).
 int64_t fp8_blob_bytes(int64_t rows, int64_t cols);
 int64_t fp8_scales_offset(int64_t rows, int64_t cols);
+
+// One layer's slot transfers from old_row to new_row (physical slot -> logical expert rows of P = topology's slots,
+// eplb::Placement::layer), as eplb::plan_migration plans them: each changed slot received once, local copies first.
+// A new-row expert that no old slot holds, a negative id or rows of another length: a one-line error naming the
+// layer.
+std::vector<eplb::SlotTransfer> plan_layer_transfers(const eplb::Topology& topology, int layer_idx,
+                                                     std::span<const int32_t> old_row, std::span<const int32_t> new_row);
 
 class GpuSlotPool {
  public:
@@ -91,6 +100,15 @@ class GpuSlotPool {
   std::vector<const uint16_t*> gate_up_ptrs(int layer_idx) const;
   std::vector<const uint16_t*> down_ptrs(int layer_idx) const;
   Fp8SlotPtrs fp8_ptrs(int layer_idx) const;  // an fp8 pool only
+
+  // Enqueues on `stream` the copy of buffer src's blobs (weights and, FP8, their scales) into buffer dst.
+  void copy_buffer_async(int32_t dst, int32_t src, CUstream_st* stream) const;
+  // Live migration of one layer on a pool that holds all its slots (one GPU): each slot whose expert changes
+  // from old_row to new_row (the layer's rows [slots_per_layer]) gets a spare buffer filled by a device copy of a
+  // slot that holds the expert now, then is remapped to it (the old buffer goes back to the free list). Returns
+  // once the copies are done and the map committed, with the number of slots that moved; the caller makes sure
+  // no queued work still reads the old buffers. On an error nothing is remapped.
+  int migrate_layer_locally(int layer_idx, std::span<const int32_t> old_row, std::span<const int32_t> new_row);
 
   // Host bf16 weights of all the layer's local slots: gate_up [S, 2I, H], down [S, H, I].
   void upload_layer(int layer_idx, std::span<const uint16_t> gate_up, std::span<const uint16_t> down);

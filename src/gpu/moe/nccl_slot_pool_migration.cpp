@@ -14,46 +14,6 @@
 
 namespace fulcrum::comm {
 
-namespace {
-
-// The layer's transfers, as eplb::plan_migration plans them for a one-layer placement of the two rows.
-std::vector<eplb::SlotTransfer> plan_layer(const eplb::Topology& topo, int layer_idx, std::span<const int32_t> old_row,
-                                           std::span<const int32_t> new_row) {
-  const auto p = static_cast<size_t>(topo.num_physical_experts);
-  FULCRUM_CHECK(old_row.size() == p && new_row.size() == p,
-                "slot pool migration: layer {}: rows of {} and {} slots, the topology has {}", layer_idx,
-                old_row.size(), new_row.size(), p);
-  int32_t max_expert = 0;
-  for (const auto row : {old_row, new_row}) {
-    for (const int32_t e : row) {
-      FULCRUM_CHECK(e >= 0, "slot pool migration: layer {}: logical expert {} in a row", layer_idx, e);
-      max_expert = std::max(max_expert, e);
-    }
-  }
-  // Every expert of the new row needs a source in the old one.
-  std::vector<uint8_t> held(static_cast<size_t>(max_expert) + 1, 0);
-  for (const int32_t e : old_row) held[static_cast<size_t>(e)] = 1;
-  for (size_t slot = 0; slot < p; ++slot) {
-    FULCRUM_CHECK(held[static_cast<size_t>(new_row[slot])] != 0,
-                  "slot pool migration: layer {}: new row slot {} holds logical expert {}, which no slot of the old row "
-                  "holds",
-                  layer_idx, slot, new_row[slot]);
-  }
-  eplb::Placement from(topo, 1, max_expert + 1);
-  eplb::Placement to(topo, 1, max_expert + 1);
-  std::copy(old_row.begin(), old_row.end(), from.layer(0).begin());
-  std::copy(new_row.begin(), new_row.end(), to.layer(0).begin());
-  try {
-    from.validate();  // ids in range, every expert held (plan_migration assumes both)
-    to.validate();
-    return eplb::plan_migration(from, to).transfers;
-  } catch (const Error& e) {
-    throw Error(fmt::format("slot pool migration: layer {}: {}", layer_idx, e.what()));
-  }
-}
-
-}  // namespace
-
 NcclSlotPoolMigration::NcclSlotPoolMigration(backend::GpuSlotPool& pool, NcclCommunicator& migration_comm,
                                              const eplb::Topology& topology)
     : pool_(pool), comm_(migration_comm), topology_(topology) {
@@ -116,7 +76,7 @@ void NcclSlotPoolMigration::begin_layer(int layer_idx, std::span<const int32_t> 
                 layer_idx, layer_in_flight_);
   FULCRUM_CHECK(layer_idx >= 0 && layer_idx < pool_.shape().num_layers, "slot pool migration: layer {} outside [0, {})",
                 layer_idx, pool_.shape().num_layers);
-  const std::vector<eplb::SlotTransfer> transfers = plan_layer(topology_, layer_idx, old_row, new_row);
+  const std::vector<eplb::SlotTransfer> transfers = backend::plan_layer_transfers(topology_, layer_idx, old_row, new_row);
   const int rank = comm_.rank();
   const int first_slot = rank * topology_.slots_per_gpu();
   eplb_runtime::SlotBufferMap& map = pool_.map();
@@ -153,11 +113,7 @@ void NcclSlotPoolMigration::begin_layer(int layer_idx, std::span<const int32_t> 
         recvs.push_back({src_rank, dst, bytes_of_buffer(dst, true), bytes_of_buffer(dst, false)});
         continue;
       }
-      const int32_t src = map.buffer_of(layer_idx, t.src_slot - first_slot);
-      FULCRUM_CUDA_CHECK(cudaMemcpyAsync(bytes_of_buffer(dst, true), bytes_of_buffer(src, true),
-                                         static_cast<size_t>(gate_up_bytes), cudaMemcpyDeviceToDevice, stream_));
-      FULCRUM_CUDA_CHECK(cudaMemcpyAsync(bytes_of_buffer(dst, false), bytes_of_buffer(src, false),
-                                         static_cast<size_t>(down_bytes), cudaMemcpyDeviceToDevice, stream_));
+      pool_.copy_buffer_async(dst, map.buffer_of(layer_idx, t.src_slot - first_slot), stream_);
       ++num_local;
     }
     FULCRUM_CUDA_CHECK(cudaEventRecord(copies_done_, stream_));
