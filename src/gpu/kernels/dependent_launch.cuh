@@ -44,9 +44,17 @@ __device__ __forceinline__ void wait_then_release() {
 // one-token step, the expert gate_up GEMM, which read the plan through __ldg after its wait, computed from the
 // fill in every try (MoeSkinnyPathTest.StepReadsOnlyWhatItWrote; FULCRUM_PDL=0 and compute-sanitizer, which both
 // serialize the kernels, passed). `volatile`: the compiler keeps them after the wait's asm.
+// Measurement build (CMake -DFULCRUM_PLAN_LOADS_L1=ON): the plan arrays through L1 too, a plain ld.global; the PTX
+// ISA has griddepcontrol.wait make the prerequisite grids' memory operations visible to the waiting grid. The .cg
+// loads cost 1.4% at batch 4 against acee781's racy __ldg on an H100 (docs/benchmarks.md, session 39).
+#if defined(FULCRUM_PLAN_LOADS_L1) && FULCRUM_PLAN_LOADS_L1
+#define FULCRUM_PLAN_LOAD_OP "ld.global.s32"
+#else
+#define FULCRUM_PLAN_LOAD_OP "ld.global.cg.s32"
+#endif
 __device__ __forceinline__ int32_t load_produced(const int32_t* p) {
   int32_t v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile(FULCRUM_PLAN_LOAD_OP " %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ float load_produced(const float* p) {
