@@ -382,6 +382,8 @@ TEST_P(MoeLayerTest, PlacementSwitchedUnderACapturedForward) {
     const std::vector<int32_t> map_b = layer_map_for(c.experts, c.extra_slots, 42);
     ASSERT_NE(map_a, map_b);
     auto layer = make_layer(c, map_a, 43);
+    // Off CUTLASS (no sm_90 device) the 64-token step runs cuBLAS expert GEMMs, which read their counts on the host.
+    if (!layer->uses_skinny(c.tokens) && !layer->uses_cutlass()) continue;
     const MoeWeights b = random_moe_weights(c.hidden, c.intermediate, c.experts, map_b, 43);  // the same experts
     const int p = c.experts + c.extra_slots;
     const int64_t gate_up_size = 2 * int64_t{c.intermediate} * c.hidden, down_size = int64_t{c.hidden} * c.intermediate;

@@ -305,14 +305,22 @@ int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
                 next.num_layers, next.num_physical_experts(), next.num_logical_experts, next.topology.num_gpus,
                 now.num_layers, now.num_physical_experts(), now.num_logical_experts);
   next.validate();
+  FULCRUM_CHECK(broken_placement_.empty(), "GPU engine: {}", broken_placement_);
+  FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // no queued step reads a buffer the migration frees
   int64_t moved = 0;
   for (int m = 0; m < next.num_layers; ++m) {
     const std::span<const int32_t> row = next.layer(m);
     if (std::equal(row.begin(), row.end(), now.layer(m).begin())) continue;
-    moved += weights_->migrate_layer(m, row);
+    moved += weights_->migrate_layer(m, row);  // on an error nothing of layer m moved
     std::copy(row.begin(), row.end(), options_.placement.layer(m).begin());
-    point_moe_layer_at_slots(m);
+    try {
+      point_moe_layer_at_slots(m);
+    } catch (const std::exception& e) {
+      // Layer m's slots moved but the layer may still read the freed buffers: no later step may run on it.
+      broken_placement_ = fmt::format("MoE layer {} was left between two placements ({}); rebuild the engine", m, e.what());
+      throw Error(broken_placement_);
+    }
   }
   return moved;
 }
@@ -563,6 +571,7 @@ void GpuEngine::advance(std::span<const model::StepSequence> batch) {
 }
 
 model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
+  FULCRUM_CHECK(broken_placement_.empty(), "GPU engine: {}", broken_placement_);
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
   int64_t num_prompt_rows = 0;
   for (const model::StepSequence& seq : batch) {

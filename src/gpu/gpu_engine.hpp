@@ -108,8 +108,10 @@ class GpuEngine final : public model::StepModel {
   // layer whose row changes, each slot whose expert changes receives it (weights and FP8 scales, one blob each)
   // by a device copy from a slot that holds it now, into a spare buffer of the slot pool, and is remapped to it;
   // the layer's slot pointers and dispatch tables are rewritten in place, so decode graphs captured before keep
-  // replaying. Between steps (it waits for the engine's stream). Returns the slots that moved. A placement of
-  // another shape or an invalid one (an expert without a slot) is a one-line error before anything moves.
+  // replaying (the dispatch algorithm and its sources stay those of the options, so the tables keep their sizes).
+  // Between steps (it waits for the engine's stream). Returns the slots that moved. A placement of another shape
+  // or an invalid one (an expert without a slot) is a one-line error before anything moves; a device error
+  // after a layer's slots moved leaves the engine refusing every later step (rebuild it).
   int64_t apply_placement(const eplb::Placement& next);
   const eplb::Placement& placement() const { return options_.placement; }
 
@@ -169,6 +171,9 @@ class GpuEngine final : public model::StepModel {
   StepLayout layout_;
   int64_t workspace_bytes_ = 0;
   Counters counters_;
+  // Set when apply_placement failed after moving a layer's slots (the layer may read freed buffers): every later
+  // step and placement is refused with it.
+  std::string broken_placement_;
   // The MoE layer whose combine the next add_norm fuses (null: the delta buffer holds the layer output).
   backend::GpuMoeLayer* pending_combine_ = nullptr;
 };

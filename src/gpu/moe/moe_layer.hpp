@@ -232,7 +232,9 @@ class GpuMoeLayer {
   // Replica choice tables for this layer (static, dynamic or balanced; model::moe::make_replica_choice).
   // Call between forwards (it waits for the layer's stream). A table of the size the previous spec's had is
   // rewritten in place (same device address), so a captured static or dynamic forward follows a switched
-  // placement on its next replay, as set_slot_weights; other sizes allocate anew.
+  // placement on its next replay, as set_slot_weights; other sizes allocate anew. A captured forward also baked
+  // in the algorithm, the sources and tokens_per_source: only a spec that keeps them (a new placement of the same
+  // layout) may be set under graphs captured before.
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
   // Balanced replica choice over expert-parallel ranks (comm::NcclEpMoeLayer): this layer's tokens are the
   // one source of its spec, global source `source_idx` of the spec topology's GPUs; `gather` turns this
