@@ -278,7 +278,7 @@ GpuEngine::~GpuEngine() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-// MoE layer m's slot pointers (the pool's current buffers) and replica tables (the placement's row m): both
+// MoE layer m's slot pointers (the pool's current buffers) and replica tables (the weights' placement, row m): both
 // rewritten in place on a layer that had them, so captured decode graphs follow (GpuMoeLayer::set_slot_weights,
 // set_replica_choice).
 void GpuEngine::point_moe_layer_at_slots(int m) {
@@ -288,15 +288,16 @@ void GpuEngine::point_moe_layer_at_slots(int m) {
   } else {
     layer.set_slot_weights(weights_->slot_pool()->gate_up_ptrs(m), weights_->slot_pool()->down_ptrs(m));
   }
-  const eplb::Topology topo{options_.placement.num_physical_experts(), 1, 1};
+  const eplb::Placement& placement = weights_->placement();
+  const eplb::Topology topo{placement.num_physical_experts(), 1, 1};
   std::vector<uint64_t> streams;
   if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));
-  layer.set_replica_choice(model::moe::make_replica_choice(options_.dispatch, options_.placement.layer(m),
+  layer.set_replica_choice(model::moe::make_replica_choice(options_.dispatch, placement.layer(m),
                                                            config_.num_experts, topo, options_.max_batch_tokens, streams));
 }
 
 int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
-  const eplb::Placement& now = options_.placement;
+  const eplb::Placement& now = weights_->placement();
   FULCRUM_CHECK(!moe_.empty(), "GPU engine: a placement for a model without MoE layers");
   FULCRUM_CHECK(next.num_layers == now.num_layers && next.num_logical_experts == now.num_logical_experts &&
                     next.num_physical_experts() == now.num_physical_experts() && next.topology.num_gpus == 1,
@@ -312,8 +313,7 @@ int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
   for (int m = 0; m < next.num_layers; ++m) {
     const std::span<const int32_t> row = next.layer(m);
     if (std::equal(row.begin(), row.end(), now.layer(m).begin())) continue;
-    moved += weights_->migrate_layer(m, row);  // on an error nothing of layer m moved
-    std::copy(row.begin(), row.end(), options_.placement.layer(m).begin());
+    moved += weights_->migrate_layer(m, row);  // on an error nothing of layer m moved; else now's row m is next's
     try {
       point_moe_layer_at_slots(m);
     } catch (const std::exception& e) {

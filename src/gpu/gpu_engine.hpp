@@ -113,7 +113,8 @@ class GpuEngine final : public model::StepModel {
   // or an invalid one (an expert without a slot) is a one-line error before anything moves; a device error
   // after a layer's slots moved leaves the engine refusing every later step (rebuild it).
   int64_t apply_placement(const eplb::Placement& next);
-  const eplb::Placement& placement() const { return options_.placement; }
+  // The placement the slots hold now (options().placement is the one the engine started with).
+  const eplb::Placement& placement() const { return weights_->placement(); }
 
   // Routed tokens per (MoE layer, logical expert) since construction or the last reset: [moe_layers * E].
   std::vector<int64_t> expert_counts();
