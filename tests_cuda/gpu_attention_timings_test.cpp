@@ -94,11 +94,20 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
   const double bandwidth = copy_bandwidth(stream);
   std::printf("device copy bandwidth %.0f GB/s; 30B-A3B attention: %d q heads, %d kv heads, head_dim %d, page %d\n",
               bandwidth / 1e9, kHeads, kKvHeads, kHeadDim, kPageSize);
-  std::printf("%5s %7s %7s %10s %13s %10s %12s\n", "batch", "context", "splits", "fulcrum us", "flashinfer us",
-              "roofline", "fulcrum/fi");
+  std::printf("%5s %7s %7s %7s %7s %10s %13s %10s %12s\n", "batch", "context", "planned", "splits", "cluster",
+              "fulcrum us", "flashinfer us", "roofline", "fulcrum/fi");
   const bool flashinfer = gpu::FlashInferAttention::supports(kHeadDim, kHeads, kKvHeads);
-  for (const int context : {512, 2048}) {
-    for (const int batch : {1, 4, 16, 64}) {
+  // planned: the max_kv_len the plan is made for; the engine's decode graphs plan for the power of two at or above
+  // the longest sequence (AttentionRunner::decode_bucket), so a 2048-token context runs on a plan for 4096.
+  struct Case {
+    int context, planned;
+    std::vector<int> batches;
+  };
+  const std::vector<Case> cases{{512, 512, {1, 4, 16, 64}}, {2048, 2048, {1, 4, 16, 64}}, {2048, 4096, {1, 4, 16}},
+                                {4096, 4096, {1, 4, 16}}, {8192, 8192, {1, 4}}, {16384, 16384, {1}}};
+  for (const Case& c : cases) {
+    const int context = c.context;
+    for (const int batch : c.batches) {
       const int pages_per_seq = (context + kPageSize - 1) / kPageSize;
       const int num_pages = batch * pages_per_seq;
       const size_t row_elems = size_t{kKvHeads} * kHeadDim;
@@ -151,7 +160,7 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
       shape.num_heads = kHeads;
       shape.num_kv_heads = kKvHeads;
       shape.head_dim = kHeadDim;
-      shape.max_kv_len = context;
+      shape.max_kv_len = c.planned;
       shape.max_q_len = 1;
       shape.num_sms = sms;
       const gpu::PagedAttentionPlan plan = gpu::plan_paged_attention(shape);
@@ -169,8 +178,8 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       const double kv_bytes = 2.0 * sizeof(uint16_t) * static_cast<double>(batch) * context * row_elems;
       const double roofline_us = 1e6 * kv_bytes / bandwidth;
-      std::printf("%5d %7d %7d %10.2f %13.2f %9.2f %12.2f\n", batch, context, plan.decode_splits, ours, theirs,
-                  roofline_us, theirs > 0 ? ours / theirs : 0.0);
+      std::printf("%5d %7d %7d %7d %7d %10.2f %13.2f %9.2f %12.2f\n", batch, context, c.planned, plan.decode_splits,
+                  plan.decode_cluster, ours, theirs, roofline_us, theirs > 0 ? ours / theirs : 0.0);
     }
   }
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);

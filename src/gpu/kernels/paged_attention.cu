@@ -48,6 +48,12 @@ bool early_kv_enabled() {
   static const bool enabled = env_switch_on("FULCRUM_ATTENTION_EARLY_KV");
   return enabled;
 }
+// Planned kv length up to which decode splits are cut to one cluster: kPagedAttentionClusterMaxKv, or
+// FULCRUM_ATTENTION_CLUSTER_MAX_KV for measurement (read once; 0 keeps every split count uncut).
+int64_t cluster_max_kv() {
+  static const int64_t max_kv = std::max(0LL, env_int("FULCRUM_ATTENTION_CLUSTER_MAX_KV", kPagedAttentionClusterMaxKv));
+  return max_kv;
+}
 int forced_decode_stages() {
   static const int forced = [] {
     const long long v = env_int("FULCRUM_ATTENTION_DECODE_STAGES", 0);
@@ -134,7 +140,7 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   // (each then holds up to four 64-key tiles, all in flight at once when the grid fits one wave), so a small
   // batch merges through DSMEM instead of a fence, an atomic and a read of the workspace from L2.
   const bool clusters = plan.tensor_cores && decode_cluster_enabled();
-  if (clusters && plan.decode_splits > kPagedAttentionMaxCluster && s.max_kv_len <= kPagedAttentionClusterMaxKv) {
+  if (clusters && plan.decode_splits > kPagedAttentionMaxCluster && s.max_kv_len <= cluster_max_kv()) {
     plan.decode_splits = kPagedAttentionMaxCluster;
   }
   plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= kPagedAttentionMaxCluster
