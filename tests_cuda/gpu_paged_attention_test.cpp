@@ -374,14 +374,15 @@ TEST_F(GpuPagedAttentionTest, ShortChunksOnLongCaches) {
   check_all_paths(spec);
 }
 
-// Pure decode: 1 sequence (split over many CTAs), 4, and 64 with contexts 1..3000; groups 8 and 16.
+// Pure decode: 1 sequence (split over many CTAs; 2048 and 4000 positions, 8 splits of 256 / 512 keys in one cluster),
+// 4, and 64 with contexts 1..3000; groups 8 and 16.
 TEST_F(GpuPagedAttentionTest, PureDecodeBatches) {
   std::mt19937 rng(77);
   for (const int num_seqs : {1, 4, 64}) {
     for (const int group : {8, 16}) {
       BatchSpec spec;
       std::uniform_int_distribution<int> len(1, 3000);
-      for (int s = 0; s < num_seqs; ++s) spec.seqs.push_back({1, num_seqs == 1 ? 2048 : (s == 0 ? 1 : len(rng))});
+      for (int s = 0; s < num_seqs; ++s) spec.seqs.push_back({1, num_seqs == 1 ? (group == 8 ? 2048 : 4000) : (s == 0 ? 1 : len(rng))});
       spec.num_kv_heads = 4;
       spec.group = group;
       spec.head_dim = 128;
@@ -530,7 +531,7 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   s.max_q_len = 1;
   PagedAttentionPlan p = gpu::plan_paged_attention(s);
   EXPECT_TRUE(p.tensor_cores);
-  // Up to 2048 planned positions the splits are cut to one cluster: 4 kv heads x 8 splits of 256 keys = 32 CTAs,
+  // Up to 4096 planned positions the splits are cut to one cluster: 4 kv heads x 8 splits of 256 keys = 32 CTAs,
   // merged in DSMEM (no workspace), every tile in flight (4 stages: at most half the SMs busy).
   EXPECT_EQ(p.decode_splits, 8);
   EXPECT_EQ(p.decode_cluster, 8);
@@ -539,7 +540,12 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   EXPECT_EQ(p.prefill_tiles, 0);
   EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), 0u);
 
-  s.max_kv_len = 4096;  // longer: 33 splits of 128 keys (132 CTAs: one per SM), merged through the workspace
+  s.max_kv_len = 4096;  // still one cluster (the engine's plan for a 2048-token context): 8 splits of 512 keys
+  p = gpu::plan_paged_attention(s);
+  EXPECT_EQ(p.decode_splits, 8);
+  EXPECT_EQ(p.decode_cluster, 8);
+  EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), 0u);
+  s.max_kv_len = 8192;  // longer: 33 splits of 256 keys (132 CTAs: one per SM), merged through the workspace
   p = gpu::plan_paged_attention(s);
   EXPECT_EQ(p.decode_splits, 33);
   EXPECT_EQ(p.decode_cluster, 1);

@@ -35,26 +35,20 @@ __device__ __forceinline__ void wait_then_release() {
 #endif
 }
 
-// Loads of what an earlier kernel of the step wrote, after wait_then_release(): ordinary global loads (`.cg`:
-// through L2, for the small plan arrays; `ld.global` for activation rows, which a block reuses from L1). Never
-// the non-coherent path (__ldg, ld.global.nc, or a plain load through `const __restrict__`, which the compiler may
-// turn into one): it declares the data read-only for the kernel's whole lifetime, which a dependent launch breaks
+// Loads of what an earlier kernel of the step wrote, after wait_then_release(): ordinary global loads (ld.global;
+// the PTX ISA has griddepcontrol.wait make the prerequisite grids' memory operations visible to the waiting grid).
+// Never the non-coherent path (__ldg, ld.global.nc, or a plain load through `const __restrict__`, which the compiler
+// may turn into one): it declares the data read-only for the kernel's whole lifetime, which a dependent launch breaks
 // (the kernel runs while the one before still writes), so such a load may be scheduled ahead of
 // griddepcontrol.wait. Measured on an H200 (acee781): with its plan and SwiGLU rows filled with 0xff before a
 // one-token step, the expert gate_up GEMM, which read the plan through __ldg after its wait, computed from the
 // fill in every try (MoeSkinnyPathTest.StepReadsOnlyWhatItWrote; FULCRUM_PDL=0 and compute-sanitizer, which both
-// serialize the kernels, passed). `volatile`: the compiler keeps them after the wait's asm.
-// Measurement build (CMake -DFULCRUM_PLAN_LOADS_L1=ON): the plan arrays through L1 too, a plain ld.global; the PTX
-// ISA has griddepcontrol.wait make the prerequisite grids' memory operations visible to the waiting grid. The .cg
-// loads cost 1.4% at batch 4 against acee781's racy __ldg on an H100 (docs/benchmarks.md, session 39).
-#if defined(FULCRUM_PLAN_LOADS_L1) && FULCRUM_PLAN_LOADS_L1
-#define FULCRUM_PLAN_LOAD_OP "ld.global.s32"
-#else
-#define FULCRUM_PLAN_LOAD_OP "ld.global.cg.s32"
-#endif
+// serialize the kernels, passed). `volatile`: the compiler keeps them after the wait's asm. The plan arrays were
+// read L2-only (.cg) at first: 0.7 / 1.2 / 0.4% slower steps at batch 1 / 4 / 16 on an H100 than these loads
+// (docs/benchmarks.md, session 40).
 __device__ __forceinline__ int32_t load_produced(const int32_t* p) {
   int32_t v;
-  asm volatile(FULCRUM_PLAN_LOAD_OP " %0, [%1];" : "=r"(v) : "l"(p));
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ float load_produced(const float* p) {

@@ -137,7 +137,7 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   plan.decode_splits = static_cast<int>(std::clamp<int64_t>(ceil_div64(decode_target, decode_ctas), 1,
                                                             std::min<int64_t>(kPagedAttentionMaxSplits, splits_by_len)));
   // Clusters (tensor cores): up to kPagedAttentionClusterMaxKv planned positions the splits are cut to one cluster
-  // (each then holds up to four 64-key tiles, all in flight at once when the grid fits one wave), so a small
+  // (each then holds up to eight 64-key tiles, four in flight at once when the grid fits one wave), so a small
   // batch merges through DSMEM instead of a fence, an atomic and a read of the workspace from L2.
   const bool clusters = plan.tensor_cores && decode_cluster_enabled();
   if (clusters && plan.decode_splits > kPagedAttentionMaxCluster && s.max_kv_len <= cluster_max_kv()) {

@@ -33,7 +33,7 @@ constexpr int kPagedAttentionMaxGroup = 16;  // num_heads / num_kv_heads: the de
 constexpr int kPagedAttentionMaxSplits = 64;
 constexpr int kPagedAttentionSplitAlign = 64;          // keys of a split: a multiple of this (except the last)
 constexpr int kPagedAttentionMaxCluster = 8;           // decode splits merged in one cluster (the portable size)
-constexpr int kPagedAttentionClusterMaxKv = 2048;      // planned kv length up to which decode splits are cut to fit one
+constexpr int kPagedAttentionClusterMaxKv = 4096;      // planned kv length up to which decode splits are cut to fit one
 constexpr size_t kPagedAttentionWorkspaceAlign = 256;  // the workspace pointer's alignment
 
 constexpr bool paged_attention_supports_head_dim(int head_dim) {
@@ -70,9 +70,12 @@ struct PagedAttentionPlan {
 
 // The plan from host values only. Decode splits aim at one CTA per SM, prefill splits at about four; each split
 // holds >= 64 positions; up to kPagedAttentionClusterMaxKv planned positions (tensor cores) decode splits are cut to
-// kPagedAttentionMaxCluster and merged in a cluster (a lone decode sequence with 2048 positions and 4 kv heads: 8
-// splits of 256 keys, 32 CTAs; with 4096: 33 splits of 128, merged through the workspace; 16 sequences: 3 splits in
-// clusters of 3, 192 CTAs; 64 sequences: no split).
+// kPagedAttentionMaxCluster and merged in a cluster (a lone decode sequence with 4096 planned positions and 4 kv
+// heads: 8 splits of up to 512 keys, 32 CTAs; with 8192: 33 splits of 256, merged through the workspace; 16
+// sequences: 3 splits in clusters of 3, 192 CTAs; 64 sequences: no split). 4096, not 2048: the engine's decode
+// graphs plan for the power of two above the longest sequence, so a 2048-token context ran on the workspace path
+// (11.45 against 6.82 us a launch at batch 1 on an H100; at 4096 real positions 13.1 against 12.7, at 8192 25.2
+// against 17.7: bench/results/attention_cluster_max_kv_c2b7225_h100.txt).
 // An unsupported shape (head_dim, group above kPagedAttentionMaxGroup, num_heads % num_kv_heads) gives a plan
 // that the launcher refuses.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
