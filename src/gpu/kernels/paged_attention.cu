@@ -54,6 +54,13 @@ int64_t cluster_max_kv() {
   static const int64_t max_kv = std::max(0LL, env_int("FULCRUM_ATTENTION_CLUSTER_MAX_KV", kPagedAttentionClusterMaxKv));
   return max_kv;
 }
+// Decode splits the plan cuts a cluster to: kPagedAttentionPortableCluster, or FULCRUM_ATTENTION_CLUSTER_SIZE
+// (2..kPagedAttentionMaxCluster; above 8 a non-portable cluster size) for measurement; read once.
+int cluster_size() {
+  static const int size = static_cast<int>(
+      std::clamp<long long>(env_int("FULCRUM_ATTENTION_CLUSTER_SIZE", kPagedAttentionPortableCluster), 2, kPagedAttentionMaxCluster));
+  return size;
+}
 int forced_decode_stages() {
   static const int forced = [] {
     const long long v = env_int("FULCRUM_ATTENTION_DECODE_STAGES", 0);
@@ -140,10 +147,10 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   // (each then holds up to eight 64-key tiles, four in flight at once when the grid fits one wave), so a small
   // batch merges through DSMEM instead of a fence, an atomic and a read of the workspace from L2.
   const bool clusters = plan.tensor_cores && decode_cluster_enabled();
-  if (clusters && plan.decode_splits > kPagedAttentionMaxCluster && s.max_kv_len <= cluster_max_kv()) {
-    plan.decode_splits = kPagedAttentionMaxCluster;
+  if (clusters && plan.decode_splits > cluster_size() && s.max_kv_len <= cluster_max_kv()) {
+    plan.decode_splits = cluster_size();
   }
-  plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= kPagedAttentionMaxCluster
+  plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= cluster_size()
                             ? plan.decode_splits
                             : 1;
   // Stages with clusters: 4 (128 KB at head_dim 128, one CTA per SM) while the grid fills at most half the SMs,

@@ -32,7 +32,8 @@ namespace fulcrum::gpu {
 constexpr int kPagedAttentionMaxGroup = 16;  // num_heads / num_kv_heads: the decode rows of one 16-row tile
 constexpr int kPagedAttentionMaxSplits = 64;
 constexpr int kPagedAttentionSplitAlign = 64;          // keys of a split: a multiple of this (except the last)
-constexpr int kPagedAttentionMaxCluster = 8;           // decode splits merged in one cluster (the portable size)
+constexpr int kPagedAttentionMaxCluster = 16;          // decode splits one cluster may hold (sm_90's non-portable size)
+constexpr int kPagedAttentionPortableCluster = 8;      // what the plan cuts them to (FULCRUM_ATTENTION_CLUSTER_SIZE)
 constexpr int kPagedAttentionClusterMaxKv = 4096;      // planned kv length up to which decode splits are cut to fit one
 constexpr size_t kPagedAttentionWorkspaceAlign = 256;  // the workspace pointer's alignment
 
@@ -70,7 +71,7 @@ struct PagedAttentionPlan {
 
 // The plan from host values only. Decode splits aim at one CTA per SM, prefill splits at about four; each split
 // holds >= 64 positions; up to kPagedAttentionClusterMaxKv planned positions (tensor cores) decode splits are cut to
-// kPagedAttentionMaxCluster and merged in a cluster (a lone decode sequence with 4096 planned positions and 4 kv
+// kPagedAttentionPortableCluster and merged in a cluster (a lone decode sequence with 4096 planned positions and 4 kv
 // heads: 8 splits of up to 512 keys, 32 CTAs; with 8192: 33 splits of 256, merged through the workspace; 16
 // sequences: 3 splits in clusters of 3, 192 CTAs; 64 sequences: no split). 4096, not 2048: the engine's decode
 // graphs plan for the power of two above the longest sequence, so a 2048-token context ran on the workspace path

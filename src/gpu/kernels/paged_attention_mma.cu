@@ -410,6 +410,10 @@ cudaError_t launch_mma(const Params& p, dim3 grid, cudaStream_t stream) {
   const auto kernel = mma_attention_kernel<D, kDecode, kStages, kCluster>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (status != cudaSuccess) return status;
+  if (kCluster && grid.z > 8) {  // above the portable cluster size
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (status != cudaSuccess) return status;
+  }
   return launch_dependent_clustered(kernel, grid, dim3(kThreads), kSmem, stream, kCluster ? grid.z : 1u, p);
 }
 
