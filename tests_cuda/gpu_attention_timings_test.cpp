@@ -163,6 +163,7 @@ TEST(AttentionDecodeTimings, PrintsTimings) {
       shape.max_kv_len = c.planned;
       shape.max_q_len = 1;
       shape.num_sms = sms;
+      shape.max_cluster = gpu::paged_attention_max_cluster();
       const gpu::PagedAttentionPlan plan = gpu::plan_paged_attention(shape);
       DeviceBuffer workspace(gpu::paged_attention_workspace_bytes(plan));
       const size_t workspace_bytes = gpu::paged_attention_workspace_bytes(plan);

@@ -208,6 +208,7 @@ PagedAttentionShape shape_of(const HostBatch& b, bool force_cuda_cores, int max_
   s.max_kv_len = std::max(s.max_kv_len, b.spec.capacity_kv);
   s.max_q_len = max_q_len;
   s.num_sms = num_sms();
+  s.max_cluster = gpu::paged_attention_max_cluster();
   s.force_cuda_cores = force_cuda_cores;
   return s;
 }
@@ -531,19 +532,25 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   s.max_q_len = 1;
   PagedAttentionPlan p = gpu::plan_paged_attention(s);
   EXPECT_TRUE(p.tensor_cores);
-  // Up to 4096 planned positions the splits are cut to one cluster: 4 kv heads x 8 splits of 256 keys = 32 CTAs,
+  // Up to 4096 planned positions the splits are cut to one cluster: 4 kv heads x 16 splits of 128 keys = 64 CTAs,
   // merged in DSMEM (no workspace), every tile in flight (4 stages: at most half the SMs busy).
-  EXPECT_EQ(p.decode_splits, 8);
-  EXPECT_EQ(p.decode_cluster, 8);
+  EXPECT_EQ(p.decode_splits, 16);
+  EXPECT_EQ(p.decode_cluster, 16);
   EXPECT_EQ(p.decode_stages, 4);
   EXPECT_TRUE(p.early_kv);
   EXPECT_EQ(p.prefill_tiles, 0);
   EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), 0u);
 
-  s.max_kv_len = 4096;  // still one cluster (the engine's plan for a 2048-token context): 8 splits of 512 keys
+  s.max_cluster = 8;  // a device without non-portable clusters of 16: 8 splits of 256 keys
   p = gpu::plan_paged_attention(s);
   EXPECT_EQ(p.decode_splits, 8);
   EXPECT_EQ(p.decode_cluster, 8);
+  s.max_cluster = gpu::kPagedAttentionMaxCluster;
+
+  s.max_kv_len = 4096;  // still one cluster (the engine's plan for a 2048-token context): 16 splits of 256 keys
+  p = gpu::plan_paged_attention(s);
+  EXPECT_EQ(p.decode_splits, 16);
+  EXPECT_EQ(p.decode_cluster, 16);
   EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), 0u);
   s.max_kv_len = 8192;  // longer: 33 splits of 256 keys (132 CTAs: one per SM), merged through the workspace
   p = gpu::plan_paged_attention(s);
@@ -552,6 +559,12 @@ TEST(PagedAttentionPlan, ChoosesSplitsAndTiles) {
   EXPECT_EQ(p.decode_stages, 2);
   EXPECT_EQ(gpu::paged_attention_workspace_bytes(p), (size_t{33} * 32 * 128 * 4 + size_t{33} * 32 * 4 + 255) / 256 * 256);
   s.max_kv_len = 2048;
+
+  s.num_seqs = s.num_tokens = 4;
+  p = gpu::plan_paged_attention(s);
+  EXPECT_EQ(p.decode_splits, 9);  // 16 CTAs, 9 splits: 144, in clusters of 9
+  EXPECT_EQ(p.decode_cluster, 9);
+  EXPECT_EQ(p.decode_stages, 3);
 
   s.num_seqs = s.num_tokens = 64;
   p = gpu::plan_paged_attention(s);

@@ -26,6 +26,7 @@ class OwnAttention final : public AttentionRunner {
     cudaDeviceProp prop{};
     FULCRUM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_idx));
     num_sms_ = prop.multiProcessorCount;
+    max_cluster_ = paged_attention_max_cluster();
     FULCRUM_CHECK(paged_attention_supports_head_dim(config.head_dim) &&
                       config.num_attention_heads % config.num_key_value_heads == 0 &&
                       config.num_attention_heads / config.num_key_value_heads <= kPagedAttentionMaxGroup,
@@ -65,6 +66,7 @@ class OwnAttention final : public AttentionRunner {
     s.max_kv_len = static_cast<int>(shape.decode_only ? decode_bucket(shape.max_kv_len) : shape.max_kv_len);
     s.max_q_len = shape.decode_only ? 1 : -1;
     s.num_sms = num_sms_;
+    s.max_cluster = max_cluster_;
     (void)for_graph;
     plan_ = plan_paged_attention(s);
     const size_t need = paged_attention_workspace_bytes(plan_);
@@ -89,6 +91,7 @@ class OwnAttention final : public AttentionRunner {
  private:
   model::Qwen3MoeConfig config_;
   int num_sms_ = 0;
+  int max_cluster_ = kPagedAttentionPortableCluster;
   PagedAttentionPlan plan_;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

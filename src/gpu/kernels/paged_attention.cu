@@ -54,12 +54,12 @@ int64_t cluster_max_kv() {
   static const int64_t max_kv = std::max(0LL, env_int("FULCRUM_ATTENTION_CLUSTER_MAX_KV", kPagedAttentionClusterMaxKv));
   return max_kv;
 }
-// Decode splits the plan cuts a cluster to: kPagedAttentionPortableCluster, or FULCRUM_ATTENTION_CLUSTER_SIZE
-// (2..kPagedAttentionMaxCluster; above 8 a non-portable cluster size) for measurement; read once.
-int cluster_size() {
+// Decode splits the plan cuts a cluster to: the shape's max_cluster, or less by FULCRUM_ATTENTION_CLUSTER_SIZE
+// (2..kPagedAttentionMaxCluster) for measurement; read once.
+int cluster_size(const PagedAttentionShape& s) {
   static const int size = static_cast<int>(
-      std::clamp<long long>(env_int("FULCRUM_ATTENTION_CLUSTER_SIZE", kPagedAttentionPortableCluster), 2, kPagedAttentionMaxCluster));
-  return size;
+      std::clamp<long long>(env_int("FULCRUM_ATTENTION_CLUSTER_SIZE", kPagedAttentionMaxCluster), 2, kPagedAttentionMaxCluster));
+  return std::clamp(s.max_cluster, 1, size);
 }
 int forced_decode_stages() {
   static const int forced = [] {
@@ -144,13 +144,14 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape) {
   plan.decode_splits = static_cast<int>(std::clamp<int64_t>(ceil_div64(decode_target, decode_ctas), 1,
                                                             std::min<int64_t>(kPagedAttentionMaxSplits, splits_by_len)));
   // Clusters (tensor cores): up to kPagedAttentionClusterMaxKv planned positions the splits are cut to one cluster
-  // (each then holds up to eight 64-key tiles, four in flight at once when the grid fits one wave), so a small
-  // batch merges through DSMEM instead of a fence, an atomic and a read of the workspace from L2.
+  // of up to max_cluster CTAs (16: each then holds up to four 64-key tiles, all in flight at once when the grid fits
+  // one wave), so a small batch merges through DSMEM instead of a fence, an atomic and a read of the workspace from L2.
   const bool clusters = plan.tensor_cores && decode_cluster_enabled();
-  if (clusters && plan.decode_splits > cluster_size() && s.max_kv_len <= cluster_max_kv()) {
-    plan.decode_splits = cluster_size();
+  const int max_cluster = cluster_size(s);
+  if (clusters && max_cluster > 1 && plan.decode_splits > max_cluster && s.max_kv_len <= cluster_max_kv()) {
+    plan.decode_splits = max_cluster;
   }
-  plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= cluster_size()
+  plan.decode_cluster = clusters && plan.decode_splits > 1 && plan.decode_splits <= max_cluster
                             ? plan.decode_splits
                             : 1;
   // Stages with clusters: 4 (128 KB at head_dim 128, one CTA per SM) while the grid fills at most half the SMs,

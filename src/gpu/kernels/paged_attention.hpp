@@ -33,7 +33,7 @@ constexpr int kPagedAttentionMaxGroup = 16;  // num_heads / num_kv_heads: the de
 constexpr int kPagedAttentionMaxSplits = 64;
 constexpr int kPagedAttentionSplitAlign = 64;          // keys of a split: a multiple of this (except the last)
 constexpr int kPagedAttentionMaxCluster = 16;          // decode splits one cluster may hold (sm_90's non-portable size)
-constexpr int kPagedAttentionPortableCluster = 8;      // what the plan cuts them to (FULCRUM_ATTENTION_CLUSTER_SIZE)
+constexpr int kPagedAttentionPortableCluster = 8;      // the largest cluster every device schedules
 constexpr int kPagedAttentionClusterMaxKv = 4096;      // planned kv length up to which decode splits are cut to fit one
 constexpr size_t kPagedAttentionWorkspaceAlign = 256;  // the workspace pointer's alignment
 
@@ -51,6 +51,7 @@ struct PagedAttentionShape {
   int max_kv_len = 0;   // upper bound on every kv_len[s] (splits are planned for it)
   int max_q_len = -1;   // upper bound on every n_s; -1: num_tokens. 1 (a decode bucket) drops the prefill launch
   int num_sms = 132;    // streaming multiprocessors of the device (H200: 132)
+  int max_cluster = kPagedAttentionMaxCluster;  // the largest decode cluster the device schedules (paged_attention_max_cluster)
   bool force_cuda_cores = false;  // the CUDA-core kernels even where tensor-core ones exist (tests, fallback)
 };
 
@@ -71,15 +72,21 @@ struct PagedAttentionPlan {
 
 // The plan from host values only. Decode splits aim at one CTA per SM, prefill splits at about four; each split
 // holds >= 64 positions; up to kPagedAttentionClusterMaxKv planned positions (tensor cores) decode splits are cut to
-// kPagedAttentionPortableCluster and merged in a cluster (a lone decode sequence with 4096 planned positions and 4 kv
-// heads: 8 splits of up to 512 keys, 32 CTAs; with 8192: 33 splits of 256, merged through the workspace; 16
-// sequences: 3 splits in clusters of 3, 192 CTAs; 64 sequences: no split). 4096, not 2048: the engine's decode
+// max_cluster (16 on an H100 / H200) and merged in a cluster (a lone decode sequence with 4096 planned positions and
+// 4 kv heads: 16 splits of up to 256 keys, 64 CTAs; with 8192: 33 splits of 256, merged through the workspace; 4
+// sequences: 9 splits in clusters of 9; 16 sequences: 3 splits in clusters of 3, 192 CTAs; 64 sequences: no split). 4096, not 2048: the engine's decode
 // graphs plan for the power of two above the longest sequence, so a 2048-token context ran on the workspace path
 // (11.45 against 6.82 us a launch at batch 1 on an H100; at 4096 real positions 13.1 against 12.7, at 8192 25.2
 // against 17.7: bench/results/attention_cluster_max_kv_c2b7225_h100.txt).
 // An unsupported shape (head_dim, group above kPagedAttentionMaxGroup, num_heads % num_kv_heads) gives a plan
 // that the launcher refuses.
 PagedAttentionPlan plan_paged_attention(const PagedAttentionShape& shape);
+
+// The largest decode cluster the current device can schedule: kPagedAttentionMaxCluster where the decode kernel
+// (4 stages, the most shared memory) fits a non-portable cluster of that size (H100, H200), else
+// kPagedAttentionPortableCluster. Clusters of 16 against 8: decode steps at context 2048 2.5-3.5% faster at batch 1
+// and 4, at 512 1.2% at batch 4, equal at batch 1 (one H200, bench/results/cluster_size_sweep_bedbd98_h200.json).
+int paged_attention_max_cluster();
 
 // Bytes of the workspace launch_paged_attention needs (0 when no row is split): decode partials
 // [num_seqs][decode_splits][num_heads] x (head_dim + 1) fp32 and prefill partials

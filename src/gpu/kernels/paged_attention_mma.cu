@@ -444,3 +444,33 @@ cudaError_t launch_mma_attention(const Params& p, int head_dim, bool decode, dim
 }
 
 }  // namespace fulcrum::gpu::attention
+
+namespace fulcrum::gpu {
+
+int paged_attention_max_cluster() {
+  using attention::kThreads;
+  // The decode kernel with the most shared memory (4 stages at head_dim 128, one CTA per SM).
+  const auto kernel = attention::mma_attention_kernel<128, true, 4, true>;
+  constexpr size_t kSmem = attention::MmaConfig<128, true, 4, true>::kSmemBytes;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(1, 1, kPagedAttentionMaxCluster);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmem;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = kPagedAttentionMaxCluster;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: a query the device refused
+    return kPagedAttentionPortableCluster;
+  }
+  return clusters >= 1 ? kPagedAttentionMaxCluster : kPagedAttentionPortableCluster;
+}
+
+}  // namespace fulcrum::gpu
