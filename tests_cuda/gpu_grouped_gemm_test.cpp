@@ -25,6 +25,7 @@
 #include "backend/cuda/cuda_backend.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "gpu/cutlass/grouped_gemm.hpp"
+#include "model/parallel_chunks.hpp"
 #include "moe_cuda_test_util.hpp"
 
 namespace fulcrum::test {
@@ -83,19 +84,22 @@ Reference reference_of(const HostProblem& p) {
   const int groups = static_cast<int>(p.offsets.size()) - 1;
   for (int g = 0; g < groups; ++g) {
     const float* w = p.b.data() + int64_t{g % p.num_b} * p.n * p.k;  // [N, K]
-    for (int64_t row = p.offsets[g]; row < p.offsets[g + 1]; ++row) {
-      const float* x = p.a.data() + row * p.k;
-      for (int col = 0; col < p.n; ++col) {
-        double sum = 0, abs_sum = 0;
-        for (int q = 0; q < p.k; ++q) {
-          const double term = double(x[q]) * w[int64_t{col} * p.k + q];
-          sum += term;
-          abs_sum += std::abs(term);
+    const int64_t first = p.offsets[g], rows = p.offsets[g + 1] - first;
+    model::parallel_chunks(rows, int64_t{p.n} * p.k, [&](int64_t begin, int64_t end) {
+      for (int64_t row = first + begin; row < first + end; ++row) {
+        const float* x = p.a.data() + row * p.k;
+        for (int col = 0; col < p.n; ++col) {
+          double sum = 0, abs_sum = 0;
+          for (int q = 0; q < p.k; ++q) {
+            const double term = double(x[q]) * w[int64_t{col} * p.k + q];
+            sum += term;
+            abs_sum += std::abs(term);
+          }
+          r.d[row * p.n + col] = sum;
+          r.abs_sum[row * p.n + col] = abs_sum;
         }
-        r.d[row * p.n + col] = sum;
-        r.abs_sum[row * p.n + col] = abs_sum;
       }
-    }
+    });
   }
   return r;
 }

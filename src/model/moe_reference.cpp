@@ -8,6 +8,7 @@
 #include "backend/cpu/cpu_backend.hpp"
 #include "eplb/error.hpp"
 #include "model/checkpoint_writer.hpp"
+#include "model/parallel_chunks.hpp"
 
 namespace fulcrum::model::moe {
 
@@ -135,15 +136,17 @@ namespace {
 std::vector<float> matmul_bf16_out(std::span<const float> x, int64_t n, std::span<const float> w, int out_features,
                                    int in_features) {
   std::vector<float> out(static_cast<size_t>(n * out_features));
-  for (int64_t r = 0; r < n; ++r) {
-    const float* xr = x.data() + r * in_features;
-    for (int o = 0; o < out_features; ++o) {
-      const float* wr = w.data() + static_cast<int64_t>(o) * in_features;
-      float sum = 0.0f;
-      for (int i = 0; i < in_features; ++i) sum += xr[i] * wr[i];
-      out[static_cast<size_t>(r * out_features + o)] = round_bf16(sum);
+  parallel_chunks(int64_t{out_features}, n * in_features, [&](int64_t o_begin, int64_t o_end) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* xr = x.data() + r * in_features;
+      for (int64_t o = o_begin; o < o_end; ++o) {
+        const float* wr = w.data() + o * in_features;
+        float sum = 0.0f;
+        for (int i = 0; i < in_features; ++i) sum += xr[i] * wr[i];
+        out[static_cast<size_t>(r * out_features + o)] = round_bf16(sum);
+      }
     }
-  }
+  });
   return out;
 }
 

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <numeric>
 
+#include "model/parallel_chunks.hpp"
+
 namespace fulcrum::backend {
 
 using model::Tensor;
@@ -80,15 +82,18 @@ Tensor CpuBackend::matmul(const Tensor& x, const Tensor& weight) {
                 weight.rank() ? weight.dim(0) : 0, weight.rank() > 1 ? weight.dim(1) : 0);
   const int64_t num_rows = x.dim(0), in_features = x.dim(1), out_features = weight.dim(0);
   Tensor out = zeros({num_rows, out_features});  // [num_rows, out_features]
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const float* xr = x.data() + r * in_features;
-    for (int64_t n = 0; n < out_features; ++n) {
-      const float* wn = weight.data() + n * in_features;
-      double acc = 0;
-      for (int64_t i = 0; i < in_features; ++i) acc += static_cast<double>(xr[i]) * wn[i];
-      out.data()[r * out_features + n] = static_cast<float>(acc);
+  // Output columns over threads: each element is still one sum in input order (the same bits on any thread count).
+  model::parallel_chunks(out_features, num_rows * in_features, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const float* xr = x.data() + r * in_features;
+      for (int64_t n = n_begin; n < n_end; ++n) {
+        const float* wn = weight.data() + n * in_features;
+        double acc = 0;
+        for (int64_t i = 0; i < in_features; ++i) acc += static_cast<double>(xr[i]) * wn[i];
+        out.data()[r * out_features + n] = static_cast<float>(acc);
+      }
     }
-  }
+  });
   return out;
 }
 

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "model/parallel_chunks.hpp"
+
 namespace fulcrum::gpu::reference {
 namespace {
 float bf16_to_f32(uint16_t bits) {
@@ -28,21 +30,23 @@ void skinny_gemm(std::span<const uint16_t> x, std::span<const uint16_t> w, int m
                  std::span<float> abs_sums) {
   std::vector<double> xs(static_cast<size_t>(m) * k);  // [m, k]
   for (size_t q = 0; q < xs.size(); ++q) xs[q] = bf16_to_f32(x[q]);
-  std::vector<double> w_row(static_cast<size_t>(k));
-  for (int j = 0; j < n; ++j) {
-    const uint16_t* src = w.data() + static_cast<size_t>(j) * k;
-    for (int q = 0; q < k; ++q) w_row[q] = bf16_to_f32(src[q]);
-    for (int i = 0; i < m; ++i) {
-      const double* xi = xs.data() + static_cast<size_t>(i) * k;
-      double sum = 0, abs_sum = 0;
-      for (int q = 0; q < k; ++q) {
-        sum += xi[q] * w_row[q];
-        abs_sum += std::abs(xi[q] * w_row[q]);
+  model::parallel_chunks(n, int64_t{m} * k, [&](int64_t j_begin, int64_t j_end) {
+    std::vector<double> w_row(static_cast<size_t>(k));
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      const uint16_t* src = w.data() + static_cast<size_t>(j) * k;
+      for (int q = 0; q < k; ++q) w_row[q] = bf16_to_f32(src[q]);
+      for (int i = 0; i < m; ++i) {
+        const double* xi = xs.data() + static_cast<size_t>(i) * k;
+        double sum = 0, abs_sum = 0;
+        for (int q = 0; q < k; ++q) {
+          sum += xi[q] * w_row[q];
+          abs_sum += std::abs(xi[q] * w_row[q]);
+        }
+        out[static_cast<size_t>(i) * n + j] = static_cast<float>(sum);
+        if (!abs_sums.empty()) abs_sums[static_cast<size_t>(i) * n + j] = static_cast<float>(abs_sum);
       }
-      out[static_cast<size_t>(i) * n + j] = static_cast<float>(sum);
-      if (!abs_sums.empty()) abs_sums[static_cast<size_t>(i) * n + j] = static_cast<float>(abs_sum);
     }
-  }
+  });
 }
 
 void skinny_gemm_fp8(std::span<const uint16_t> x, std::span<const uint8_t> w, std::span<const float> w_scales, int m,
@@ -53,27 +57,29 @@ void skinny_gemm_fp8(std::span<const uint16_t> x, std::span<const uint8_t> w, st
   for (int b = 0; b < 256; ++b) e4m3_of[b] = e4m3_value(static_cast<uint8_t>(b));
   std::vector<double> xs(static_cast<size_t>(m) * k);  // [m, k]
   for (size_t q = 0; q < xs.size(); ++q) xs[q] = bf16_to_f32(x[q]);
-  std::vector<double> w_row(static_cast<size_t>(k));
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* src = w.data() + static_cast<size_t>(j) * k;
-    for (int q = 0; q < k; ++q) w_row[q] = e4m3_of[src[q]];
-    for (int i = 0; i < m; ++i) {
-      const double* xi = xs.data() + static_cast<size_t>(i) * k;
-      double sum = 0, abs_sum = 0;
-      for (int b = 0; b < k_blocks; ++b) {
-        const double scale = w_scales[static_cast<size_t>(b) * n_blocks + j / kBlock];
-        double block_sum = 0, block_abs = 0;
-        for (int q = b * kBlock; q < std::min(k, (b + 1) * kBlock); ++q) {
-          block_sum += xi[q] * w_row[q];
-          block_abs += std::abs(xi[q] * w_row[q]);
+  model::parallel_chunks(n, int64_t{m} * k, [&](int64_t j_begin, int64_t j_end) {
+    std::vector<double> w_row(static_cast<size_t>(k));
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      const uint8_t* src = w.data() + static_cast<size_t>(j) * k;
+      for (int q = 0; q < k; ++q) w_row[q] = e4m3_of[src[q]];
+      for (int i = 0; i < m; ++i) {
+        const double* xi = xs.data() + static_cast<size_t>(i) * k;
+        double sum = 0, abs_sum = 0;
+        for (int b = 0; b < k_blocks; ++b) {
+          const double scale = w_scales[static_cast<size_t>(b) * n_blocks + j / kBlock];
+          double block_sum = 0, block_abs = 0;
+          for (int q = b * kBlock; q < std::min(k, (b + 1) * kBlock); ++q) {
+            block_sum += xi[q] * w_row[q];
+            block_abs += std::abs(xi[q] * w_row[q]);
+          }
+          sum += scale * block_sum;
+          abs_sum += std::abs(scale) * block_abs;
         }
-        sum += scale * block_sum;
-        abs_sum += std::abs(scale) * block_abs;
+        out[static_cast<size_t>(i) * n + j] = static_cast<float>(sum);
+        if (!abs_sums.empty()) abs_sums[static_cast<size_t>(i) * n + j] = static_cast<float>(abs_sum);
       }
-      out[static_cast<size_t>(i) * n + j] = static_cast<float>(sum);
-      if (!abs_sums.empty()) abs_sums[static_cast<size_t>(i) * n + j] = static_cast<float>(abs_sum);
     }
-  }
+  });
 }
 
 }  // namespace fulcrum::gpu::reference
