@@ -29,6 +29,7 @@
 // The test prints the measured rel (on the H200: 0.005-0.007 and 0.005-0.057). Decode steps
 // take the skinny paths (FP8 weights, bf16 activations): the bf16 argument holds for them.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <iostream>
 #include <numeric>
@@ -228,6 +229,29 @@ TEST_F(GpuEngineTest, GraphReplayEqualsEagerBitwise) {
     EXPECT_EQ(std::memcmp(&a[i].second, &b[i].second, 4), 0) << i << ": " << a[i].second << " vs " << b[i].second;
   }
   EXPECT_GE(c.graph_replays, 10) << "the decode steps should replay graphs";
+}
+
+// The device times of a step (CUDA events inside step()) are positive, the forward within the span, the span within
+// the host's time of the call: prefill (eager) and decode (graph replays) steps.
+TEST_F(GpuEngineTest, StepDeviceTimesLieInsideTheHostCall) {
+  gpu::GpuEngine engine(small_config(), small_options());
+  engine.fill_random(5);
+  const std::vector<int32_t> prompt = random_tokens(300, engine.vocab_size(), 3);
+  engine.allocate(0, 400);
+  std::vector<int32_t> last{0};
+  for (int s = 0; s < 8; ++s) {
+    const std::vector<model::StepSequence> b{s == 0 ? entry(0, prompt, true) : entry(0, std::span(last), true)};
+    const auto t0 = std::chrono::steady_clock::now();
+    const model::StepOutput out = engine.step(b);
+    const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_TRUE(out.errors[0].empty()) << out.errors[0];
+    last[0] = out.tokens[0];
+    const gpu::GpuEngine::DeviceTimes d = engine.last_step_device_times();
+    EXPECT_GT(d.forward_ms, 0.0) << "step " << s;
+    EXPECT_LE(d.forward_ms, d.span_ms) << "step " << s;
+    EXPECT_LE(d.span_ms, host_ms + 0.01) << "step " << s;  // events resolve ~0.5 us
+  }
+  EXPECT_GE(engine.counters().graph_replays, 5);
 }
 
 // The same experts in other slots (permuted, a hot expert replicated, dynamic replica choice splitting its

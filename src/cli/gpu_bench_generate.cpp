@@ -192,25 +192,31 @@ void run_bench_generate(const BenchGenerateOptions& o) {
         int64_t distinct = 0;
         for (const int64_t n : engine.expert_counts()) distinct += n > 0;
         for (int w = 0; w < o.warmup; ++w) run_step();
-        std::vector<double> times;
+        std::vector<double> times, device_span, device_forward;
         const gpu::GpuEngine::Counters before = engine.counters();
         if (o.profile) cudaProfilerStart();
         for (int s = 0; s < o.steps; ++s) {
           const double t0 = now_s();
           run_step();
           times.push_back(1e3 * (now_s() - t0));
+          device_span.push_back(engine.last_step_device_times().span_ms);
+          device_forward.push_back(engine.last_step_device_times().forward_ms);
         }
         if (o.profile) cudaProfilerStop();
         const int64_t replays = engine.counters().graph_replays - before.graph_replays;
         for (int i = 0; i < batch; ++i) engine.release(i);
         const double ms = median(times);
         const double roofline_ms = 1e3 * decode_bytes(config, o.fp8_dense_gemms, batch, context, distinct) / copy_bytes;
+        // On the device (CUDA events; GpuEngine::last_step_device_times): the rest of ms is host work between steps.
+        const double span_ms = median(device_span), forward_ms = median(device_forward);
         fmt::print("decode batch {:4} context {:5}: {:8.3f} ms/step {:10.0f} tok/s | roofline {:.3f} ms ({:.1f}%), {} experts "
-                   "touched, {} of {} steps graph replays\n",
-                   batch, context, ms, batch / ms * 1e3, roofline_ms, 100 * roofline_ms / ms, distinct, replays, o.steps);
+                   "touched, {} of {} steps graph replays | device {:.3f} ms (forward {:.3f})\n",
+                   batch, context, ms, batch / ms * 1e3, roofline_ms, 100 * roofline_ms / ms, distinct, replays, o.steps,
+                   span_ms, forward_ms);
         runs.push_back({{"model", o.preset}, {"phase", "decode"}, {"batch", batch}, {"context", context}, {"tokens", batch},
                         {"ms_per_step", ms}, {"tokens_per_s", batch / ms * 1e3}, {"roofline_ms", roofline_ms},
-                        {"experts_touched", distinct}, {"graph_replays", replays}, {"peer_ms_per_step", nullptr}});
+                        {"experts_touched", distinct}, {"graph_replays", replays}, {"device_span_ms", span_ms},
+                        {"device_forward_ms", forward_ms}, {"peer_ms_per_step", nullptr}});
       }
     }
     for (const Prefill& p : prefills) {

@@ -130,6 +130,13 @@ class GpuEngine final : public model::StepModel {
     int64_t eager_steps = 0, graph_replays = 0, graph_captures = 0;
   };
   const Counters& counters() const { return counters_; }
+  // The last step on the device, from CUDA events on the engine's stream (ms): `span` from the input upload to the
+  // last copy back, `forward` from the first launch of the forward (graph or eager) to the last copy back. Beside
+  // the host's time of step(), what is left is host work between steps (packing, planning, launching, waking up).
+  struct DeviceTimes {
+    double span_ms = 0, forward_ms = 0;
+  };
+  DeviceTimes last_step_device_times() const { return last_device_times_; }
 
  private:
   struct Workspace;
@@ -172,6 +179,7 @@ class GpuEngine final : public model::StepModel {
   StepLayout layout_;
   int64_t workspace_bytes_ = 0;
   Counters counters_;
+  DeviceTimes last_device_times_;
   // Set when apply_placement failed after moving a layer's slots (the layer may read freed buffers): every later
   // step and placement is refused with it.
   std::string broken_placement_;
