@@ -23,15 +23,23 @@ def generate(doc):
           f"{doc['copy_bandwidth_gbs']:.0f} GB/s device copy, {doc['gemm_tflops']:.0f} TFLOP/s bf16 GEMM; "
           f"{doc['layers']} layers.\n")
     print("#### Decode (ms per step; roofline = bytes the step must read / measured copy bandwidth)\n")
-    print(row(["batch", "context", "ms/step", "tok/s", "roofline ms", "of roofline", "HF transformers ms", "vs HF"]))
-    print(row(["---:"] * 8))
+    # Runs since e0e0a04 also hold the step's time on the device (CUDA events); the rest is host work between steps.
+    device = any("device_span_ms" in r for r in runs if r["phase"] == "decode")
+    extra = ["device ms (forward)", "host share"] if device else []
+    print(row(["batch", "context", "ms/step", "tok/s", "roofline ms", "of roofline", "HF transformers ms", "vs HF"] + extra))
+    print(row(["---:"] * (8 + len(extra))))
     for r in runs:
         if r["phase"] != "decode":
             continue
         peer = r.get("peer_ms_per_step")
-        print(row([r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.3f}",
-                   f"{100 * r['roofline_ms'] / r['ms_per_step']:.1f}%", f"{peer:.1f}" if peer else "",
-                   f"{peer / r['ms_per_step']:.1f}x" if peer else ""]))
+        cells = [r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.3f}",
+                 f"{100 * r['roofline_ms'] / r['ms_per_step']:.1f}%", f"{peer:.1f}" if peer else "",
+                 f"{peer / r['ms_per_step']:.1f}x" if peer else ""]
+        if device:
+            span = r.get("device_span_ms")
+            cells += [f"{span:.3f} ({r['device_forward_ms']:.3f})" if span is not None else "",
+                      f"{100 * (1 - span / r['ms_per_step']):.1f}%" if span is not None else ""]
+        print(row(cells))
     if not any(r["phase"] == "prefill" for r in runs):  # a decode-only run (--prefill none)
         print()
         return
