@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <utility>
 #include <vector>
@@ -70,6 +71,34 @@ TEST(ParallelChunks, ThreadedCpuMatmulEqualsTheSerialSums) {
       const float want = static_cast<float>(acc);
       ASSERT_EQ(std::memcmp(&got[r * out + o], &want, 4), 0) << "row " << r << " column " << o;
     }
+  }
+}
+
+// CpuBackend::paged_attention over threads ((token, head) pairs split): a 64-token chunk after 1000 cached positions
+// equals the same tokens attended one call each, bit for bit.
+TEST(ParallelChunks, ThreadedCpuAttentionEqualsTokenByToken) {
+  backend::CpuBackend cpu;
+  const int64_t heads = 8, kv_heads = 2, dim = 64, page = 16, start = 1000, tokens = 64;
+  const int64_t positions = start + tokens, num_pages = (positions + page - 1) / page;
+  std::vector<int32_t> page_ids(static_cast<size_t>(num_pages));
+  std::iota(page_ids.begin(), page_ids.end(), 0);
+  std::shuffle(page_ids.begin(), page_ids.end(), std::mt19937(3));
+  const model::KvPages pages{page_ids, page};
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  const auto random = [&](std::vector<int64_t> shape) {
+    const model::Tensor t = cpu.zeros(shape);
+    std::vector<float> values(static_cast<size_t>(t.numel()));
+    for (float& v : values) v = normal(rng);
+    cpu.upload(t, values);
+    return t;
+  };
+  const model::Tensor k_pool = random({num_pages * page, kv_heads, dim}), v_pool = random({num_pages * page, kv_heads, dim});
+  const model::Tensor q = random({tokens, heads, dim});
+  const std::vector<float> chunk = cpu.download(cpu.paged_attention(q, k_pool, v_pool, pages, start));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const std::vector<float> one = cpu.download(cpu.paged_attention(q.rows(t, 1), k_pool, v_pool, pages, start + t));
+    ASSERT_EQ(std::memcmp(one.data(), chunk.data() + t * heads * dim, sizeof(float) * one.size()), 0) << "token " << t;
   }
 }
 

@@ -131,11 +131,14 @@ Tensor CpuBackend::paged_attention(const Tensor& q, const Tensor& k_pool, const 
   const int64_t group = num_heads / num_kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   Tensor out = zeros({num_tokens, num_heads * head_dim});  // [num_tokens, num_heads * head_dim]
-  std::vector<double> scores(static_cast<size_t>(start_pos + num_tokens));
-  std::vector<double> acc(static_cast<size_t>(head_dim));
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t num_keys = start_pos + t + 1;  // causal: keys at positions <= this query's
-    for (int64_t h = 0; h < num_heads; ++h) {
+  // (token, head) pairs over threads: each output row is computed by one thread in the one-thread order.
+  const int64_t cost = 2 * (start_pos + num_tokens) * head_dim;
+  model::parallel_chunks(num_tokens * num_heads, cost, [&](int64_t begin, int64_t end) {
+    std::vector<double> scores(static_cast<size_t>(start_pos + num_tokens));
+    std::vector<double> acc(static_cast<size_t>(head_dim));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_heads, h = item % num_heads;
+      const int64_t num_keys = start_pos + t + 1;  // causal: keys at positions <= this query's
       const int64_t kv_h = h / group;
       const float* qv = q.data() + (t * num_heads + h) * head_dim;
       double max_score = -INFINITY;
@@ -157,7 +160,7 @@ Tensor CpuBackend::paged_attention(const Tensor& q, const Tensor& k_pool, const 
       float* o = out.data() + (t * num_heads + h) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<float>(acc[d]);
     }
-  }
+  });
   return out;
 }
 
