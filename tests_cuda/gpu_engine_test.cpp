@@ -234,7 +234,9 @@ TEST_F(GpuEngineTest, GraphReplayEqualsEagerBitwise) {
 // The device times of a step (CUDA events inside step()) are positive, the forward within the span, the span within
 // the host's time of the call: prefill (eager) and decode (graph replays) steps.
 TEST_F(GpuEngineTest, StepDeviceTimesLieInsideTheHostCall) {
-  gpu::GpuEngine engine(small_config(), small_options());
+  gpu::GpuEngineOptions o = small_options();
+  o.time_steps = true;
+  gpu::GpuEngine engine(small_config(), o);
   engine.fill_random(5);
   const std::vector<int32_t> prompt = random_tokens(300, engine.vocab_size(), 3);
   engine.allocate(0, 400);

@@ -149,6 +149,7 @@ void run_bench_generate(const BenchGenerateOptions& o) {
   eo.max_batch_seqs = max_seqs;
   eo.max_batch_tokens = std::max<int64_t>(max_tokens, max_seqs);
   eo.kv_pages = positions / eo.page_size + max_seqs;
+  eo.time_steps = true;  // device times beside each decode figure
   nlohmann::json runs = nlohmann::json::array();
   nlohmann::json machine = bench_moe::machine_json(0);
   double gemm_flops = 0, copy_bytes = 0;
@@ -199,8 +200,9 @@ void run_bench_generate(const BenchGenerateOptions& o) {
           const double t0 = now_s();
           run_step();
           times.push_back(1e3 * (now_s() - t0));
-          device_span.push_back(engine.last_step_device_times().span_ms);
-          device_forward.push_back(engine.last_step_device_times().forward_ms);
+          const gpu::GpuEngine::DeviceTimes device = engine.last_step_device_times();
+          device_span.push_back(device.span_ms);
+          device_forward.push_back(device.forward_ms);
         }
         if (o.profile) cudaProfilerStop();
         const int64_t replays = engine.counters().graph_replays - before.graph_replays;

@@ -111,7 +111,7 @@ struct GpuEngine::Workspace {
   void* step_host = nullptr;   // and its pinned host twin
   int32_t* out_host = nullptr; // pinned [S] tokens, [S] logprob bits, [S, kMaxTopLogprobs] top ids, top logprob bits
   int logit_rows = 0;          // max(S, min(T, kHeadChunkRows))
-  cudaEvent_t step_events[3] = {};  // a step's upload, forward and end on the stream (last_step_device_times)
+  cudaEvent_t step_events[3] = {};  // a step's upload, forward and end (GpuEngineOptions::time_steps)
 
   ~Workspace() {
     for (cudaEvent_t e : step_events) {
@@ -592,7 +592,7 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
     }
     num_prompt_rows += static_cast<int64_t>(seq.prompt_targets.size());
   }
-  FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[0], stream_));
+  if (options_.time_steps) FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[0], stream_));
   const StepShape shape = pack(batch, /*sample_every_row=*/false);
   int prompt_top = 1;  // the prompt rows' top count: the most any entry with targets asks for (the kernel's least is 1)
   if (num_prompt_rows > 0) {  // each entry's last prompt_targets.size() rows before its sampling row
@@ -616,7 +616,7 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   const bool graphs = options_.cuda_graphs && shape.decode_only && num_prompt_rows == 0 && attention_->graph_safe() &&
                       options_.dispatch != eplb::DispatchAlgorithm::kBalanced &&
                       std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->uses_cutlass(); });
-  FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[1], stream_));
+  if (options_.time_steps) FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[1], stream_));
   if (graphs) {
     run_decode_graph(shape);
   } else {
@@ -652,12 +652,14 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   // sampled rows' logits (stream order), their log-softmax values on the device (the sampled rows' kernel and
   // formula, model::token_logprob_with_top), and only those values to the host.
   prompt_logprobs_to_host(num_prompt_rows, prompt_top);
-  FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[2], stream_));
+  if (options_.time_steps) FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[2], stream_));
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  float span_ms = 0, forward_ms = 0;
-  FULCRUM_CUDA_CHECK(cudaEventElapsedTime(&span_ms, ws_->step_events[0], ws_->step_events[2]));
-  FULCRUM_CUDA_CHECK(cudaEventElapsedTime(&forward_ms, ws_->step_events[1], ws_->step_events[2]));
-  last_device_times_ = {span_ms, forward_ms};
+  if (options_.time_steps) {
+    float span_ms = 0, forward_ms = 0;
+    FULCRUM_CUDA_CHECK(cudaEventElapsedTime(&span_ms, ws_->step_events[0], ws_->step_events[2]));
+    FULCRUM_CUDA_CHECK(cudaEventElapsedTime(&forward_ms, ws_->step_events[1], ws_->step_events[2]));
+    last_device_times_ = {span_ms, forward_ms};
+  }
   advance(batch);
 
   model::StepOutput out = model::make_step_output(batch.size());

@@ -66,6 +66,8 @@ struct GpuEngineOptions {
   // GEMMs win at 1 and 4 rows and lose from 8, so decode of 16+ sequences and prefill are faster with bf16 copies
   // (docs/benchmarks.md, "FP8 dense projections"). `--fp8-dense-gemms`.
   bool fp8_dense_gemms = false;
+  // Record each step's device times (last_step_device_times; three CUDA events a step): for benchmarks, off in serving.
+  bool time_steps = false;
 };
 
 class GpuEngine final : public model::StepModel {
@@ -130,7 +132,8 @@ class GpuEngine final : public model::StepModel {
     int64_t eager_steps = 0, graph_replays = 0, graph_captures = 0;
   };
   const Counters& counters() const { return counters_; }
-  // The last step on the device, from CUDA events on the engine's stream (ms): `span` from the input upload to the
+  // With options().time_steps, the last step on the device, from CUDA events on the engine's stream (ms): `span`
+  // from the input upload to the
   // last copy back, `forward` from the first launch of the forward (graph or eager) to the last copy back. Beside
   // the host's time of step(), what is left is host work between steps (packing, planning, launching, waking up).
   struct DeviceTimes {
