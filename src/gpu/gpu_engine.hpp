@@ -133,9 +133,9 @@ class GpuEngine final : public model::StepModel {
   };
   const Counters& counters() const { return counters_; }
   // With options().time_steps, the last step on the device, from CUDA events on the engine's stream (ms): `span`
-  // from the input upload to the
-  // last copy back, `forward` from the first launch of the forward (graph or eager) to the last copy back. Beside
-  // the host's time of step(), what is left is host work between steps (packing, planning, launching, waking up).
+  // from the input upload to the last copy back, `forward` from the first launch of the forward (graph or eager) to
+  // the last copy back. Beside the host's time of step(), what is left is host work between steps (packing,
+  // planning, launching, waking up).
   struct DeviceTimes {
     double span_ms = 0, forward_ms = 0;
   };
