@@ -1,4 +1,4 @@
-// `fulcrum bench moe --gpus W`: one process per GPU, real expert parallelism over NCCL (comm::NcclEpMoeLayer:
+// `fulcrum bench moe --gpus W`: one process per GPU, real expert parallelism over NCCL (backend::EpMoeLayer:
 // route, permute, all_to_all of bf16 rows, expert GEMMs on the owning GPU, all_to_all back, combine).
 // Every rank holds T tokens per forward (--tokens is per rank) and P / W slots. Per model and T it measures
 // the step (host clock from a barrier to the end of the forward on every rank; the figure is the slowest
@@ -13,7 +13,7 @@
 #include "bench_moe/bench_util.hpp"
 #include "bench_moe/ep_bench.hpp"
 #include "comm/nccl_communicator.hpp"
-#include "gpu/moe/nccl_ep_moe_layer.hpp"
+#include "gpu/moe/ep_moe_layer.hpp"
 #include "comm/peer_mesh.hpp"
 #include "engine/multi_process_run.hpp"
 #include "eplb/dispatch.hpp"
@@ -45,7 +45,7 @@ EpRoutingInput::EpRoutingInput(const std::vector<double>& loads, int64_t tokens,
   logits = upload(logits_for(loads, tokens, kTopK, seed + 7919 * static_cast<uint64_t>(rank)));
 }
 
-double ep_step_ms(comm::NcclCommunicator& ep, comm::NcclEpMoeLayer& layer, const uint16_t* x, const float* logits,
+double ep_step_ms(comm::NcclCommunicator& ep, backend::EpMoeLayer& layer, const uint16_t* x, const float* logits,
                   int64_t tokens, float* out) {
   ep.barrier();
   const double start = now_ms();
@@ -56,11 +56,11 @@ double ep_step_ms(comm::NcclCommunicator& ep, comm::NcclEpMoeLayer& layer, const
 
 namespace {
 
-using EpScenario = Scenario<comm::NcclEpMoeLayer>;
+using EpScenario = Scenario<backend::EpMoeLayer>;
 
 json run_ep_scenario(const EpScenario& sc, int64_t tokens, const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
                      const DeviceBuffer& x, DeviceBuffer& out, unsigned long long* histogram) {
-  comm::NcclEpMoeLayer& layer = *sc.layer;
+  backend::EpMoeLayer& layer = *sc.layer;
   const int world = ep.size();
   layer.set_replica_choice(ep_replica_choice(sc.dispatch, sc.map, world));
   const EpRoutingInput input(*sc.loads, tokens, ep.rank(), 77 + static_cast<uint64_t>(tokens));
@@ -73,13 +73,13 @@ json run_ep_scenario(const EpScenario& sc, int64_t tokens, const MoeBenchOptions
     }
   }
   layer.layer().set_recorder(histogram);
-  const comm::EpForwardStats rows = layer.last_stats();
+  const backend::EpForwardStats rows = layer.last_stats();
   // Stage split (timing on adds a synchronization after each stage, so it is a separate set of runs).
   layer.set_timing(true);
   std::vector<double> route, dispatch, experts, back, combine;
   for (int r = 0; r < opt.reps; ++r) {
     ep_step_ms(ep, layer, x.as<uint16_t>(), input.logits.as<float>(), tokens, out.as<float>());
-    const comm::EpForwardStats& s = layer.last_stats();
+    const backend::EpForwardStats& s = layer.last_stats();
     route.push_back(s.route_permute_ms);
     dispatch.push_back(s.dispatch_ms);
     experts.push_back(s.experts_ms);
@@ -117,9 +117,9 @@ void run_ep_rank(const MoeBenchOptions& opt, comm::NcclCommunicator& ep, comm::N
   for (const std::string& model_name : opt.models) {
     const ModelShape m = model_shape(model_name);
     backend::MoeLayerShape shape{m.hidden, m.intermediate, kExperts, kTopK, true, kExperts, max_tokens};
-    comm::NcclEpMoeLayer plain(shape, ep, 0);
+    backend::EpMoeLayer plain(shape, ep, 0);
     shape.num_slots = routing.eplb_slots;
-    comm::NcclEpMoeLayer balanced(shape, ep, 0);
+    backend::EpMoeLayer balanced(shape, ep, 0);
     plain.layer().randomize_weights(5);
     balanced.layer().randomize_weights(5);
     LayerInputs in(max_tokens, m.hidden, 9 + static_cast<uint64_t>(rank), plain.stream());

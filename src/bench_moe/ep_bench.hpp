@@ -9,7 +9,7 @@
 #include "gpu/moe/moe_layer.hpp"
 #include "bench_moe/bench_util.hpp"
 #include "comm/nccl_communicator.hpp"
-#include "gpu/moe/nccl_ep_moe_layer.hpp"
+#include "gpu/moe/ep_moe_layer.hpp"
 #include "model/moe_reference.hpp"
 
 namespace fulcrum::bench_moe {
@@ -26,7 +26,7 @@ struct EpRoutingInput {
   backend::DeviceBuffer logits;  // [T, E] fp32
 };
 // One collective forward from a barrier to its end on this rank (host clock, ms).
-double ep_step_ms(comm::NcclCommunicator& ep, comm::NcclEpMoeLayer& layer, const uint16_t* x, const float* logits,
+double ep_step_ms(comm::NcclCommunicator& ep, backend::EpMoeLayer& layer, const uint16_t* x, const float* logits,
                   int64_t tokens, float* out);
 
 // Live migration on `migration` while forward passes run on `ep` (migration_bench.cpp); returns its figures.

@@ -64,7 +64,7 @@ json run_migration_bench(const MoeBenchOptions& opt, comm::NcclCommunicator& ep,
   backend::GpuSlotPool pool(pool_shape, 0);
   pool.fill_layer(0, std::span<const int32_t>(map_a).subspan(static_cast<size_t>(rank * local), static_cast<size_t>(local)), 5);
   backend::MoeLayerShape shape{m.hidden, m.intermediate, kExperts, kTopK, true, p, tokens};
-  comm::NcclEpMoeLayer layer(shape, ep, 0);
+  backend::EpMoeLayer layer(shape, ep, 0);
   comm::NcclSlotPoolMigration mover(pool, migration, eplb::Topology{p, world, 1});
   const std::vector<int32_t>* live = &map_a;
   const auto use_live = [&] {

@@ -60,9 +60,14 @@ void run_generate(GenerateFlags& flags) {
   run.decode = {flags.max_new_tokens, flags.sampling, flags.seed};
 
 #ifdef FULCRUM_WITH_CUDA
-  // One GPU: the GPU engine runs the whole step on the device (src/gpu/); several ranks stay on the engine.
+  // One GPU: the GPU engine runs the whole step on the device (src/gpu/). Attention data-parallel + expert-parallel
+  // ranks on one node without --multi-process: GPU engines as threads; other layouts stay on the engine's ranks.
   if (run.device == "cuda" && layout.world_size() == 1 && !me && flags.dist.nnodes == 1) {
     generate_on_gpu(flags.model_dir, config, layout, run, prompts, flags.dump_logits_file);
+    return;
+  }
+  if (run.device == "cuda" && generates_on_gpu_ranks(layout) && !me && flags.dist.nnodes == 1 && !flags.dist.multi_process) {
+    generate_on_gpu_ranks(flags.model_dir, config, layout, run, prompts, flags.dump_logits_file);
     return;
   }
 #endif

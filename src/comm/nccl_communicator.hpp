@@ -16,6 +16,7 @@
 #include <span>
 
 #include "comm/communicator.hpp"
+#include "comm/device_exchange.hpp"
 #include "comm/local_ranks.hpp"
 #include "comm/peer_mesh.hpp"
 #include "comm/tcp_communicator.hpp"
@@ -24,7 +25,7 @@ struct CUevent_st;  // cudaEvent_t
 
 namespace fulcrum::comm {
 
-class NcclCommunicator final : public Communicator {
+class NcclCommunicator final : public Communicator, public DeviceExchange {
  public:
   // Collective over the mesh's world: rank 0 makes the ncclUniqueId and sends its bytes over the mesh; every
   // rank uses its current CUDA device (cudaSetDevice before).
@@ -50,7 +51,7 @@ class NcclCommunicator final : public Communicator {
   // Device pointers (current device): send holds send_counts[r] bytes per rank r in rank order, recv gets
   // recv_counts[r] bytes from each r; one NCCL group of ncclSend/ncclRecv, returns when complete.
   void all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
-                           std::span<const int64_t> recv_counts);
+                           std::span<const int64_t> recv_counts) override;
 
   // Device pointers (current device): send = size() blocks of `count` floats; recv [count] = sum over ranks of
   // block rank() (ncclReduceScatter, as reduce_scatter_sum); returns when complete.

@@ -162,10 +162,19 @@ int64_t DeviceWeights::bytes_needed(const model::Qwen3MoeConfig& config, int num
 }
 
 DeviceWeights::DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx,
-                             bool fp8_dense_gemms)
-    : config_(config), placement_(placement), device_idx_(device_idx), fp8_dense_(fp8_dense_for(config, fp8_dense_gemms)) {
+                             bool fp8_dense_gemms, int ep_rank)
+    : config_(config),
+      placement_(placement),
+      device_idx_(device_idx),
+      ep_rank_(ep_rank),
+      fp8_dense_(fp8_dense_for(config, fp8_dense_gemms)) {
+  const int ep_world = placement.topology.num_gpus;
+  FULCRUM_CHECK(ep_world >= 1 && ep_rank >= 0 && ep_rank < ep_world &&
+                    (config.moe_layer_indices().empty() || placement.num_physical_experts() % ep_world == 0),
+                "GPU weights: EP rank {} of a placement of {} slots over {} GPUs (the slots must split evenly)", ep_rank,
+                placement.num_physical_experts(), ep_world);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx));
-  const int num_slots = config.moe_layer_indices().empty() ? 0 : placement.num_physical_experts();
+  const int num_slots = config.moe_layer_indices().empty() ? 0 : placement.num_physical_experts() / ep_world;
   const int64_t needed = bytes_needed(config, num_slots, fp8_dense_gemms);
   size_t free_bytes = 0, total_bytes = 0;
   FULCRUM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -351,7 +360,7 @@ void DeviceWeights::load(model::Checkpoint& checkpoint, const std::function<void
       },
       read_fp8,
       [&](int l, int moe, std::vector<std::byte>& gate_up, std::vector<std::byte>& down) {
-        const std::span<const int32_t> map = placement_.layer(moe);
+        const std::span<const int32_t> map = local_row(moe);
         const auto expert = [&](size_t s, const char* proj) {
           return layer_name(l, fmt::format("mlp.experts.{}.{}.weight", map[s], proj).c_str());
         };
@@ -477,12 +486,19 @@ void DeviceWeights::fill_random(uint64_t seed) {
                                                   e.fill_scale / 448.0f, nullptr));
   }
   FULCRUM_CUDA_CHECK(cudaDeviceSynchronize());
-  for (int moe = 0; slots_ && moe < placement_.num_layers; ++moe) slots_->fill_layer(moe, placement_.layer(moe), seed);
+  for (int moe = 0; slots_ && moe < placement_.num_layers; ++moe) slots_->fill_layer(moe, local_row(moe), seed);
+}
+
+std::span<const int32_t> DeviceWeights::local_row(int moe_layer) const {
+  const int per_rank = placement_.num_physical_experts() / placement_.topology.num_gpus;
+  return placement_.layer(moe_layer).subspan(static_cast<size_t>(ep_rank_) * per_rank, static_cast<size_t>(per_rank));
 }
 
 int DeviceWeights::migrate_layer(int moe_layer, std::span<const int32_t> new_row) {
   FULCRUM_CHECK(slots_ != nullptr && moe_layer >= 0 && moe_layer < placement_.num_layers,
                 "GPU weights: no MoE layer {} to migrate ({} MoE layers)", moe_layer, placement_.num_layers);
+  FULCRUM_CHECK(placement_.topology.num_gpus == 1, "GPU weights: a local migration on EP rank {} of {} (slots move "
+                "between GPUs there)", ep_rank_, placement_.topology.num_gpus);
   const int moved = slots_->migrate_layer_locally(moe_layer, placement_.layer(moe_layer), new_row);
   std::copy(new_row.begin(), new_row.end(), placement_.layer(moe_layer).begin());
   return moved;
@@ -499,6 +515,12 @@ constexpr int64_t kEmitChunk = int64_t{1} << 20;  // values converted per writer
 std::string slot_tensor(int moe, const char* what) { return fmt::format("slots.{}.{}", moe, what); }
 std::string codes_tensor(const std::string& stem) { return stem + ".codes"; }
 std::string scales_tensor(const std::string& stem) { return stem + ".scales"; }
+
+// The cache holds every slot of one GPU: an EP rank's part is refused.
+void require_every_slot(const eplb::Placement& placement, int ep_rank) {
+  FULCRUM_CHECK(placement.topology.num_gpus == 1, "--weight-cache: the cache holds every slot of one GPU, not an EP "
+                "rank's part ({} of {}); start without it", ep_rank, placement.topology.num_gpus);
+}
 
 }  // namespace
 
@@ -552,6 +574,7 @@ std::vector<model::TensorSpec> DeviceWeights::cache_specs() const {
 }
 
 void DeviceWeights::save_cache(const std::string& dir) const {
+  require_every_slot(placement_, ep_rank_);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
   const std::vector<Entry> all = entries();
   const std::vector<Fp8Entry> fp8 = fp8_entries();
@@ -631,6 +654,7 @@ void DeviceWeights::save_cache(const std::string& dir) const {
 }
 
 void DeviceWeights::load_cache(const std::string& dir, const std::function<void(int, int)>& on_layer) {
+  require_every_slot(placement_, ep_rank_);
   FULCRUM_CUDA_CHECK(cudaSetDevice(device_idx_));
   const std::string path = cache_file(dir);
   const model::SafetensorsFile file(path);

@@ -30,6 +30,7 @@
 #include <map>
 #include <string>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "gpu/fp8_weight.hpp"
@@ -73,10 +74,12 @@ class DeviceWeights {
   };
   static Fp8Dense fp8_dense_for(const model::Qwen3MoeConfig& config, bool fp8_dense_gemms);
 
-  // Allocates every tensor (contents undefined until a load or fill) for a placement of the MoE layers
-  // (num_physical_experts slots each, all on this GPU). Throws a one-line error when it does not fit.
+  // Allocates every tensor (contents undefined until a load or fill) for a placement of the MoE layers. Its
+  // topology's G GPUs are expert-parallel ranks: this one, `ep_rank`, holds the P / G slots [ep_rank * P / G,
+  // (ep_rank + 1) * P / G) of each layer (G = 1: every slot on this GPU), and the whole non-expert model. Throws
+  // a one-line error when it does not fit.
   DeviceWeights(const model::Qwen3MoeConfig& config, const eplb::Placement& placement, int device_idx,
-                bool fp8_dense_gemms = false);
+                bool fp8_dense_gemms = false, int ep_rank = 0);
   ~DeviceWeights();
   DeviceWeights(const DeviceWeights&) = delete;
   DeviceWeights& operator=(const DeviceWeights&) = delete;
@@ -110,6 +113,9 @@ class DeviceWeights {
 
   const model::Qwen3MoeConfig& config() const { return config_; }
   const eplb::Placement& placement() const { return placement_; }
+  int ep_rank() const { return ep_rank_; }
+  // The logical experts of MoE layer `moe_layer`'s slots on this GPU (the placement's row, this rank's part).
+  std::span<const int32_t> local_row(int moe_layer) const;
   // Live EPLB on this GPU: MoE layer `moe_layer`'s slots take new_row (its physical -> logical row, the
   // placement's slot count) by the slot pool's local migration (GpuSlotPool::migrate_layer_locally: weights and
   // FP8 scales together); placement() and later cache writes follow. Returns the slots that moved. The caller
@@ -152,6 +158,7 @@ class DeviceWeights {
   model::Qwen3MoeConfig config_;
   eplb::Placement placement_;
   int device_idx_ = 0;
+  int ep_rank_ = 0;
   Fp8Dense fp8_dense_;  // which dense projections this instance holds in FP8
   uint16_t* base_ = nullptr;  // the non-expert bf16 tensors
   std::byte* fp8_base_ = nullptr;  // FP8 dense projections: their device pointer table, then codes and scales

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "backend/cuda/cuda_check.hpp"
+#include "gpu/moe/ep_moe_layer.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "eplb/error.hpp"
@@ -149,16 +150,23 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   const int num_moe = static_cast<int>(config.moe_layer_indices().size());
+  const int ep_world = options_.ep != nullptr ? options_.ep->size() : 1;
   if (num_moe > 0 && options_.placement.num_layers == 0) {
-    options_.placement = eplb::trivial_placement(eplb::Topology{config.num_experts, 1, 1}, num_moe, config.num_experts);
+    options_.placement = eplb::trivial_placement(eplb::Topology{config.num_experts, ep_world, 1}, num_moe, config.num_experts);
   }
   if (num_moe > 0) {
     FULCRUM_CHECK(options_.placement.num_layers == num_moe && options_.placement.num_logical_experts == config.num_experts,
                   "placement covers {} MoE layers of {} experts, the model has {} MoE layers of {} experts",
                   options_.placement.num_layers, options_.placement.num_logical_experts, num_moe, config.num_experts);
+    FULCRUM_CHECK(options_.placement.topology.num_gpus == ep_world,
+                  "GPU engine: a placement over {} GPUs for {} expert-parallel rank(s)", options_.placement.topology.num_gpus,
+                  ep_world);
     options_.placement.validate();
   }
-  weights_ = std::make_unique<DeviceWeights>(config, options_.placement, options_.device, options_.fp8_dense_gemms);
+  FULCRUM_CHECK(options_.ep == nullptr || !DeviceWeights::fp8_experts_for(config),
+                "GPU engine: expert parallelism runs bf16 experts; this checkpoint's experts are FP8");
+  weights_ = std::make_unique<DeviceWeights>(config, options_.placement, options_.device, options_.fp8_dense_gemms,
+                                             options_.ep != nullptr ? options_.ep->rank() : 0);
   {
     // FP8 projections (an FP8 checkpoint's): the quantized GEMM path's scratch, sized for a whole step's tokens
     // and the widest FP8 projection (every one runs with fp32 output).
@@ -240,13 +248,21 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
     shape.max_tokens = t;
     shape.external_weights = true;
     const auto moe_ws = std::make_shared<backend::MoeWorkspace>(shape, options_.device);
+    // EP: the exchanged rows' buffers, one set for all layers (they run one after another on stream_).
+    const auto ep_rows = options_.ep != nullptr ? std::make_shared<backend::EpRowBuffers>(shape, ep_world) : nullptr;
     for (int m = 0; m < num_moe; ++m) {
-      auto layer = std::make_unique<backend::GpuMoeLayer>(shape, options_.device, stream_, moe_ws);
+      backend::GpuMoeLayer* layer = nullptr;
+      if (options_.ep != nullptr) {
+        ep_moe_.push_back(std::make_unique<backend::EpMoeLayer>(shape, *options_.ep, options_.device, stream_, moe_ws, ep_rows));
+        layer = &ep_moe_.back()->layer();
+      } else {
+        moe_.push_back(std::make_unique<backend::GpuMoeLayer>(shape, options_.device, stream_, moe_ws));
+        layer = moe_.back().get();
+      }
       const LayerWeights& lw = weights_->layer(config.moe_layer_indices()[static_cast<size_t>(m)]);
       layer->set_router_weights(lw.router);
       layer->set_recorder(w.histogram + int64_t{m} * config.num_experts);
       layer->set_skinny_max_entries(options_.skinny_max_entries);
-      moe_.push_back(std::move(layer));
       point_moe_layer_at_slots(m);
     }
   }
@@ -276,6 +292,7 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
 GpuEngine::~GpuEngine() {
   graphs_.reset();
   moe_.clear();
+  ep_moe_.clear();
   attention_.reset();
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   ws_.reset();
@@ -287,22 +304,33 @@ GpuEngine::~GpuEngine() {
 // rewritten in place on a layer that had them, so captured decode graphs follow (GpuMoeLayer::set_slot_weights,
 // set_replica_choice).
 void GpuEngine::point_moe_layer_at_slots(int m) {
-  backend::GpuMoeLayer& layer = *moe_[static_cast<size_t>(m)];
+  backend::GpuMoeLayer& layer = ep_moe_.empty() ? *moe_[static_cast<size_t>(m)] : ep_moe_[static_cast<size_t>(m)]->layer();
   if (layer.shape().fp8_experts) {
     layer.set_fp8_slot_weights(weights_->slot_pool()->fp8_ptrs(m));
   } else {
     layer.set_slot_weights(weights_->slot_pool()->gate_up_ptrs(m), weights_->slot_pool()->down_ptrs(m));
   }
   const eplb::Placement& placement = weights_->placement();
-  const eplb::Topology topo{placement.num_physical_experts(), 1, 1};
+  const int ep_world = options_.ep != nullptr ? options_.ep->size() : 1;
+  const eplb::Topology topo{placement.num_physical_experts(), ep_world, 1};
+  // Dynamic choice: one draw stream per source (EP: per rank, every rank holding them all and taking its own).
   std::vector<uint64_t> streams;
-  if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m));
-  layer.set_replica_choice(model::moe::make_replica_choice(options_.dispatch, placement.layer(m),
-                                                           config_.num_experts, topo, options_.max_batch_tokens, streams));
+  if (options_.dispatch == eplb::DispatchAlgorithm::kDynamic) {
+    for (int r = 0; r < ep_world; ++r) streams.push_back(options_.dispatch_seed + static_cast<uint64_t>(m) + (uint64_t{r} << 32));
+  }
+  const model::moe::ReplicaChoiceSpec spec = model::moe::make_replica_choice(
+      options_.dispatch, placement.layer(m), config_.num_experts, topo, options_.max_batch_tokens, streams);
+  if (ep_moe_.empty()) {
+    layer.set_replica_choice(spec);
+  } else {
+    ep_moe_[static_cast<size_t>(m)]->set_replica_choice(spec);
+  }
 }
 
 int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
   const eplb::Placement& now = weights_->placement();
+  FULCRUM_CHECK(options_.ep == nullptr, "GPU engine: a live placement on an expert-parallel rank (its slots would "
+                "move between GPUs: not supported yet)");
   FULCRUM_CHECK(!moe_.empty(), "GPU engine: a placement for a model without MoE layers");
   FULCRUM_CHECK(next.num_layers == now.num_layers && next.num_logical_experts == now.num_logical_experts &&
                     next.num_physical_experts() == now.num_physical_experts() && next.topology.num_gpus == 1,
@@ -473,6 +501,8 @@ void GpuEngine::forward_layers(const StepShape& shape) {
     if (!ablated(AblatePart::kPostNorm)) add_norm(true, lw.post_norm, nullptr, t, w.x, "post RMSNorm");
     if (lw.moe_layer_idx >= 0 && ablated(AblatePart::kMoe)) {
       pending_combine_ = nullptr;
+    } else if (lw.moe_layer_idx >= 0 && !ep_moe_.empty()) {
+      ep_moe_[static_cast<size_t>(lw.moe_layer_idx)]->forward(w.x, t, w.delta);  // the ranks' exchange inside
     } else if (lw.moe_layer_idx >= 0) {
       backend::GpuMoeLayer& moe = *moe_[static_cast<size_t>(lw.moe_layer_idx)];
       if (moe_combine_add_rms_norm_supported(h)) {
@@ -578,6 +608,10 @@ void GpuEngine::advance(std::span<const model::StepSequence> batch) {
 model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   FULCRUM_CHECK(broken_placement_.empty(), "GPU engine: {}", broken_placement_);
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  if (batch.empty() && options_.ep != nullptr) {
+    join_exchanges_without_tokens();
+    return model::make_step_output(0);
+  }
   int64_t num_prompt_rows = 0;
   for (const model::StepSequence& seq : batch) {
     FULCRUM_CHECK(seq.top_logprobs >= 0 && seq.top_logprobs <= model::kMaxTopLogprobs,
@@ -613,7 +647,8 @@ model::StepOutput GpuEngine::step(std::span<const model::StepSequence> batch) {
   plan_attention(shape);
   // Graphs need MoE layers without host synchronization: CUTLASS expert GEMMs, no balanced replica choice. A step
   // with prompt rows runs eagerly (a decode-only step has none: its entries' single row samples, n_pred = 0).
-  const bool graphs = options_.cuda_graphs && shape.decode_only && num_prompt_rows == 0 && attention_->graph_safe() &&
+  const bool graphs = options_.cuda_graphs && options_.ep == nullptr && shape.decode_only && num_prompt_rows == 0 &&
+                      attention_->graph_safe() &&
                       options_.dispatch != eplb::DispatchAlgorithm::kBalanced &&
                       std::all_of(moe_.begin(), moe_.end(), [](const auto& m) { return m->uses_cutlass(); });
   if (options_.time_steps) FULCRUM_CUDA_CHECK(cudaEventRecord(ws_->step_events[1], stream_));
@@ -725,6 +760,10 @@ void GpuEngine::run_decode_graph(const StepShape& shape) {
 
 std::vector<model::HostTensor> GpuEngine::forward_logits(std::span<const model::StepSequence> batch) {
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
+  if (batch.empty() && options_.ep != nullptr) {
+    join_exchanges_without_tokens();
+    return {};
+  }
   const StepShape shape = pack(batch, /*sample_every_row=*/true);
   plan_attention(shape);
   // Every row through the head, a chunk of logit_rows rows at a time.
@@ -767,8 +806,13 @@ void GpuEngine::assume_prefilled(model::SequenceId id, int64_t num_tokens) {
   seq.num_tokens = num_tokens;
 }
 
+void GpuEngine::join_exchanges_without_tokens() {
+  for (const auto& layer : ep_moe_) layer->forward(ws_->x, 0, ws_->delta);
+  FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 std::vector<int64_t> GpuEngine::expert_counts() {
-  const size_t n = moe_.size() * static_cast<size_t>(config_.num_experts);
+  const size_t n = static_cast<size_t>(num_moe_layers()) * static_cast<size_t>(config_.num_experts);
   std::vector<unsigned long long> raw(n);
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (n > 0) FULCRUM_CUDA_CHECK(cudaMemcpy(raw.data(), ws_->histogram, 8 * n, cudaMemcpyDeviceToHost));
@@ -777,7 +821,7 @@ std::vector<int64_t> GpuEngine::expert_counts() {
 
 void GpuEngine::reset_expert_counts() {
   FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const size_t n = moe_.size() * static_cast<size_t>(config_.num_experts);
+  const size_t n = static_cast<size_t>(num_moe_layers()) * static_cast<size_t>(config_.num_experts);
   if (n > 0) FULCRUM_CUDA_CHECK(cudaMemset(ws_->histogram, 0, 8 * n));
 }
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/device_exchange.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "eplb/dispatch.hpp"
 #include "eplb/placement.hpp"
@@ -37,6 +38,7 @@
 struct CUstream_st;
 
 namespace fulcrum::backend {
+class EpMoeLayer;
 class GpuMoeLayer;
 }
 
@@ -68,6 +70,14 @@ struct GpuEngineOptions {
   bool fp8_dense_gemms = false;
   // Record each step's device times (last_step_device_times; three CUDA events a step): for benchmarks, off in serving.
   bool time_steps = false;
+  // Expert parallelism (not owned; null: every slot on this GPU). This engine is EP rank ep->rank() of ep->size():
+  // the placement's topology has that many GPUs, this one holds the P / G slots [rank * P / G, (rank + 1) * P / G)
+  // of each MoE layer and the whole rest of the model, and runs its own sequences (data-parallel attention). Its
+  // MoE layers are backend::EpMoeLayer: each exchanges the rows routed to other ranks' slots through `ep` (NCCL
+  // across GPUs, comm::HostStagedExchange for ranks sharing one), so every rank must call step() / forward_logits()
+  // together, as many times, a rank without sequences with an empty batch (it joins each layer's exchange with no
+  // tokens). Steps run eagerly (the exchange waits on the host); bf16 experts; no weight cache, no live placement.
+  comm::DeviceExchange* ep = nullptr;
 };
 
 class GpuEngine final : public model::StepModel {
@@ -165,6 +175,9 @@ class GpuEngine final : public model::StepModel {
   // logprob bits (enqueued; valid after the stream's next wait). Eager only, as head_rows_to_host.
   void prompt_logprobs_to_host(int64_t num_rows, int num_top);
   void run_decode_graph(const StepShape& shape);
+  // An EP rank's step without sequences: every MoE layer joins its exchange with no tokens.
+  void join_exchanges_without_tokens();
+  int num_moe_layers() const { return static_cast<int>(config_.moe_layer_indices().size()); }
   void point_moe_layer_at_slots(int moe_layer);
   void advance(std::span<const model::StepSequence> batch);
 
@@ -176,7 +189,8 @@ class GpuEngine final : public model::StepModel {
   std::unique_ptr<Workspace> ws_;
   std::unique_ptr<DenseGemm> gemm_;
   std::unique_ptr<AttentionRunner> attention_;
-  std::vector<std::unique_ptr<backend::GpuMoeLayer>> moe_;  // per MoE layer ordinal
+  std::vector<std::unique_ptr<backend::GpuMoeLayer>> moe_;  // per MoE layer ordinal (one GPU)
+  std::vector<std::unique_ptr<backend::EpMoeLayer>> ep_moe_;  // per MoE layer ordinal (options_.ep: instead of moe_)
   std::unique_ptr<GraphCache> graphs_;
   StepCapacity capacity_;
   StepLayout layout_;

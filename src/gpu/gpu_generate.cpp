@@ -8,14 +8,53 @@
 #include "model/sampling.hpp"
 
 namespace fulcrum::gpu {
+namespace {
+
+struct PrefillChunk {
+  size_t seq = 0, offset = 0, count = 0;
+  bool last = false;  // the prompt's last chunk
+};
+
+// The next prefill step: chunks of the prompts from `next` on, within the step's token budget and sequence count;
+// advances `cursor` (tokens of each prompt taken) and `next` (the first prompt not yet whole).
+std::vector<PrefillChunk> next_prefill_step(const std::vector<std::vector<int32_t>>& prompts, std::vector<size_t>& cursor,
+                                            size_t& next, int64_t budget, int max_seqs) {
+  std::vector<PrefillChunk> step;
+  int64_t used = 0;
+  for (size_t i = next; i < prompts.size() && used < budget && static_cast<int>(step.size()) < max_seqs; ++i) {
+    const size_t left = prompts[i].size() - cursor[i];
+    if (left == 0) continue;
+    const size_t take_n = std::min<size_t>(left, static_cast<size_t>(budget - used));
+    step.push_back({i, cursor[i], take_n, take_n == left});
+    used += static_cast<int64_t>(take_n);
+    cursor[i] += take_n;
+  }
+  while (next < prompts.size() && cursor[next] == prompts[next].size()) ++next;
+  return step;
+}
+
+}  // namespace
+
+int64_t gpu_prefill_steps(const std::vector<std::vector<int32_t>>& prompts, int64_t max_batch_tokens, int max_batch_seqs) {
+  std::vector<size_t> cursor(prompts.size(), 0);
+  int64_t steps = 0;
+  for (size_t next = 0; next < prompts.size(); ++steps) next_prefill_step(prompts, cursor, next, max_batch_tokens, max_batch_seqs);
+  return steps;
+}
 
 model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                   const model::DecodeOptions& options, bool prompt_logits, GpuGenerateStats* stats) {
+                                   const model::DecodeOptions& options, bool prompt_logits, GpuGenerateStats* stats,
+                                   const GpuGenerateRank* rank) {
   using clock = std::chrono::steady_clock;
   model::validate_sampling_params(options.sampling);
   const size_t n = prompts.size();
+  FULCRUM_CHECK(rank == nullptr || rank->sequence_index.size() == n, "generate: {} sequence indices for {} prompts",
+                rank == nullptr ? 0 : rank->sequence_index.size(), n);
+  FULCRUM_CHECK(n > 0 || rank != nullptr, "generate: no prompts");
   std::vector<model::Rng> rngs;
-  for (size_t i = 0; i < n; ++i) rngs.emplace_back(options.seed, "sequence " + std::to_string(i));
+  for (size_t i = 0; i < n; ++i) {
+    rngs.emplace_back(options.seed, "sequence " + std::to_string(rank != nullptr ? rank->sequence_index[i] : i));
+  }
   const bool draws = options.sampling.temperature > 0.0f;
   model::GenerateResult result;
   result.new_tokens.assign(n, {});
@@ -55,21 +94,17 @@ model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vec
   const int64_t budget = engine.options().max_batch_tokens;
   const bool sample_first = options.max_new_tokens > 0;
   std::vector<size_t> cursor(n, 0);
-  for (size_t next = 0; next < n;) {
+  int64_t prefill_steps = 0;
+  for (size_t next = 0; next < n || (rank != nullptr && prefill_steps < rank->prefill_steps); ++prefill_steps) {
     std::vector<model::StepSequence> batch;
     std::vector<size_t> members;
-    int64_t used = 0;
-    for (size_t i = next; i < n && used < budget && static_cast<int>(batch.size()) < engine.options().max_batch_seqs; ++i) {
-      const size_t left = prompts[i].size() - cursor[i];
-      if (left == 0) continue;
-      const size_t take_n = std::min<size_t>(left, static_cast<size_t>(budget - used));
-      const bool last = take_n == left;
-      batch.push_back(entry(i, std::span<const int32_t>(prompts[i]).subspan(cursor[i], take_n), last && sample_first));
-      members.push_back(i);
-      used += static_cast<int64_t>(take_n);
-      cursor[i] += take_n;
+    // Past this rank's own prompts (EP lockstep): an empty step, which joins the other ranks' exchanges.
+    if (next < n) {
+      for (const PrefillChunk& c : next_prefill_step(prompts, cursor, next, budget, engine.options().max_batch_seqs)) {
+        batch.push_back(entry(c.seq, std::span<const int32_t>(prompts[c.seq]).subspan(c.offset, c.count), c.last && sample_first));
+        members.push_back(c.seq);
+      }
     }
-    while (next < n && cursor[next] == prompts[next].size()) ++next;
     if (!prompt_logits) {
       take(engine.step(batch), members, batch);
       continue;

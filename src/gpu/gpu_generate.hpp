@@ -17,9 +17,22 @@ struct GpuGenerateStats {
   int64_t decode_steps = 0;
 };
 
+// One expert-parallel rank of a lockstep run (GpuEngineOptions::ep): every rank must take as many steps as the
+// others, so a rank past its own prefill takes empty steps up to `prefill_steps` (the most any rank's prompts take:
+// gpu_prefill_steps), and a rank without prompts takes empty decode steps too. `sequence_index`: each prompt's
+// index in the whole run, whose Rng stream ("sequence i") it draws from, so the ranks sample what one engine would.
+struct GpuGenerateRank {
+  std::vector<size_t> sequence_index;
+  int64_t prefill_steps = 0;
+};
+
 // With `prompt_logits`, the prefill returns every prompt position's logits (result.prompt_logits) and the
 // first token is sampled on the host from them; otherwise the device samples and prompt_logits stay empty.
 model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                   const model::DecodeOptions& options, bool prompt_logits, GpuGenerateStats* stats = nullptr);
+                                   const model::DecodeOptions& options, bool prompt_logits, GpuGenerateStats* stats = nullptr,
+                                   const GpuGenerateRank* rank = nullptr);
+
+// The prefill steps gpu_generate takes for `prompts` on an engine of this step capacity.
+int64_t gpu_prefill_steps(const std::vector<std::vector<int32_t>>& prompts, int64_t max_batch_tokens, int max_batch_seqs);
 
 }  // namespace fulcrum::gpu

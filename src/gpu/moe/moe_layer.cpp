@@ -371,7 +371,7 @@ void GpuMoeLayer::reserve_expert_rows(int64_t rows) { ws().reserve_expert_rows(r
 
 void GpuMoeLayer::check_holds_all_slots() const {
   FULCRUM_CHECK(shape_.local_slots() == shape_.num_slots,
-                "MoE layer holds slots [{}, {}) of {}: forward needs them all (expert parallelism: comm::NcclEpMoeLayer)",
+                "MoE layer holds slots [{}, {}) of {}: forward needs them all (expert parallelism: backend::EpMoeLayer)",
                 shape_.local_slot_begin, shape_.local_slot_begin + shape_.local_slots(), shape_.num_slots);
 }
 

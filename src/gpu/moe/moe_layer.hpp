@@ -55,7 +55,7 @@ struct MoeLayerShape {
   int64_t max_tokens = 0;         // buffers are sized for this many tokens per forward
   // Slots whose weights this GPU holds: [local_slot_begin, local_slot_begin + num_local_slots) (-1: all P,
   // the one-GPU layer). Only a layer holding all P slots runs forward on its own; an expert-parallel rank
-  // (comm::NcclEpMoeLayer) routes and permutes over the global slots and runs its local slots' experts on
+  // (backend::EpMoeLayer) routes and permutes over the global slots and runs its local slots' experts on
   // the rows it receives (run_experts_on).
   int local_slot_begin = 0;
   int num_local_slots = -1;
@@ -236,7 +236,7 @@ class GpuMoeLayer {
   // in the algorithm, the sources and tokens_per_source: only a spec that keeps them (a new placement of the same
   // layout) may be set under graphs captured before.
   void set_replica_choice(const model::moe::ReplicaChoiceSpec& spec);
-  // Balanced replica choice over expert-parallel ranks (comm::NcclEpMoeLayer): this layer's tokens are the
+  // Balanced replica choice over expert-parallel ranks (backend::EpMoeLayer): this layer's tokens are the
   // one source of its spec, global source `source_idx` of the spec topology's GPUs; `gather` turns this
   // source's per-expert entry counts [E] into every source's [num_gpus][E] (a collective: route calls it on
   // every forward, also with 0 tokens). The split runs on those; this layer takes its source's routes.

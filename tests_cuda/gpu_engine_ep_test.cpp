@@ -1,0 +1,184 @@
+// The GPU engine as 2 expert-parallel ranks (GpuEngineOptions::ep): threads sharing one GPU with the rows staged
+// through the host (comm::HostStagedExchange over comm::run_in_process), the code that runs over NCCL across GPUs.
+// Each rank holds half of every MoE layer's slots and its own sequences (data-parallel attention).
+// Tolerance: against the one-GPU engine on the same sequences, an EP rank's expert GEMMs group its rows per
+// (source rank, slot) instead of per slot, so cuBLAS may sum in another order and round the expert rows to bf16
+// elsewhere: the batching argument of gpu_engine_test.cpp, kEpRelTolerance = 0.01 on logits.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "comm/host_staged_exchange.hpp"
+#include "comm/in_process_communicator.hpp"
+#include "eplb/error.hpp"
+#include "gpu_engine_test_util.hpp"
+#include "moe_cuda_test_util.hpp"
+
+namespace fulcrum::test {
+namespace {
+
+constexpr double kEpRelTolerance = 0.01;
+constexpr int kRanks = 2;
+
+gpu::GpuEngineOptions ep_options() {
+  gpu::GpuEngineOptions o;
+  o.max_batch_tokens = 1024;
+  o.max_batch_seqs = 8;
+  o.kv_pages = 256;  // two engines share the GPU: no fraction of free memory
+  return o;
+}
+
+// One forward_logits call over all `prompts` (sequence ids first_id, first_id + 1, ...): each prompt's last logits.
+std::vector<std::vector<float>> last_logits_together(gpu::GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                                     int64_t first_id) {
+  std::vector<model::StepSequence> batch;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    engine.allocate(first_id + static_cast<int64_t>(i), static_cast<int64_t>(prompts[i].size()) + 8);
+    batch.push_back(entry(first_id + static_cast<int64_t>(i), prompts[i], false));
+  }
+  const std::vector<model::HostTensor> logits = engine.forward_logits(batch);
+  std::vector<std::vector<float>> out;
+  const int v = engine.vocab_size();
+  for (const model::HostTensor& t : logits) out.emplace_back(t.data.end() - v, t.data.end());
+  for (size_t i = 0; i < prompts.size(); ++i) engine.release(first_id + static_cast<int64_t>(i));
+  return out;
+}
+
+// A placement of `slots` slots over `gpus` GPUs: experts permuted per layer, the slots past E replicas of 3 experts.
+eplb::Placement moved_placement(const model::Qwen3MoeConfig& config, int slots, int gpus) {
+  const int num_moe = static_cast<int>(config.moe_layer_indices().size()), e = config.num_experts;
+  eplb::Placement p(eplb::Topology{slots, gpus, 1}, num_moe, e);
+  for (int l = 0; l < num_moe; ++l) {
+    for (int s = 0; s < slots; ++s) p.layer(l)[static_cast<size_t>(s)] = s < e ? (s * 7 + l) % e : (s - e) % 3;
+  }
+  return p;
+}
+
+// Prompts of awkward lengths: rank 0 runs the first two, rank 1 the last two (a one-token prompt among them).
+std::vector<std::vector<int32_t>> ep_prompts(int vocab) {
+  return {random_tokens(300, vocab, 1), random_tokens(17, vocab, 2), random_tokens(1, vocab, 3), random_tokens(45, vocab, 4)};
+}
+
+// Every prompt's last logits on 2 EP ranks (rank r runs prompts 2r, 2r + 1; with rank_one_idle, rank 1 runs none and
+// joins with an empty batch), in prompt order; the idle rank's entries stay empty.
+std::vector<std::vector<float>> ep_logits(const model::Qwen3MoeConfig& config, const eplb::Placement& placement,
+                                          eplb::DispatchAlgorithm dispatch, bool rank_one_idle) {
+  const std::vector<std::vector<int32_t>> prompts = ep_prompts(config.vocab_size);
+  std::array<std::vector<std::vector<float>>, kRanks> per_rank;
+  comm::run_in_process(kRanks, [&](int rank, comm::Communicator& comm) {
+    FULCRUM_CUDA_CHECK(cudaSetDevice(0));
+    comm::HostStagedExchange exchange(comm, 0);
+    gpu::GpuEngineOptions o = ep_options();
+    o.ep = &exchange;
+    o.placement = placement;
+    o.dispatch = dispatch;
+    gpu::GpuEngine engine(config, o);
+    engine.fill_random(21);
+    std::vector<std::vector<int32_t>> mine;
+    if (!(rank == 1 && rank_one_idle)) mine = {prompts[2 * rank], prompts[2 * rank + 1]};
+    per_rank[static_cast<size_t>(rank)] = mine.empty() ? std::vector<std::vector<float>>{}
+                                                       : last_logits_together(engine, mine, 10 * rank);
+    if (mine.empty()) EXPECT_TRUE(engine.forward_logits({}).empty());  // joined the layers' exchanges
+  });
+  std::vector<std::vector<float>> all(prompts.size());
+  for (int r = 0; r < kRanks; ++r) {
+    for (size_t i = 0; i < per_rank[static_cast<size_t>(r)].size(); ++i) all[2 * r + i] = per_rank[static_cast<size_t>(r)][i];
+  }
+  return all;
+}
+
+// Two EP ranks give each sequence the one-GPU engine's logits within kEpRelTolerance: the trivial placement, and
+// experts permuted with replicas under static and dynamic replica choice; and with rank 1 idle (empty batches).
+TEST(GpuEngineEp, RanksMatchTheOneGpuEngine) {
+  const model::Qwen3MoeConfig config = small_config();
+  const std::vector<std::vector<int32_t>> prompts = ep_prompts(config.vocab_size);
+  std::vector<std::vector<float>> one_gpu;
+  {
+    gpu::GpuEngine engine(config, ep_options());
+    engine.fill_random(21);
+    one_gpu = last_logits_together(engine, prompts, 0);
+  }
+  const int num_moe = static_cast<int>(config.moe_layer_indices().size()), e = config.num_experts;
+  struct Case {
+    const char* name;
+    eplb::Placement placement;
+    eplb::DispatchAlgorithm dispatch;
+    bool rank_one_idle;
+  };
+  const Case cases[] = {
+      {"trivial, static", eplb::trivial_placement(eplb::Topology{e, kRanks, 1}, num_moe, e), eplb::DispatchAlgorithm::kStatic, false},
+      {"moved + replicas, static", moved_placement(config, e + 8, kRanks), eplb::DispatchAlgorithm::kStatic, false},
+      {"moved + replicas, dynamic", moved_placement(config, e + 8, kRanks), eplb::DispatchAlgorithm::kDynamic, false},
+      {"trivial, rank 1 idle", eplb::trivial_placement(eplb::Topology{e, kRanks, 1}, num_moe, e), eplb::DispatchAlgorithm::kStatic, true},
+  };
+  for (const Case& c : cases) {
+    const std::vector<std::vector<float>> ep = ep_logits(config, c.placement, c.dispatch, c.rank_one_idle);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      if (c.rank_one_idle && i >= 2) continue;
+      ASSERT_EQ(ep[i].size(), one_gpu[i].size()) << c.name << ", prompt " << i;
+      const double rel = relative_error(ep[i], one_gpu[i]);
+      EXPECT_LE(rel, kEpRelTolerance) << c.name << ", prompt " << i;
+      std::printf("[ ep 2 ranks ] %s, prompt of %zu: rel %.2e\n", c.name, prompts[i].size(), rel);
+    }
+  }
+}
+
+// Greedy decoding in lockstep on 2 EP ranks, eagerly: rank 1 idles (empty steps) for the first half, then decodes
+// its own sequence; every step of each rank gives finite logprobs, and each rank's tokens equal those of the same
+// run again (EP steps are deterministic). Misuse is a one-line error: a placement over another number of GPUs, a
+// live placement on an EP rank, FP8 experts.
+TEST(GpuEngineEp, LockstepDecodeWithAnIdleRankIsDeterministic) {
+  const model::Qwen3MoeConfig config = small_config();
+  const int steps = 6;
+  const auto run = [&] {
+    std::array<std::vector<int32_t>, kRanks> tokens;
+    comm::run_in_process(kRanks, [&](int rank, comm::Communicator& comm) {
+      FULCRUM_CUDA_CHECK(cudaSetDevice(0));
+      comm::HostStagedExchange exchange(comm, 0);
+      gpu::GpuEngineOptions o = ep_options();
+      o.ep = &exchange;
+      gpu::GpuEngine engine(config, o);
+      engine.fill_random(5);
+      const std::vector<int32_t> prompt = random_tokens(20 + 13 * rank, config.vocab_size, 30 + rank);
+      engine.allocate(rank, 64);
+      std::vector<int32_t> last;
+      for (int s = 0; s < steps; ++s) {
+        std::vector<model::StepSequence> batch;
+        if (rank == 0 || s >= steps / 2) {
+          batch.push_back(last.empty() ? entry(rank, prompt, true) : entry(rank, std::span(last), true));
+          batch.back().want_logprob = true;
+        }
+        const model::StepOutput out = engine.step(batch);
+        ASSERT_EQ(out.tokens.size(), batch.size());
+        if (batch.empty()) continue;
+        ASSERT_TRUE(out.errors[0].empty()) << out.errors[0];
+        EXPECT_TRUE(std::isfinite(out.logprobs[0])) << "rank " << rank << " step " << s;
+        last = {out.tokens[0]};
+        tokens[static_cast<size_t>(rank)].push_back(out.tokens[0]);
+      }
+      EXPECT_EQ(engine.counters().graph_replays, 0);
+      EXPECT_THROW(engine.apply_placement(engine.placement()), Error);
+    });
+    return tokens;
+  };
+  const auto a = run(), b = run();
+  EXPECT_EQ(a[0].size(), static_cast<size_t>(steps));
+  EXPECT_EQ(a[1].size(), static_cast<size_t>(steps - steps / 2));
+  EXPECT_EQ(a, b);
+
+  // A placement over one GPU for two ranks: refused before anything is allocated (each rank alone, no collective).
+  comm::run_in_process(kRanks, [&](int /*rank*/, comm::Communicator& comm) {
+    comm::HostStagedExchange exchange(comm, 0);
+    gpu::GpuEngineOptions o = ep_options();
+    o.ep = &exchange;
+    const int num_moe = static_cast<int>(config.moe_layer_indices().size());
+    o.placement = eplb::trivial_placement(eplb::Topology{config.num_experts, 1, 1}, num_moe, config.num_experts);
+    EXPECT_THROW(gpu::GpuEngine(config, o), Error);
+  });
+}
+
+}  // namespace
+}  // namespace fulcrum::test
