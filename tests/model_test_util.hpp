@@ -77,6 +77,13 @@ inline std::pair<CliRun, CliRun> run_cli_two_nodes(const TempDir& dir, const std
 
 inline std::string golden_model_dir(const std::string& name) { return shared_path("golden/hf/" + name); }
 
+// The `fulcrum generate` command the GPU CLI tests extend with their layouts: three prompts on the golden tiny
+// model, whose CPU one-rank tokens every GPU layout must print.
+inline std::string tiny_generate_command() {
+  return "generate --model " + golden_model_dir("qwen3moe-tiny-128e") +
+         " --max-new-tokens 6 --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' --prompt-tokens '0 8 99'";
+}
+
 // The "seqI: TOKENS" lines of a `fulcrum generate` output.
 inline std::string tokens_of(const std::string& out) {
   std::string lines;

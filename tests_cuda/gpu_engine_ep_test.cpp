@@ -15,6 +15,7 @@
 #include "comm/in_process_communicator.hpp"
 #include "eplb/error.hpp"
 #include "gpu_engine_test_util.hpp"
+#include "model_test_util.hpp"
 #include "moe_cuda_test_util.hpp"
 
 namespace fulcrum::test {
@@ -178,6 +179,24 @@ TEST(GpuEngineEp, LockstepDecodeWithAnIdleRankIsDeterministic) {
     o.placement = eplb::trivial_placement(eplb::Topology{config.num_experts, 1, 1}, num_moe, config.num_experts);
     EXPECT_THROW(gpu::GpuEngine(config, o), Error);
   });
+}
+
+// `generate --device cuda --tp 2 --dp 2 --enable-dp-attention --ep 2`: two GPU engine ranks as threads of one
+// process (prompt i on rank i % 2) print the one-GPU engine's tokens on the golden tiny model; a weight cache with
+// them is a one-line error.
+TEST(GpuEngineEp, GenerateOnRankThreadsPrintsTheOneGpuTokens) {
+  TempDir dir("gpu_ep_generate");
+  const std::string base = tiny_generate_command() + " --device cuda";
+  const CliRun one = run_cli(dir, base);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const CliRun ranks = run_cli(dir, base + " --tp 2 --dp 2 --enable-dp-attention --ep 2");
+  ASSERT_EQ(ranks.exit_code, 0) << ranks.err;
+  EXPECT_EQ(tokens_of(ranks.out), tokens_of(one.out));
+  EXPECT_NE(ranks.out.find("2 GPU engine ranks"), std::string::npos) << ranks.out;
+  std::printf("one GPU:\n%s2 EP ranks:\n%s", one.out.c_str(), ranks.out.c_str());
+  const CliRun cached = run_cli(dir, base + " --tp 2 --dp 2 --enable-dp-attention --ep 2 --weight-cache " + dir.file("cache"));
+  EXPECT_NE(cached.exit_code, 0);
+  EXPECT_NE(cached.err.find("--weight-cache"), std::string::npos) << cached.err;
 }
 
 }  // namespace

@@ -15,13 +15,6 @@
 
 namespace fulcrum::test {
 
-// The `fulcrum generate` command the 2-GPU CLI tests extend with their layouts: three prompts on the golden
-// tiny model, whose CPU one-rank tokens every GPU layout must print.
-inline std::string tiny_generate_command() {
-  return "generate --model " + golden_model_dir("qwen3moe-tiny-128e") +
-         " --max-new-tokens 6 --prompt-tokens '3 17 250 9 41' --prompt-tokens '200' --prompt-tokens '0 8 99'";
-}
-
 // Runs `child_test` of this binary as `n` rank processes; returns their exit statuses (-1: killed).
 inline std::vector<int> run_rank_processes(int n, const std::string& child_test) {
   return comm::run_local_rank_processes(n, {"fulcrum_cuda_tests", "--gtest_filter=" + child_test}, std::chrono::seconds(300));

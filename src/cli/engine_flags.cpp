@@ -18,7 +18,7 @@ void warn(const std::string& line) {
 }  // namespace
 
 void EngineFlags::add_to(CLI::App* cmd, const std::shared_ptr<EngineFlags>& flags) {
-  cmd->add_option("--device", flags->device, "Backend: cpu | cuda (cuda: one rank)")->capture_default_str();
+  cmd->add_option("--device", flags->device, "Backend: cpu | cuda (the GPU engine on one GPU; with --tp W --dp W --enable-dp-attention --ep W, W GPU engine ranks as threads)")->capture_default_str();
   cmd->add_option("--weight-cache", flags->weight_cache_dir,
                   "Folder of per-rank weight caches: loaded when present (skipping the checkpoint), else written");
   cmd->add_flag("--fp8-dense-gemms", flags->fp8_dense_gemms,
