@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <span>
 
+#include "eplb/error.hpp"
+
 namespace fulcrum::comm {
 
 class DeviceExchange {
@@ -23,5 +25,14 @@ class DeviceExchange {
   virtual void all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
                                    std::span<const int64_t> recv_counts) = 0;
 };
+
+// The counts every all_to_all_v_device checks: one entry per rank, and what a rank sends itself is what it expects.
+inline void check_exchange_counts(int rank, int size, std::span<const int64_t> send_counts,
+                                  std::span<const int64_t> recv_counts) {
+  FULCRUM_CHECK(static_cast<int>(send_counts.size()) == size && static_cast<int>(recv_counts.size()) == size,
+                "all_to_all_v: counts must have one entry per rank ({})", size);
+  FULCRUM_CHECK(send_counts[rank] == recv_counts[rank], "all_to_all_v: rank {} sends itself {} bytes but expects {}", rank,
+                send_counts[rank], recv_counts[rank]);
+}
 
 }  // namespace fulcrum::comm

@@ -23,10 +23,7 @@ HostStagedExchange::~HostStagedExchange() {
 
 void HostStagedExchange::all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
                                              std::span<const int64_t> recv_counts) {
-  FULCRUM_CHECK(static_cast<int>(send_counts.size()) == size() && static_cast<int>(recv_counts.size()) == size(),
-                "all_to_all_v: counts must have one entry per rank ({})", size());
-  FULCRUM_CHECK(send_counts[rank()] == recv_counts[rank()], "all_to_all_v: rank {} sends itself {} bytes but expects {}",
-                rank(), send_counts[rank()], recv_counts[rank()]);
+  check_exchange_counts(rank(), size(), send_counts, recv_counts);
   const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
   const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
   FULCRUM_CHECK(send_total >= 0 && recv_total >= 0, "all_to_all_v: negative byte counts");

@@ -240,10 +240,7 @@ void NcclCommunicator::reduce_scatter_sum_device(const float* send, float* recv,
 
 void NcclCommunicator::all_to_all_v_device(const std::byte* send, std::span<const int64_t> send_counts, std::byte* recv,
                                            std::span<const int64_t> recv_counts) {
-  FULCRUM_CHECK(static_cast<int>(send_counts.size()) == size() && static_cast<int>(recv_counts.size()) == size(),
-                "all_to_all_v: counts must have one entry per rank ({})", size());
-  FULCRUM_CHECK(send_counts[rank()] == recv_counts[rank()], "all_to_all_v: rank {} sends itself {} bytes but expects {}",
-                rank(), send_counts[rank()], recv_counts[rank()]);
+  check_exchange_counts(rank(), size(), send_counts, recv_counts);
   State& s = *state_;
   int64_t send_offset = 0;
   int64_t recv_offset = 0;
