@@ -22,6 +22,7 @@
 #include "comm/tcp_communicator.hpp"
 #include "server/engine_step_executor.hpp"
 #ifdef FULCRUM_WITH_GPU_SERVE
+#include "server/gpu_ranks_executor.hpp"
 #include "server/gpu_step_executor.hpp"
 #endif
 #include "server/progress_bar.hpp"
@@ -159,11 +160,13 @@ void serve(const ServeOptions& options) {
 
 #ifdef FULCRUM_WITH_GPU_SERVE
   const bool on_gpu = serves_on_gpu(options.parallel, options.run);
+  // GPU engine EP ranks as threads of this process (--tp W --dp W --enable-dp-attention --ep W, one node).
+  const bool on_gpu_ranks = !options.rank && serves_on_gpu_ranks(options.parallel, options.run);
 #else
-  const bool on_gpu = false;
+  const bool on_gpu = false, on_gpu_ranks = false;
 #endif
-  FULCRUM_CHECK(options.load_format == "auto" || on_gpu,
-                "--load-format dummy needs the GPU engine (--device cuda on one GPU, in a CUDA build)");
+  FULCRUM_CHECK(options.load_format == "auto" || on_gpu || on_gpu_ranks,
+                "--load-format dummy needs the GPU engine (--device cuda on one GPU or its EP ranks, in a CUDA build)");
   auto load_signals = std::make_unique<SignalsDuringLoad>(signals);
   const auto load_start = Clock::now();
   log(fmt::format("loading {}", options.model_dir));
@@ -199,6 +202,14 @@ void serve(const ServeOptions& options) {
     recorder = gpu->recorder();
     where = gpu->describe();
     executor_owner = std::move(gpu);
+  } else if (on_gpu_ranks) {
+    GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded,
+                                   options.load_format == "dummy"};
+    auto ranks = std::make_unique<GpuRanksExecutor>(gpu_options);
+    config = &ranks->config();
+    recorder = ranks->recorder();
+    where = ranks->describe();
+    executor_owner = std::move(ranks);
   }
 #endif
   if (!executor_owner) {
