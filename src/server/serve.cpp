@@ -194,22 +194,20 @@ void serve(const ServeOptions& options) {
   std::string where;
   bool eplb_on = false;
 #ifdef FULCRUM_WITH_GPU_SERVE
-  if (on_gpu) {
-    GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded,
-                                   options.load_format == "dummy"};
-    auto gpu = std::make_unique<GpuStepExecutor>(gpu_options);
-    config = &gpu->config();
-    recorder = gpu->recorder();
-    where = gpu->describe();
-    executor_owner = std::move(gpu);
-  } else if (on_gpu_ranks) {
-    GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler, on_layers_loaded,
-                                   options.load_format == "dummy"};
-    auto ranks = std::make_unique<GpuRanksExecutor>(gpu_options);
-    config = &ranks->config();
-    recorder = ranks->recorder();
-    where = ranks->describe();
-    executor_owner = std::move(ranks);
+  if (on_gpu || on_gpu_ranks) {
+    const GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler,
+                                         on_layers_loaded, options.load_format == "dummy"};
+    const auto take = [&](auto gpu) {  // one GPU, or the GPU engine's EP ranks
+      config = &gpu->config();
+      recorder = gpu->recorder();
+      where = gpu->describe();
+      executor_owner = std::move(gpu);
+    };
+    if (on_gpu) {
+      take(std::make_unique<GpuStepExecutor>(gpu_options));
+    } else {
+      take(std::make_unique<GpuRanksExecutor>(gpu_options));
+    }
   }
 #endif
   if (!executor_owner) {
