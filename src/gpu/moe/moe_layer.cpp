@@ -22,7 +22,17 @@
 namespace fulcrum::backend {
 
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
-  if (bytes > 0) FULCRUM_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+  if (bytes == 0) return;
+  const cudaError_t status = cudaMalloc(&ptr_, bytes);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clear it: the caller reports, the device stays usable
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    throw Error(fmt::format("GPU out of memory: a buffer of {:.1f} MiB does not fit ({:.1f} MiB free of {:.1f} MiB); "
+                            "ask for fewer sequences, tokens or KV pages", bytes / 1048576.0, free_bytes / 1048576.0,
+                            total_bytes / 1048576.0));
+  }
+  FULCRUM_CUDA_CHECK(status);
 }
 DeviceBuffer::~DeviceBuffer() {
   if (ptr_ != nullptr) cudaFree(ptr_);
