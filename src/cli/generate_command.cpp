@@ -66,7 +66,7 @@ void run_generate(GenerateFlags& flags) {
     generate_on_gpu(flags.model_dir, config, layout, run, prompts, flags.dump_logits_file);
     return;
   }
-  if (run.device == "cuda" && generates_on_gpu_ranks(layout) && !me && flags.dist.nnodes == 1 && !flags.dist.multi_process) {
+  if (engine::runs_gpu_engine_ranks(layout.flags(), run) && !me && flags.dist.nnodes == 1 && !flags.dist.multi_process) {
     generate_on_gpu_ranks(flags.model_dir, config, layout, run, prompts, flags.dump_logits_file);
     return;
   }

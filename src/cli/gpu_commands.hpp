@@ -15,10 +15,7 @@ void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& 
                      const engine::ParallelLayout& layout, const engine::InProcessRun& run,
                      const std::vector<std::vector<int32_t>>& prompts, const std::string& dump_logits_file);
 
-// Whether layout is W > 1 attention data-parallel, expert-parallel ranks the GPU engine runs (--tp W --dp W
-// --enable-dp-attention --ep W, one pipeline stage).
-bool generates_on_gpu_ranks(const engine::ParallelLayout& layout);
-// `generate` on W GPU engines in lockstep, threads of this process (rank r on GPU r % visible GPUs, prompt i on
+// `generate` on W GPU engines in lockstep (engine::runs_gpu_engine_ranks), threads of this process (rank r on GPU r % visible GPUs, prompt i on
 // rank i % W; gpu::GpuEngineOptions::ep over comm::HostStagedExchange). The same output as generate_on_gpu.
 void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeConfig& config,
                            const engine::ParallelLayout& layout, const engine::InProcessRun& run,

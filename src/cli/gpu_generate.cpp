@@ -20,6 +20,13 @@
 namespace fulcrum::cli {
 namespace {
 
+// KV pages that hold exactly these prompts and their new tokens (at least one).
+int64_t kv_pages_for(const std::vector<std::vector<int32_t>>& prompts, int max_new_tokens, int page_size) {
+  int64_t pages = 0;
+  for (const auto& p : prompts) pages += (static_cast<int64_t>(p.size()) + max_new_tokens + page_size - 1) / page_size;
+  return std::max<int64_t>(pages, 1);
+}
+
 // Options of an engine for exactly these prompts (per rank: that rank's): its pages take what the prompts need,
 // not most of the GPU.
 gpu::GpuEngineOptions options_for(const model::Qwen3MoeConfig& config, const engine::ParallelLayout& layout,
@@ -31,11 +38,7 @@ gpu::GpuEngineOptions options_for(const model::Qwen3MoeConfig& config, const eng
   options.fp8_dense_gemms = run.fp8_dense_gemms;
   options.max_batch_seqs = std::max<int>(1, static_cast<int>(prompts.size()));
   options.max_batch_tokens = std::max<int64_t>(options.max_batch_seqs, 8192);
-  int64_t pages = 0;
-  for (const auto& p : prompts) {
-    pages += (static_cast<int64_t>(p.size()) + run.decode.max_new_tokens + options.page_size - 1) / options.page_size;
-  }
-  options.kv_pages = std::max<int64_t>(pages, 1);
+  options.kv_pages = kv_pages_for(prompts, run.decode.max_new_tokens, options.page_size);
   return options;
 }
 
@@ -89,10 +92,6 @@ void report(const model::Qwen3MoeConfig& config, const engine::ParallelLayout& l
 
 }  // namespace
 
-bool generates_on_gpu_ranks(const engine::ParallelLayout& layout) {
-  return layout.world_size() > 1 && layout.pp() == 1 && layout.ep() == layout.tp() && layout.attn_dp_size() == layout.tp();
-}
-
 void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& config,
                      const engine::ParallelLayout& layout, const engine::InProcessRun& run,
                      const std::vector<std::vector<int32_t>>& prompts, const std::string& dump_logits_file) {
@@ -111,11 +110,10 @@ void generate_on_gpu(const std::string& model_dir, const model::Qwen3MoeConfig& 
 void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeConfig& config,
                            const engine::ParallelLayout& layout, const engine::InProcessRun& run,
                            const std::vector<std::vector<int32_t>>& prompts, const std::string& dump_logits_file) {
-  FULCRUM_CHECK(generates_on_gpu_ranks(layout), "generate: the GPU engine's ranks take --tp W --dp W "
-                "--enable-dp-attention --ep W (one pipeline stage); the layout is {}", layout.describe());
-  FULCRUM_CHECK(run.weight_cache_dir.empty(), "--weight-cache: not with the GPU engine's expert-parallel ranks yet (each "
-                "rank holds part of the slots)");
-  FULCRUM_CHECK(!run.eplb.enabled, "--enable-eplb: not with the GPU engine's expert-parallel ranks yet");
+  FULCRUM_CHECK(engine::runs_gpu_engine_ranks(layout.flags(), run), "generate: the GPU engine's ranks take --device "
+                "cuda --tp W --dp W --enable-dp-attention --ep W (one pipeline stage); the layout is {}", layout.describe());
+  const std::string why = engine::why_gpu_engine_ranks_cannot_run(run);
+  FULCRUM_CHECK(why.empty(), "{}", why);
   const auto start = std::chrono::steady_clock::now();
   const int w = layout.world_size();
   const int devices = backend::CudaBackend::device_count();
@@ -129,15 +127,18 @@ void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeCo
   }
   size_t most = 1;
   for (const auto& p : mine) most = std::max(most, p.size());
-  std::vector<gpu::GpuEngineOptions> options;
+  // The capacity of the rank with the most prompts on every rank (the same chunking); each rank's own KV pages.
+  const gpu::GpuEngineOptions base = options_for(config, layout, run, mine[0]);
+  std::vector<gpu::GpuEngineOptions> options(static_cast<size_t>(w), base);
   int64_t prefill_steps = 0;
   for (int r = 0; r < w; ++r) {
-    options.push_back(options_for(config, layout, run, mine[static_cast<size_t>(r)]));
-    options.back().max_batch_seqs = static_cast<int>(most);  // the same capacity on every rank: the same chunking
-    options.back().max_batch_tokens = std::max<int64_t>(static_cast<int64_t>(most), 8192);
-    options.back().device = r % devices;
-    prefill_steps = std::max(prefill_steps, gpu::gpu_prefill_steps(mine[static_cast<size_t>(r)], options.back().max_batch_tokens,
-                                                                   options.back().max_batch_seqs));
+    gpu::GpuEngineOptions& o = options[static_cast<size_t>(r)];
+    o.max_batch_seqs = static_cast<int>(most);
+    o.max_batch_tokens = std::max<int64_t>(static_cast<int64_t>(most), 8192);
+    o.kv_pages = kv_pages_for(mine[static_cast<size_t>(r)], run.decode.max_new_tokens, o.page_size);
+    o.device = r % devices;
+    prefill_steps = std::max(prefill_steps, gpu::gpu_prefill_steps(mine[static_cast<size_t>(r)], o.max_batch_tokens,
+                                                                   o.max_batch_seqs));
   }
   for (gpu::GpuGenerateRank& rank : ranks) rank.prefill_steps = prefill_steps;
   std::vector<model::GenerateResult> results(static_cast<size_t>(w));

@@ -59,6 +59,18 @@ eplb::Placement prepare_in_process_run(const model::Qwen3MoeConfig& config, cons
                                               eplb_runtime::default_planner_name());
 }
 
+bool runs_gpu_engine_ranks(const ParallelFlags& f, const InProcessRun& run) {
+  return run.device == "cuda" && f.tp > 1 && f.pp == 1 && f.ep == f.tp && f.dp == f.tp && f.enable_dp_attention;
+}
+
+std::string why_gpu_engine_ranks_cannot_run(const InProcessRun& run) {
+  if (!run.weight_cache_dir.empty()) {
+    return "--weight-cache: not with the GPU engine's expert-parallel ranks yet (each rank holds part of the slots)";
+  }
+  if (run.eplb.enabled) return "--enable-eplb: not with the GPU engine's expert-parallel ranks yet";
+  return {};
+}
+
 bool records_routing(const model::Qwen3MoeConfig& config, const InProcessRun& run) {
   return !config.moe_layer_indices().empty() && (run.record || run.eplb.enabled || !run.dump_file.empty());
 }

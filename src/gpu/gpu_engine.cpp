@@ -150,7 +150,7 @@ GpuEngine::GpuEngine(const model::Qwen3MoeConfig& config, GpuEngineOptions optio
   FULCRUM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   const int num_moe = static_cast<int>(config.moe_layer_indices().size());
-  const int ep_world = options_.ep != nullptr ? options_.ep->size() : 1;
+  const int ep_world = ep_size();
   if (num_moe > 0 && options_.placement.num_layers == 0) {
     options_.placement = eplb::trivial_placement(eplb::Topology{config.num_experts, ep_world, 1}, num_moe, config.num_experts);
   }
@@ -311,7 +311,7 @@ void GpuEngine::point_moe_layer_at_slots(int m) {
     layer.set_slot_weights(weights_->slot_pool()->gate_up_ptrs(m), weights_->slot_pool()->down_ptrs(m));
   }
   const eplb::Placement& placement = weights_->placement();
-  const int ep_world = options_.ep != nullptr ? options_.ep->size() : 1;
+  const int ep_world = ep_size();
   const eplb::Topology topo{placement.num_physical_experts(), ep_world, 1};
   // Dynamic choice: one draw stream per source (EP: per rank, every rank holding them all and taking its own).
   std::vector<uint64_t> streams;

@@ -178,6 +178,7 @@ class GpuEngine final : public model::StepModel {
   // An EP rank's step without sequences: every MoE layer joins its exchange with no tokens.
   void join_exchanges_without_tokens();
   int num_moe_layers() const { return static_cast<int>(config_.moe_layer_indices().size()); }
+  int ep_size() const { return options_.ep != nullptr ? options_.ep->size() : 1; }  // EP ranks (1: one GPU)
   void point_moe_layer_at_slots(int moe_layer);
   void advance(std::span<const model::StepSequence> batch);
 

@@ -2,6 +2,7 @@
 #include "server/gpu_ranks_executor.hpp"
 
 #include <algorithm>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -23,26 +24,23 @@ struct GpuRanksExecutor::Rank {
   std::string error;
 };
 
-bool serves_on_gpu_ranks(const engine::ParallelFlags& p, const engine::InProcessRun& run) {
-  return run.device == "cuda" && p.tp > 1 && p.pp == 1 && p.ep == p.tp && p.dp == p.tp && p.enable_dp_attention;
-}
-
 GpuRanksExecutor::GpuRanksExecutor(const GpuExecutorOptions& options)
     : config_(model::load_qwen3_moe_config(options.model_dir)), world_size_(options.parallel.tp) {
-  FULCRUM_CHECK(serves_on_gpu_ranks(options.parallel, options.run), "serve: the GPU engine's ranks take --tp W --dp W "
-                "--enable-dp-attention --ep W (one pipeline stage)");
-  FULCRUM_CHECK(options.run.weight_cache_dir.empty(), "--weight-cache: not with the GPU engine's expert-parallel ranks "
-                "yet (each rank holds part of the slots)");
-  FULCRUM_CHECK(!options.run.eplb.enabled, "--enable-eplb: not with the GPU engine's expert-parallel ranks yet");
+  FULCRUM_CHECK(engine::runs_gpu_engine_ranks(options.parallel, options.run), "serve: the GPU engine's ranks take "
+                "--device cuda --tp W --dp W --enable-dp-attention --ep W (one pipeline stage)");
+  const std::string why = engine::why_gpu_engine_ranks_cannot_run(options.run);
+  FULCRUM_CHECK(why.empty(), "{}", why);
   const int devices = backend::CudaBackend::device_count();
   FULCRUM_CHECK(devices > 0, "--device cuda: no CUDA device is visible");
   for (int r = 0; r < world_size_; ++r) {
     ranks_.push_back(std::make_unique<Rank>());
     ranks_.back()->device = r % devices;
   }
-  world_ = std::thread([this, options] {
+  // The engines' options once (placement included); each rank sets its device and exchange.
+  const gpu::GpuEngineOptions base = gpu_engine_options(options, config_);
+  world_ = std::thread([this, options, base] {
     try {
-      comm::run_in_process(world_size_, [&](int r, comm::Communicator& comm) { rank_main(r, comm, options); });
+      comm::run_in_process(world_size_, [&](int r, comm::Communicator& comm) { rank_main(r, comm, options, base); });
     } catch (const std::exception& e) {
       const std::lock_guard lock(state_mutex_);
       if (failure_.empty()) failure_ = e.what();
@@ -58,30 +56,18 @@ GpuRanksExecutor::GpuRanksExecutor(const GpuExecutorOptions& options)
     world_.join();
     throw Error(failure_);
   }
-  int64_t longest = INT64_MAX;
-  std::vector<Task> tasks;
-  std::vector<int> all;
   std::vector<int64_t> lengths(static_cast<size_t>(world_size_), 0);
-  for (int r = 0; r < world_size_; ++r) {
-    all.push_back(r);
-    tasks.push_back([&lengths, r](gpu::GpuEngine& e) { lengths[static_cast<size_t>(r)] = e.max_sequence_length(); });
-  }
-  const std::string error = run_on(all, tasks, /*collective=*/false);
+  const std::string error = run_on_all(
+      [&lengths](int r, gpu::GpuEngine& e) { lengths[static_cast<size_t>(r)] = e.max_sequence_length(); }, false);
   FULCRUM_CHECK(error.empty(), "serve: {}", error);
-  for (const int64_t n : lengths) longest = std::min(longest, n);
+  max_sequence_length_ = *std::min_element(lengths.begin(), lengths.end());
   description_ = fmt::format("{} GPU engine ranks (threads on {} GPU(s), expert parallelism and data-parallel attention "
                              "over {}, rows staged through host memory)", world_size_, std::min(world_size_, devices),
                              world_size_);
-  max_sequence_length_ = longest;
   recorder_ = std::make_unique<GpuCountsRecorder>(mutex_, config_, [this] {
     std::vector<std::vector<int64_t>> per_rank(static_cast<size_t>(world_size_));
-    std::vector<Task> count_tasks;
-    std::vector<int> ranks;
-    for (int r = 0; r < world_size_; ++r) {
-      ranks.push_back(r);
-      count_tasks.push_back([&per_rank, r](gpu::GpuEngine& e) { per_rank[static_cast<size_t>(r)] = e.expert_counts(); });
-    }
-    const std::string why = run_on(ranks, count_tasks, /*collective=*/false);
+    const std::string why = run_on_all(
+        [&per_rank](int r, gpu::GpuEngine& e) { per_rank[static_cast<size_t>(r)] = e.expert_counts(); }, false);
     FULCRUM_CHECK(why.empty(), "expert distribution: {}", why);
     std::vector<int64_t> sum = per_rank.front();
     for (size_t r = 1; r < per_rank.size(); ++r) {
@@ -113,13 +99,14 @@ bool GpuRanksExecutor::stopping() {
   return stopping_;
 }
 
-void GpuRanksExecutor::rank_main(int r, comm::Communicator& comm, const GpuExecutorOptions& options) {
+void GpuRanksExecutor::rank_main(int r, comm::Communicator& comm, const GpuExecutorOptions& options,
+                                 const gpu::GpuEngineOptions& base) {
   Rank& me = *ranks_[static_cast<size_t>(r)];
   std::unique_ptr<comm::HostStagedExchange> exchange;
   std::unique_ptr<gpu::GpuEngine> engine;
   try {
     exchange = std::make_unique<comm::HostStagedExchange>(comm, me.device);
-    gpu::GpuEngineOptions eo = gpu_engine_options(options, config_);
+    gpu::GpuEngineOptions eo = base;
     eo.device = me.device;
     eo.ep = exchange.get();
     engine = std::make_unique<gpu::GpuEngine>(config_, eo);
@@ -173,12 +160,12 @@ void GpuRanksExecutor::rank_main(int r, comm::Communicator& comm, const GpuExecu
   }
 }
 
-std::string GpuRanksExecutor::run_on(const std::vector<int>& ranks, const std::vector<Task>& tasks, bool collective) {
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    Rank& k = *ranks_[static_cast<size_t>(ranks[i])];
+std::string GpuRanksExecutor::run_on(const std::vector<int>& ranks, const RankTask& task, bool collective) {
+  for (const int r : ranks) {
+    Rank& k = *ranks_[static_cast<size_t>(r)];
     {
       const std::lock_guard lock(k.m);
-      k.task = tasks[i];
+      k.task = [&task, r](gpu::GpuEngine& e) { task(r, e); };
       k.collective = collective;
       k.done = false;
       k.error.clear();
@@ -201,12 +188,18 @@ std::string GpuRanksExecutor::run_on(const std::vector<int>& ranks, const std::v
   return first;
 }
 
-void GpuRanksExecutor::run_one(int rank, const Task& task) {
+std::string GpuRanksExecutor::run_on_all(const RankTask& task, bool collective) {
+  std::vector<int> all(static_cast<size_t>(world_size_));
+  std::iota(all.begin(), all.end(), 0);
+  return run_on(all, task, collective);
+}
+
+void GpuRanksExecutor::run_one(int rank, const std::function<void(gpu::GpuEngine&)>& task) {
   {
     const std::lock_guard lock(state_mutex_);
     if (!failure_.empty()) throw ExecutorFailure(fmt::format("the GPU engine ranks stopped: {}", failure_));
   }
-  const std::string error = run_on({rank}, {task}, /*collective=*/false);
+  const std::string error = run_on({rank}, [&task](int, gpu::GpuEngine& e) { task(e); }, /*collective=*/false);
   if (!error.empty()) throw Error(error);
 }
 
@@ -261,13 +254,9 @@ model::StepOutput GpuRanksExecutor::step(std::span<const model::StepSequence> ba
   }
   // Every rank steps, those without entries with an empty batch (they join the MoE layers' exchanges).
   std::vector<model::StepOutput> outs(w);
-  std::vector<Task> tasks;
-  std::vector<int> all;
-  for (size_t r = 0; r < w; ++r) {
-    all.push_back(static_cast<int>(r));
-    tasks.push_back([&outs, &parts, r](gpu::GpuEngine& e) { outs[r] = e.step(parts[r]); });
-  }
-  const std::string error = run_on(all, tasks, /*collective=*/true);
+  const std::string error = run_on_all(
+      [&outs, &parts](int r, gpu::GpuEngine& e) { outs[static_cast<size_t>(r)] = e.step(parts[static_cast<size_t>(r)]); },
+      /*collective=*/true);
   if (!error.empty()) throw ExecutorFailure(fmt::format("the GPU engine ranks stopped: {}", error));
   model::StepOutput out = model::make_step_output(batch.size());
   for (size_t r = 0; r < w; ++r) {

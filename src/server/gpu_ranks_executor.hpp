@@ -24,7 +24,7 @@ namespace fulcrum::server {
 
 class GpuRanksExecutor final : public StepExecutor {
  public:
-  // options.parallel: tp = dp = ep = W > 1 with DP attention, pp = 1 (serves_on_gpu_ranks); one-line errors otherwise,
+  // options.parallel: tp = dp = ep = W > 1 with DP attention, pp = 1 (engine::runs_gpu_engine_ranks); one-line errors otherwise,
   // and when a rank's engine cannot be built (every rank then stops).
   explicit GpuRanksExecutor(const GpuExecutorOptions& options);
   ~GpuRanksExecutor() override;
@@ -45,11 +45,13 @@ class GpuRanksExecutor final : public StepExecutor {
  private:
   struct Rank;
   using Task = std::function<void(gpu::GpuEngine&)>;
-  // Runs task on each listed rank's thread concurrently and waits; collective: a failure ends the ranks. Returns the
-  // first failure's message (empty: none).
-  std::string run_on(const std::vector<int>& ranks, const std::vector<Task>& tasks, bool collective);
+  using RankTask = std::function<void(int rank, gpu::GpuEngine&)>;
+  // Runs task(rank, engine) on each listed rank's thread concurrently and waits; collective: a failure ends the
+  // ranks. Returns the first failure's message (empty: none).
+  std::string run_on(const std::vector<int>& ranks, const RankTask& task, bool collective);
+  std::string run_on_all(const RankTask& task, bool collective);
   void run_one(int rank, const Task& task);  // not collective; rethrows the task's error
-  void rank_main(int rank, comm::Communicator& comm, const GpuExecutorOptions& options);
+  void rank_main(int rank, comm::Communicator& comm, const GpuExecutorOptions& options, const gpu::GpuEngineOptions& base);
   void stop_ranks();
   bool stopping();
 
@@ -68,8 +70,5 @@ class GpuRanksExecutor final : public StepExecutor {
   int64_t max_sequence_length_ = 0;
   std::unique_ptr<GpuCountsRecorder> recorder_;
 };
-
-// Whether `serve` runs GPU engine EP ranks: --device cuda with tp = dp = ep = W > 1, DP attention, one stage.
-bool serves_on_gpu_ranks(const engine::ParallelFlags& parallel, const engine::InProcessRun& run);
 
 }  // namespace fulcrum::server

@@ -161,7 +161,7 @@ void serve(const ServeOptions& options) {
 #ifdef FULCRUM_WITH_GPU_SERVE
   const bool on_gpu = serves_on_gpu(options.parallel, options.run);
   // GPU engine EP ranks as threads of this process (--tp W --dp W --enable-dp-attention --ep W, one node).
-  const bool on_gpu_ranks = !options.rank && serves_on_gpu_ranks(options.parallel, options.run);
+  const bool on_gpu_ranks = !options.rank && engine::runs_gpu_engine_ranks(options.parallel, options.run);
 #else
   const bool on_gpu = false, on_gpu_ranks = false;
 #endif
