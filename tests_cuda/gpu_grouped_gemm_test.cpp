@@ -12,6 +12,7 @@
 //              at K = 4096); every element is checked, unwritten ones (NaN poison) fail
 //   exact      rows outside every group (still the poison), a row's output under another placement of the
 //              groups (same config), replayed graphs vs the eager run
+//   exact      the pair's one setup launch then each GEMM vs two run_grouped_gemm calls
 //   host rules config choice by total rows, the shape rule, argument checks (no GPU needed)
 #include <cmath>
 #include <cstring>
@@ -285,6 +286,41 @@ TEST_F(GroupedGemmTest, CapturedOnceReplaysWithNewOffsets) {
   }
 }
 
+// The MoE pair's two-step form: one setup launch for both GEMMs (the gate_up and down shapes of 30B-A3B over the
+// same groups), then each GEMM alone, the second's A written only after the setup and the first GEMM (as SwiGLU
+// writes it), with a kernel of the caller's between. Both outputs bitwise those of run_grouped_gemm, within the
+// reference's bound, at every config.
+TEST_F(GroupedGemmTest, PairSetupThenEachGemmEqualsTwoRuns) {
+  const std::vector<int32_t> counts = {0, 1, 7, 300, 0, 13};
+  const HostProblem up = make_problem(1536, 2048, counts, 6, 3, 21);
+  const HostProblem down = make_problem(2048, 768, counts, 6, 3, 22);
+  const DeviceProblem d_up = upload(up), d_down = upload(down);
+  const std::vector<uint16_t> down_a = to_bits(down.a);
+  for (const GroupedGemmConfig config : kConfigs) {
+    SCOPED_TRACE(config_name(config));
+    const std::vector<uint16_t> up_alone = run(up, d_up, config), down_alone = run(down, d_down, config);
+    ASSERT_EQ(cudaMemsetAsync(d_up.d.as<void>(), 0xff, d_up.d.bytes(), stream_), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d_down.d.as<void>(), 0xff, d_down.d.bytes(), stream_), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d_down.a.as<void>(), 0xff, d_down.a.bytes(), stream_), cudaSuccess);
+    const gpu::GroupedGemmArgs first = args_of(up, d_up), second = args_of(down, d_down);
+    void* ws = workspace_.as<void>();
+    gpu::GroupedGemmStatus status = gpu::setup_grouped_gemm_pair(first, second, config, limits_, ws, stream_);
+    ASSERT_TRUE(status.ok()) << status.failed;
+    status = gpu::launch_grouped_gemm(first, 0, config, limits_, ws, stream_);
+    ASSERT_TRUE(status.ok()) << status.failed;
+    ASSERT_EQ(cudaMemcpyAsync(d_down.a.as<void>(), down_a.data(), d_down.a.bytes(), cudaMemcpyHostToDevice, stream_),
+              cudaSuccess);
+    status = gpu::launch_grouped_gemm(second, 1, config, limits_, ws, stream_);
+    ASSERT_TRUE(status.ok()) << status.failed;
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    const std::vector<uint16_t> up_paired = to_host(d_up.d.as<uint16_t>(), up.rows * up.n);
+    const std::vector<uint16_t> down_paired = to_host(d_down.d.as<uint16_t>(), down.rows * down.n);
+    EXPECT_EQ(up_paired, up_alone);
+    EXPECT_EQ(down_paired, down_alone);
+    EXPECT_TRUE(matches_reference(down_paired, reference_of(down)));
+  }
+}
+
 TEST(GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(0), GroupedGemmConfig::kSwapCooperative128x16x128);
   EXPECT_EQ(gpu::grouped_gemm_config_for_rows(1024), GroupedGemmConfig::kSwapCooperative128x16x128);
@@ -321,6 +357,13 @@ TEST(GroupedGemmRules, ConfigByTotalRowsShapeRuleAndArgumentChecks) {
   args.a = buffer;
   args.k = 22;
   EXPECT_FALSE(gpu::run_grouped_gemm(args, GroupedGemmConfig::kPingpong64x128x64, limits, buffer, nullptr).ok());
+  EXPECT_FALSE(gpu::setup_grouped_gemm_pair(args, args, GroupedGemmConfig::kPingpong64x128x64, limits, buffer, nullptr)
+                   .ok());
+  args.k = 64;
+  for (const int region : {-1, gpu::kGroupedGemmRegions}) {  // the checks pass but the region does not exist
+    EXPECT_FALSE(gpu::launch_grouped_gemm(args, region, GroupedGemmConfig::kPingpong64x128x64, limits, buffer, nullptr)
+                     .ok());
+  }
 }
 
 }  // namespace

@@ -14,7 +14,11 @@
 // run_grouped_gemm as often as wanted, captured or not. A run is a setup kernel (offsets -> CUTLASS's
 // problem shapes, pointer and stride arrays, written into the workspace) followed by the GEMM with the host
 // problem-shape pointer null (device-side problem sizes, as CUTLASS example 57 allows). The workspace holds
-// per-SM TMA descriptors and those arrays: calls that share one must be ordered (one stream).
+// per-SM TMA descriptors and those arrays: calls that share one must be ordered (one stream). The MoE expert pair
+// (gate_up, SwiGLU, down) can instead write both GEMMs' arrays in one setup launch (setup_grouped_gemm_pair, into
+// the workspace's two array regions) and then launch each GEMM alone (launch_grouped_gemm). The GEMM kernels are
+// programmatic dependent launches (they wait for the kernel before them first; dependent_launch.cuh), so their
+// launch and prologue overlap the kernel before.
 //
 // Placement invariance (NOTES): a row's output depends only on its own A row, its group's B and the config:
 // no split-K / stream-K (CUTLASS's grouped scheduler gives each output tile its whole k-loop, k-tiles in
@@ -92,8 +96,12 @@ struct GroupedGemmLimits {
   int max_active_clusters[kNumGroupedGemmConfigs] = {};
   int max_groups = 0;                 // groups a run may have
   size_t cutlass_workspace_bytes = 0; // CUTLASS's part, at the start of the workspace (max over configs)
-  size_t workspace_bytes = 0;         // everything: CUTLASS's part, then the per-group arrays
+  size_t group_arrays_bytes = 0;      // one region of per-group arrays (max over configs)
+  size_t workspace_bytes = 0;         // everything: CUTLASS's part, then kGroupedGemmRegions array regions
 };
+
+// Regions of per-group arrays in a workspace: one per GEMM that one setup launch prepares.
+constexpr int kGroupedGemmRegions = 2;
 
 // Sets the kernels' shared-memory attributes on `device`, reads its SM count and cluster occupancy, checks
 // that the kernels can run and sizes the workspace for up to max_groups groups. Host only.
@@ -115,5 +123,15 @@ struct GroupedGemmArgs {
 // read of the offsets (capture-safe). `workspace` holds limits.workspace_bytes.
 GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfig config,
                                    const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream);
+
+// Two GEMMs of one config in two steps: one setup launch writes both GEMMs' group arrays (first's into region 0,
+// second's into region 1), then launch_grouped_gemm(args, region) runs each GEMM on them, with any kernels of the
+// caller's between (the second GEMM's A may be written after the setup: the setup reads only its address). Same
+// checks and capture safety as run_grouped_gemm; the arrays stay valid until the workspace's next setup.
+GroupedGemmStatus setup_grouped_gemm_pair(const GroupedGemmArgs& first, const GroupedGemmArgs& second,
+                                          GroupedGemmConfig config, const GroupedGemmLimits& limits, void* workspace,
+                                          CUstream_st* stream);
+GroupedGemmStatus launch_grouped_gemm(const GroupedGemmArgs& args, int region, GroupedGemmConfig config,
+                                      const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream);
 
 }  // namespace fulcrum::gpu

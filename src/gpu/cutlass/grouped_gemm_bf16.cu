@@ -42,42 +42,94 @@ GroupedGemmStatus prepare_grouped_gemm(int device, int max_groups, GroupedGemmLi
       out.cutlass_workspace_bytes = std::max(out.cutlass_workspace_bytes, align_up(facts[c].cutlass_workspace_bytes));
       arrays_bytes = std::max(arrays_bytes, facts[c].group_arrays_bytes);
     }
-    out.workspace_bytes = out.cutlass_workspace_bytes + arrays_bytes;
+    out.group_arrays_bytes = align_up(arrays_bytes);
+    out.workspace_bytes = out.cutlass_workspace_bytes + kGroupedGemmRegions * out.group_arrays_bytes;
   }
   cudaSetDevice(previous);
   if (result.ok()) *limits = out;
   return result;
 }
 
+namespace {
+
+using grouped_gemm_detail::GroupedGemmStage;
+
+// Null when args may run under limits with this workspace, else why not.
+const char* args_problem(const GroupedGemmArgs& args, const GroupedGemmLimits& limits, const void* workspace) {
+  if (args.num_groups < 0 || args.num_groups > limits.max_groups) {
+    return "grouped GEMM: group count outside [0, limits.max_groups]";
+  }
+  if (grouped_gemm_shape_problem(args.n, args.k) != nullptr) return "grouped GEMM: N or K not a positive multiple of 8";
+  if (args.a == nullptr || args.offsets == nullptr || args.b == nullptr || args.num_b < 1 || args.d == nullptr ||
+      workspace == nullptr) {
+    return "grouped GEMM: null pointer or num_b < 1";
+  }
+  if (!grouped_gemm_aligned(args.a) || !grouped_gemm_aligned(args.d)) return "grouped GEMM: a or d not 16-byte aligned";
+  return nullptr;
+}
+
+GroupedGemmStatus run_stage(const GroupedGemmStage& stage, GroupedGemmConfig config, const GroupedGemmLimits& limits,
+                            void* workspace, CUstream_st* stream) {
+  switch (config) {
+    case GroupedGemmConfig::kPingpong64x128x64:
+      return grouped_gemm_detail::run_pingpong_64x128x64(stage, limits, workspace, stream);
+    case GroupedGemmConfig::kCooperative256x128x64:
+      return grouped_gemm_detail::run_cooperative_256x128x64(stage, limits, workspace, stream);
+    case GroupedGemmConfig::kPingpong128x128x64:
+      return grouped_gemm_detail::run_pingpong_128x128x64(stage, limits, workspace, stream);
+    case GroupedGemmConfig::kSwapCooperative128x16x128:
+      return grouped_gemm_detail::run_swap_cooperative_128x16x128(stage, limits, workspace, stream);
+    case GroupedGemmConfig::kSwapCooperative128x32x128:
+      return grouped_gemm_detail::run_swap_cooperative_128x32x128(stage, limits, workspace, stream);
+  }
+  return {"grouped GEMM: unknown config", static_cast<int>(cudaErrorInvalidValue)};
+}
+
+}  // namespace
+
 GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfig config,
                                    const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream) {
   if (args.num_groups == 0) return {};
-  if (args.num_groups < 0 || args.num_groups > limits.max_groups) {
-    return {"run_grouped_gemm: group count outside [0, limits.max_groups]", static_cast<int>(cudaErrorInvalidValue)};
+  if (const char* problem = args_problem(args, limits, workspace)) {
+    return {problem, static_cast<int>(cudaErrorInvalidValue)};
   }
-  if (grouped_gemm_shape_problem(args.n, args.k) != nullptr) {
-    return {"run_grouped_gemm: N or K not a positive multiple of 8", static_cast<int>(cudaErrorInvalidValue)};
+  GroupedGemmStage stage;
+  stage.setup[0] = &args;
+  stage.setup_count = 1;
+  stage.launch_region = 0;
+  stage.launch_groups = args.num_groups;
+  return run_stage(stage, config, limits, workspace, stream);
+}
+
+GroupedGemmStatus setup_grouped_gemm_pair(const GroupedGemmArgs& first, const GroupedGemmArgs& second,
+                                          GroupedGemmConfig config, const GroupedGemmLimits& limits, void* workspace,
+                                          CUstream_st* stream) {
+  for (const GroupedGemmArgs* args : {&first, &second}) {
+    if (const char* problem = args_problem(*args, limits, workspace)) {
+      return {problem, static_cast<int>(cudaErrorInvalidValue)};
+    }
   }
-  if (args.a == nullptr || args.offsets == nullptr || args.b == nullptr || args.num_b < 1 || args.d == nullptr ||
-      workspace == nullptr) {
-    return {"run_grouped_gemm: null pointer or num_b < 1", static_cast<int>(cudaErrorInvalidValue)};
+  if (first.num_groups == 0 && second.num_groups == 0) return {};
+  GroupedGemmStage stage;
+  stage.setup[0] = &first;
+  stage.setup[1] = &second;
+  stage.setup_count = 2;
+  return run_stage(stage, config, limits, workspace, stream);
+}
+
+GroupedGemmStatus launch_grouped_gemm(const GroupedGemmArgs& args, int region, GroupedGemmConfig config,
+                                      const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream) {
+  if (args.num_groups == 0) return {};
+  if (region < 0 || region >= kGroupedGemmRegions) {
+    return {"grouped GEMM: array region outside [0, kGroupedGemmRegions)", static_cast<int>(cudaErrorInvalidValue)};
   }
-  if (!grouped_gemm_aligned(args.a) || !grouped_gemm_aligned(args.d)) {
-    return {"run_grouped_gemm: a or d not 16-byte aligned", static_cast<int>(cudaErrorInvalidValue)};
+  if (const char* problem = args_problem(args, limits, workspace)) {
+    return {problem, static_cast<int>(cudaErrorInvalidValue)};
   }
-  switch (config) {
-    case GroupedGemmConfig::kPingpong64x128x64:
-      return grouped_gemm_detail::run_pingpong_64x128x64(args, limits, workspace, stream);
-    case GroupedGemmConfig::kCooperative256x128x64:
-      return grouped_gemm_detail::run_cooperative_256x128x64(args, limits, workspace, stream);
-    case GroupedGemmConfig::kPingpong128x128x64:
-      return grouped_gemm_detail::run_pingpong_128x128x64(args, limits, workspace, stream);
-    case GroupedGemmConfig::kSwapCooperative128x16x128:
-      return grouped_gemm_detail::run_swap_cooperative_128x16x128(args, limits, workspace, stream);
-    case GroupedGemmConfig::kSwapCooperative128x32x128:
-      return grouped_gemm_detail::run_swap_cooperative_128x32x128(args, limits, workspace, stream);
-  }
-  return {"run_grouped_gemm: unknown config", static_cast<int>(cudaErrorInvalidValue)};
+  GroupedGemmStage stage;
+  stage.launch_region = region;
+  stage.launch_groups = args.num_groups;
+  return run_stage(stage, config, limits, workspace, stream);
 }
 
 }  // namespace fulcrum::gpu

@@ -29,6 +29,25 @@
 
 namespace fulcrum::gpu::grouped_gemm_detail {
 
+// CUTLASS's sm90 ptr-array kernels issue no griddepcontrol.wait, so launched as programmatic dependents they could
+// read the group arrays before the setup kernel has written them. This one waits first and then lets the next kernel
+// be scheduled (the dependent_launch.cuh contract), then runs CUTLASS's kernel unchanged. Without a dependent launch
+// the wait returns at once.
+template <class Kernel>
+struct WaitingKernel : Kernel {
+  CUTLASS_DEVICE void operator()(typename Kernel::Params const& params, char* smem) {
+    fulcrum::gpu::wait_then_release();
+    Kernel::operator()(params, smem);
+  }
+};
+
+// Whether the GEMMs are programmatic dependent launches: FULCRUM_PDL and FULCRUM_CUTLASS_PDL (both on unless "0"; the
+// latter for measurement against ordinary launches). Read once.
+inline bool grouped_gemm_dependent_launch() {
+  static const bool on = fulcrum::gpu::dependent_launch_enabled() && fulcrum::gpu::env_switch_on("FULCRUM_CUTLASS_PDL");
+  return on;
+}
+
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule, bool SwapAB = false>
 struct Bf16GroupedGemm {
   static constexpr bool kSwapAB = SwapAB;
@@ -55,7 +74,8 @@ struct Bf16GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using GemmKernel =
+      WaitingKernel<cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;
@@ -117,26 +137,42 @@ struct Bf16GroupedGemm {
   }
 };
 
-// Offsets -> CUTLASS's per-group problem shapes, pointers and strides. One thread per group. A programmatic
-// dependent launch (dependent_launch.cuh): the offsets come from the kernel before it; the GEMM after it is an
-// ordinary launch (CUTLASS's sm90 grouped kernels do not wait on a grid dependency), so it waits for this one.
+// What the setup kernel needs of one GEMM (device pointers; see GroupedGemmArgs) and where it writes its arrays.
 template <class G>
-__global__ void grouped_gemm_setup_kernel(const int32_t* offsets, int num_groups, const uint16_t* const* b, int num_b,
-                                          const uint16_t* a, uint16_t* d, int n, int k,
-                                          typename G::GroupArrays arrays) {
+struct SetupJob {
+  const int32_t* offsets = nullptr;
+  int num_groups = 0;
+  const uint16_t* const* b = nullptr;
+  int num_b = 0;
+  const uint16_t* a = nullptr;
+  uint16_t* d = nullptr;
+  int n = 0;
+  int k = 0;
+  typename G::GroupArrays arrays;
+};
+
+// Offsets -> CUTLASS's per-group problem shapes, pointers and strides: block j for job j (one or two GEMMs: the
+// MoE pair's both GEMMs in one launch), one thread per group. A programmatic dependent launch
+// (dependent_launch.cuh): the offsets come from the kernel before it.
+template <class G>
+__global__ void grouped_gemm_setup_kernel(SetupJob<G> first, SetupJob<G> second) {
   fulcrum::gpu::wait_then_release();
   using ElementA = typename G::ElementA;
   using ElementB = typename G::ElementB;
   using ElementD = typename G::ElementD;
-  for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < num_groups; g += gridDim.x * blockDim.x) {
-    const int32_t first = offsets[g];
-    const int32_t count = offsets[g + 1] - first;
+  const SetupJob<G>& job = blockIdx.x == 0 ? first : second;
+  const int n = job.n, k = job.k;
+  for (int g = threadIdx.x; g < job.num_groups; g += blockDim.x) {
+    const int32_t row_begin = job.offsets[g];
+    const int32_t count = job.offsets[g + 1] - row_begin;
     const int m = count > 0 ? count : 0;
-    const uint16_t* rows = a + static_cast<int64_t>(first) * k;
-    arrays.d[g] = reinterpret_cast<ElementD*>(d) + static_cast<int64_t>(first) * n;
+    const uint16_t* rows = job.a + static_cast<int64_t>(row_begin) * k;
+    const uint16_t* weights = job.b[g % job.num_b];
+    const typename G::GroupArrays& arrays = job.arrays;
+    arrays.d[g] = reinterpret_cast<ElementD*>(job.d) + static_cast<int64_t>(row_begin) * n;
     if constexpr (G::kSwapAB) {  // D^T [n, m] = W [n, k] x rows^T
       arrays.shapes[g] = cute::make_shape(n, m, k);
-      arrays.a[g] = reinterpret_cast<const ElementA*>(b[g % num_b]);
+      arrays.a[g] = reinterpret_cast<const ElementA*>(weights);
       arrays.b[g] = reinterpret_cast<const ElementB*>(rows);
       arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {n, k, 1});
       arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {m, k, 1});
@@ -144,7 +180,7 @@ __global__ void grouped_gemm_setup_kernel(const int32_t* offsets, int num_groups
     } else {
       arrays.shapes[g] = cute::make_shape(m, n, k);
       arrays.a[g] = reinterpret_cast<const ElementA*>(rows);
-      arrays.b[g] = reinterpret_cast<const ElementB*>(b[g % num_b]);
+      arrays.b[g] = reinterpret_cast<const ElementB*>(weights);
       arrays.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
       arrays.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
       arrays.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
@@ -171,19 +207,32 @@ GroupedGemmStatus prepare_config(int device, int sm_count, int max_groups, Confi
 }
 
 template <class G>
-GroupedGemmStatus run_config(const GroupedGemmArgs& args, int config_idx, const GroupedGemmLimits& limits,
+typename G::GroupArrays arrays_of_region(const GroupedGemmLimits& limits, void* workspace, int region) {
+  return G::carve(static_cast<char*>(workspace) + limits.cutlass_workspace_bytes + region * limits.group_arrays_bytes,
+                  limits.max_groups);
+}
+
+template <class G>
+GroupedGemmStatus run_config(const GroupedGemmStage& stage, int config_idx, const GroupedGemmLimits& limits,
                              void* workspace, CUstream_st* stream) {
-  const typename G::GroupArrays arrays =
-      G::carve(static_cast<char*>(workspace) + limits.cutlass_workspace_bytes, limits.max_groups);
-  cudaError_t status = fulcrum::gpu::launch_dependent(grouped_gemm_setup_kernel<G>, dim3(1), dim3(256), 0, stream,
-                                                      args.offsets, args.num_groups, args.b, args.num_b, args.a,
-                                                      args.d, args.n, args.k, arrays);
-  if (status != cudaSuccess) return {"grouped GEMM setup kernel launch", static_cast<int>(status)};
+  if (stage.setup_count > 0) {
+    SetupJob<G> jobs[kGroupedGemmRegions];
+    for (int j = 0; j < stage.setup_count; ++j) {
+      const GroupedGemmArgs& args = *stage.setup[j];
+      jobs[j] = {args.offsets, args.num_groups, args.b,    args.num_b,
+                 args.a,       args.d,          args.n,    args.k,
+                 arrays_of_region<G>(limits, workspace, j)};
+    }
+    const cudaError_t status = fulcrum::gpu::launch_dependent(grouped_gemm_setup_kernel<G>, dim3(stage.setup_count),
+                                                              dim3(256), 0, stream, jobs[0], jobs[1]);
+    if (status != cudaSuccess) return {"grouped GEMM setup kernel launch", static_cast<int>(status)};
+  }
+  if (stage.launch_region < 0) return {};
   const cutlass::KernelHardwareInfo hw{limits.device, limits.sm_count, limits.max_active_clusters[config_idx]};
   // Params hold only the arrays' addresses, the group count and the device facts (host work, no launch).
-  typename G::GemmKernel::Params params =
-      G::GemmKernel::to_underlying_arguments(G::arguments(arrays, args.num_groups, hw), workspace);
-  if (G::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
+  typename G::GemmKernel::Params params = G::GemmKernel::to_underlying_arguments(
+      G::arguments(arrays_of_region<G>(limits, workspace, stage.launch_region), stage.launch_groups, hw), workspace);
+  if (G::Gemm::run(params, stream, nullptr, grouped_gemm_dependent_launch()) != cutlass::Status::kSuccess) {
     return {"CUTLASS grouped GEMM launch", static_cast<int>(cudaErrorLaunchFailure)};
   }
   return {};

@@ -13,9 +13,9 @@ GroupedGemmStatus prepare_cooperative_256x128x64(int device, int sm_count, int m
   return prepare_config<Cooperative>(device, sm_count, max_groups, facts);
 }
 
-GroupedGemmStatus run_cooperative_256x128x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+GroupedGemmStatus run_cooperative_256x128x64(const GroupedGemmStage& stage, const GroupedGemmLimits& limits,
                                              void* workspace, CUstream_st* stream) {
-  return run_config<Cooperative>(args, static_cast<int>(GroupedGemmConfig::kCooperative256x128x64), limits, workspace,
+  return run_config<Cooperative>(stage, static_cast<int>(GroupedGemmConfig::kCooperative256x128x64), limits, workspace,
                                  stream);
 }
 

@@ -12,9 +12,9 @@ GroupedGemmStatus prepare_pingpong_64x128x64(int device, int sm_count, int max_g
   return prepare_config<Pingpong>(device, sm_count, max_groups, facts);
 }
 
-GroupedGemmStatus run_pingpong_64x128x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits, void* workspace,
+GroupedGemmStatus run_pingpong_64x128x64(const GroupedGemmStage& stage, const GroupedGemmLimits& limits, void* workspace,
                                          CUstream_st* stream) {
-  return run_config<Pingpong>(args, static_cast<int>(GroupedGemmConfig::kPingpong64x128x64), limits, workspace, stream);
+  return run_config<Pingpong>(stage, static_cast<int>(GroupedGemmConfig::kPingpong64x128x64), limits, workspace, stream);
 }
 
 }  // namespace fulcrum::gpu::grouped_gemm_detail

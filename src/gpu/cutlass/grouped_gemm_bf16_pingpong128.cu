@@ -14,9 +14,9 @@ GroupedGemmStatus prepare_pingpong_128x128x64(int device, int sm_count, int max_
   return prepare_config<Pingpong128>(device, sm_count, max_groups, facts);
 }
 
-GroupedGemmStatus run_pingpong_128x128x64(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+GroupedGemmStatus run_pingpong_128x128x64(const GroupedGemmStage& stage, const GroupedGemmLimits& limits,
                                           void* workspace, CUstream_st* stream) {
-  return run_config<Pingpong128>(args, static_cast<int>(GroupedGemmConfig::kPingpong128x128x64), limits, workspace,
+  return run_config<Pingpong128>(stage, static_cast<int>(GroupedGemmConfig::kPingpong128x128x64), limits, workspace,
                                  stream);
 }
 

@@ -14,9 +14,9 @@ GroupedGemmStatus prepare_swap_cooperative_128x16x128(int device, int sm_count, 
   return prepare_config<SwapCooperative16>(device, sm_count, max_groups, facts);
 }
 
-GroupedGemmStatus run_swap_cooperative_128x16x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+GroupedGemmStatus run_swap_cooperative_128x16x128(const GroupedGemmStage& stage, const GroupedGemmLimits& limits,
                                                   void* workspace, CUstream_st* stream) {
-  return run_config<SwapCooperative16>(args, static_cast<int>(GroupedGemmConfig::kSwapCooperative128x16x128), limits,
+  return run_config<SwapCooperative16>(stage, static_cast<int>(GroupedGemmConfig::kSwapCooperative128x16x128), limits,
                                        workspace, stream);
 }
 

@@ -14,9 +14,9 @@ GroupedGemmStatus prepare_swap_cooperative_128x32x128(int device, int sm_count, 
   return prepare_config<SwapCooperative32>(device, sm_count, max_groups, facts);
 }
 
-GroupedGemmStatus run_swap_cooperative_128x32x128(const GroupedGemmArgs& args, const GroupedGemmLimits& limits,
+GroupedGemmStatus run_swap_cooperative_128x32x128(const GroupedGemmStage& stage, const GroupedGemmLimits& limits,
                                                   void* workspace, CUstream_st* stream) {
-  return run_config<SwapCooperative32>(args, static_cast<int>(GroupedGemmConfig::kSwapCooperative128x32x128), limits,
+  return run_config<SwapCooperative32>(stage, static_cast<int>(GroupedGemmConfig::kSwapCooperative128x32x128), limits,
                                        workspace, stream);
 }
 

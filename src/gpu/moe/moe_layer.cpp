@@ -798,25 +798,37 @@ void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, in
   // By the batch's total rows, never per group: the config is the same whatever the placement (grouped_gemm.hpp).
   const gpu::GroupedGemmConfig config = gpu::grouped_gemm_config_for_rows(total_rows);
   const auto [up_config, down_config] = bf16_gemm_configs(config);
-  gpu::GroupedGemmArgs gemm;
-  gemm.a = in;                      // [rows, H]
-  gemm.offsets = offsets;           // [num_groups + 1]
-  gemm.num_groups = num_groups;
-  gemm.b = gate_up_ptrs_.as<const uint16_t*>() + first_local;  // [2I, H] each
-  gemm.num_b = num_weights;
-  gemm.d = w.h.as<uint16_t>();      // [rows, 2I]
-  gemm.n = 2 * i;
-  gemm.k = h;
-  check_grouped_gemm(gpu::run_grouped_gemm(gemm, up_config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
-                     "gate_up");
+  gpu::GroupedGemmArgs up;
+  up.a = in;                        // [rows, H]
+  up.offsets = offsets;             // [num_groups + 1]
+  up.num_groups = num_groups;
+  up.b = gate_up_ptrs_.as<const uint16_t*>() + first_local;  // [2I, H] each
+  up.num_b = num_weights;
+  up.d = w.h.as<uint16_t>();        // [rows, 2I]
+  up.n = 2 * i;
+  up.k = h;
+  gpu::GroupedGemmArgs down = up;
+  down.a = w.act.as<uint16_t>();    // [rows, I], SwiGLU's output
+  down.b = down_ptrs_.as<const uint16_t*>() + first_local;  // [H, I] each
+  down.d = out;                     // [rows, H]
+  down.n = h;
+  down.k = i;
+  void* workspace = w.grouped_gemm_workspace();
+  const gpu::GroupedGemmLimits& limits = w.grouped_gemm_limits();
+  // One setup launch for both GEMMs when they share a config (FULCRUM_GEMM_PAIR_SETUP=0: a setup before each, for
+  // measurement): a kernel less between the GEMMs.
+  static const bool pair_setup_on = gpu::env_switch_on("FULCRUM_GEMM_PAIR_SETUP");
+  const bool paired = pair_setup_on && up_config == down_config;
+  if (paired) {
+    check_grouped_gemm(gpu::setup_grouped_gemm_pair(up, down, up_config, limits, workspace, stream_), "expert setup");
+    check_grouped_gemm(gpu::launch_grouped_gemm(up, 0, up_config, limits, workspace, stream_), "gate_up");
+  } else {
+    check_grouped_gemm(gpu::run_grouped_gemm(up, up_config, limits, workspace, stream_), "gate_up");
+  }
   FULCRUM_CUDA_CHECK(cuda::moe::launch_silu_mul_bf16_rows(w.h.as<uint16_t>(), offsets, offsets + num_groups, max_rows, i,
                                                           w.act.as<uint16_t>(), stream_));
-  gemm.a = w.act.as<uint16_t>();    // [rows, I]
-  gemm.b = down_ptrs_.as<const uint16_t*>() + first_local;  // [H, I] each
-  gemm.d = out;                     // [rows, H]
-  gemm.n = h;
-  gemm.k = i;
-  check_grouped_gemm(gpu::run_grouped_gemm(gemm, down_config, w.grouped_gemm_limits(), w.grouped_gemm_workspace(), stream_),
+  check_grouped_gemm(paired ? gpu::launch_grouped_gemm(down, 1, down_config, limits, workspace, stream_)
+                            : gpu::run_grouped_gemm(down, down_config, limits, workspace, stream_),
                      "down");
 }
 
