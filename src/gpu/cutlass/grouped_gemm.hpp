@@ -128,9 +128,17 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
 // second's into region 1), then launch_grouped_gemm(args, region) runs each GEMM on them, with any kernels of the
 // caller's between (the second GEMM's A may be written after the setup: the setup reads only its address). Same
 // checks and capture safety as run_grouped_gemm; the arrays stay valid until the workspace's next setup.
+// With `gather`, the setup launch also writes first's A: rows [0, gather->rows) of first.a are the rows
+// gather->row_of names of gather->x ([*, first.k] bf16, 16-byte aligned; row_of is device memory an earlier kernel
+// may write), the MoE decode permutation, one kernel less before the first GEMM.
+struct GroupedGemmGather {
+  const uint16_t* x = nullptr;
+  const int32_t* row_of = nullptr;
+  int64_t rows = 0;
+};
 GroupedGemmStatus setup_grouped_gemm_pair(const GroupedGemmArgs& first, const GroupedGemmArgs& second,
                                           GroupedGemmConfig config, const GroupedGemmLimits& limits, void* workspace,
-                                          CUstream_st* stream);
+                                          CUstream_st* stream, const GroupedGemmGather* gather = nullptr);
 GroupedGemmStatus launch_grouped_gemm(const GroupedGemmArgs& args, int region, GroupedGemmConfig config,
                                       const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream);
 

@@ -26,6 +26,7 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "gpu/cutlass/grouped_gemm_detail.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
+#include "gpu/kernels/row_copy.cuh"
 
 namespace fulcrum::gpu::grouped_gemm_detail {
 
@@ -151,12 +152,26 @@ struct SetupJob {
   typename G::GroupArrays arrays;
 };
 
-// Offsets -> CUTLASS's per-group problem shapes, pointers and strides: block j for job j (one or two GEMMs: the
-// MoE pair's both GEMMs in one launch), one thread per group. A programmatic dependent launch
-// (dependent_launch.cuh): the offsets come from the kernel before it.
+// Warps per block of the setup launch's row gather (one row a warp).
+constexpr int kGatherWarps = 8;
+
+// Offsets -> CUTLASS's per-group problem shapes, pointers and strides: block j < jobs for job j (one or two GEMMs:
+// the MoE pair's both GEMMs in one launch), one thread per group; the blocks after them gather the first GEMM's A
+// rows (GroupedGemmGather: first.a[r] = x[row_of[r]], first.k columns), a warp a row. A programmatic dependent
+// launch (dependent_launch.cuh): the offsets and row_of come from the kernel before it.
 template <class G>
-__global__ void grouped_gemm_setup_kernel(SetupJob<G> first, SetupJob<G> second) {
+__global__ void grouped_gemm_setup_kernel(SetupJob<G> first, SetupJob<G> second, int jobs, GroupedGemmGather gather) {
   fulcrum::gpu::wait_then_release();
+  if (static_cast<int>(blockIdx.x) >= jobs) {
+    const int lane = threadIdx.x % 32;
+    const int64_t row = static_cast<int64_t>(blockIdx.x - jobs) * kGatherWarps + threadIdx.x / 32;
+    if (row >= gather.rows) return;
+    const int64_t from = fulcrum::gpu::load_produced(gather.row_of + row);
+    fulcrum::gpu::copy_row16(reinterpret_cast<const uint4*>(gather.x + from * first.k),
+                             reinterpret_cast<uint4*>(const_cast<uint16_t*>(first.a) + row * first.k), first.k / 8,
+                             lane);
+    return;
+  }
   using ElementA = typename G::ElementA;
   using ElementB = typename G::ElementB;
   using ElementD = typename G::ElementD;
@@ -223,8 +238,11 @@ GroupedGemmStatus run_config(const GroupedGemmStage& stage, int config_idx, cons
                  args.a,       args.d,          args.n,    args.k,
                  arrays_of_region<G>(limits, workspace, j)};
     }
-    const cudaError_t status = fulcrum::gpu::launch_dependent(grouped_gemm_setup_kernel<G>, dim3(stage.setup_count),
-                                                              dim3(256), 0, stream, jobs[0], jobs[1]);
+    const GroupedGemmGather gather = stage.gather != nullptr ? *stage.gather : GroupedGemmGather{};
+    const auto gather_blocks = static_cast<unsigned>((gather.rows + kGatherWarps - 1) / kGatherWarps);
+    const cudaError_t status = fulcrum::gpu::launch_dependent(
+        grouped_gemm_setup_kernel<G>, dim3(static_cast<unsigned>(stage.setup_count) + gather_blocks),
+        dim3(32 * kGatherWarps), 0, stream, jobs[0], jobs[1], stage.setup_count, gather);
     if (status != cudaSuccess) return {"grouped GEMM setup kernel launch", static_cast<int>(status)};
   }
   if (stage.launch_region < 0) return {};
