@@ -114,6 +114,31 @@ inline std::optional<RawResponse> read_response(int fd, std::string& buffer, dou
   return r;
 }
 
+// One request on a fresh loopback connection ("Connection: close"); the response, or nothing on a connect, send or
+// read failure. A body goes as JSON.
+inline std::optional<RawResponse> raw_request(int port, const std::string& method, const std::string& path,
+                                              const std::string& body = "", double timeout_s = 120) {
+  const int fd = connect_loopback(port);
+  if (fd < 0) return std::nullopt;
+  std::string request = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+  if (!body.empty()) {
+    request += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+  }
+  request += "\r\n" + body;
+  std::optional<RawResponse> response;
+  std::string buffer;
+  if (send_all(fd, request)) response = read_response(fd, buffer, timeout_s);
+  ::close(fd);
+  return response;
+}
+inline std::optional<RawResponse> post_json(int port, const std::string& path, const std::string& body,
+                                            double timeout_s = 120) {
+  return raw_request(port, "POST", path, body, timeout_s);
+}
+inline std::optional<RawResponse> get_path(int port, const std::string& path, double timeout_s = 30) {
+  return raw_request(port, "GET", path, "", timeout_s);
+}
+
 // Raises this process's open-file soft limit to the hard one; returns the soft limit now.
 inline rlim_t raise_fd_limit() {
   rlimit lim{};

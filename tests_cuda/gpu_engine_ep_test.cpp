@@ -1,9 +1,7 @@
 // The GPU engine as 2 expert-parallel ranks (GpuEngineOptions::ep): threads sharing one GPU with the rows staged
 // through the host (comm::HostStagedExchange over comm::run_in_process), the code that runs over NCCL across GPUs.
-// Each rank holds half of every MoE layer's slots and its own sequences (data-parallel attention).
-// Tolerance: against the one-GPU engine on the same sequences, an EP rank's expert GEMMs group its rows per
-// (source rank, slot) instead of per slot, so cuBLAS may sum in another order and round the expert rows to bf16
-// elsewhere: the batching argument of gpu_engine_test.cpp, kEpRelTolerance = 0.01 on logits.
+// Each rank holds half of every MoE layer's slots and its own sequences (data-parallel attention). Tolerance against
+// the one-GPU engine: kEpRelTolerance (gpu_engine_ep_util.hpp says why).
 #include <gtest/gtest.h>
 
 #include <array>
@@ -17,6 +15,7 @@
 #include "comm/host_staged_exchange.hpp"
 #include "comm/in_process_communicator.hpp"
 #include "eplb/error.hpp"
+#include "gpu_engine_ep_util.hpp"
 #include "gpu_engine_test_util.hpp"
 #include "http_raw_client.hpp"
 #include "model_test_util.hpp"
@@ -25,48 +24,6 @@
 
 namespace fulcrum::test {
 namespace {
-
-constexpr double kEpRelTolerance = 0.01;
-constexpr int kRanks = 2;
-
-gpu::GpuEngineOptions ep_options() {
-  gpu::GpuEngineOptions o;
-  o.max_batch_tokens = 1024;
-  o.max_batch_seqs = 8;
-  o.kv_pages = 256;  // two engines share the GPU: no fraction of free memory
-  return o;
-}
-
-// One forward_logits call over all `prompts` (sequence ids first_id, first_id + 1, ...): each prompt's last logits.
-std::vector<std::vector<float>> last_logits_together(gpu::GpuEngine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                                     int64_t first_id) {
-  std::vector<model::StepSequence> batch;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    engine.allocate(first_id + static_cast<int64_t>(i), static_cast<int64_t>(prompts[i].size()) + 8);
-    batch.push_back(entry(first_id + static_cast<int64_t>(i), prompts[i], false));
-  }
-  const std::vector<model::HostTensor> logits = engine.forward_logits(batch);
-  std::vector<std::vector<float>> out;
-  const int v = engine.vocab_size();
-  for (const model::HostTensor& t : logits) out.emplace_back(t.data.end() - v, t.data.end());
-  for (size_t i = 0; i < prompts.size(); ++i) engine.release(first_id + static_cast<int64_t>(i));
-  return out;
-}
-
-// A placement of `slots` slots over `gpus` GPUs: experts permuted per layer, the slots past E replicas of 3 experts.
-eplb::Placement moved_placement(const model::Qwen3MoeConfig& config, int slots, int gpus) {
-  const int num_moe = static_cast<int>(config.moe_layer_indices().size()), e = config.num_experts;
-  eplb::Placement p(eplb::Topology{slots, gpus, 1}, num_moe, e);
-  for (int l = 0; l < num_moe; ++l) {
-    for (int s = 0; s < slots; ++s) p.layer(l)[static_cast<size_t>(s)] = s < e ? (s * 7 + l) % e : (s - e) % 3;
-  }
-  return p;
-}
-
-// Prompts of awkward lengths: rank 0 runs the first two, rank 1 the last two (a one-token prompt among them).
-std::vector<std::vector<int32_t>> ep_prompts(int vocab) {
-  return {random_tokens(300, vocab, 1), random_tokens(17, vocab, 2), random_tokens(1, vocab, 3), random_tokens(45, vocab, 4)};
-}
 
 // Every prompt's last logits on 2 EP ranks (rank r runs prompts 2r, 2r + 1; with rank_one_idle, rank 1 runs none and
 // joins with an empty batch), in prompt order; the idle rank's entries stay empty.
@@ -134,8 +91,8 @@ TEST(GpuEngineEp, RanksMatchTheOneGpuEngine) {
 
 // Greedy decoding in lockstep on 2 EP ranks, eagerly: rank 1 idles (empty steps) for the first half, then decodes
 // its own sequence; every step of each rank gives finite logprobs, and each rank's tokens equal those of the same
-// run again (EP steps are deterministic). Misuse is a one-line error: a placement over another number of GPUs, a
-// live placement on an EP rank, FP8 experts.
+// run again (EP steps are deterministic). Misuse is a one-line error: a placement over another number of GPUs, at
+// construction or live.
 TEST(GpuEngineEp, LockstepDecodeWithAnIdleRankIsDeterministic) {
   const model::Qwen3MoeConfig config = small_config();
   const int steps = 6;
@@ -166,7 +123,10 @@ TEST(GpuEngineEp, LockstepDecodeWithAnIdleRankIsDeterministic) {
         tokens[static_cast<size_t>(rank)].push_back(out.tokens[0]);
       }
       EXPECT_EQ(engine.counters().graph_replays, 0);
-      EXPECT_THROW(engine.apply_placement(engine.placement()), Error);
+      const int num_moe = static_cast<int>(config.moe_layer_indices().size());
+      EXPECT_THROW(engine.apply_placement(eplb::trivial_placement(eplb::Topology{config.num_experts, 1, 1}, num_moe,
+                                                                  config.num_experts)),
+                   Error);  // a placement over one GPU for two ranks
     });
     return tokens;
   };
@@ -223,13 +183,7 @@ TEST(GpuEngineEp, ServeOnRankThreadsAnswersAsOneGpu) {
         for (int i = 0; i < 5 + 9 * c; ++i) prompt.push_back((31 * c + 101 * i + 3) % 256);
         const std::string body = nlohmann::json{{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0},
                                                 {"ignore_eos", true}}.dump();
-        const int fd = connect_loopback(server.port());
-        ASSERT_GE(fd, 0);
-        ASSERT_TRUE(send_all(fd, "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                                 "Connection: close\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body));
-        std::string buffer;
-        const std::optional<RawResponse> response = read_response(fd, buffer, 120);
-        ::close(fd);
+        const std::optional<RawResponse> response = post_json(server.port(), "/v1/completions", body);
         ASSERT_TRUE(response.has_value()) << server.log();
         ASSERT_EQ(response->status, 200) << response->body << "\n" << server.log();
         tokens[static_cast<size_t>(c)] =

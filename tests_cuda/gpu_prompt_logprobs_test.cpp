@@ -376,13 +376,7 @@ TEST_F(GpuPromptLogprobsTest, ServeEchoLogprobsOnTheGpu) {
     const nlohmann::json request = {{"prompt", prompt}, {"temperature", 0}, {"max_tokens", max_tokens}, {"logprobs", 1},
                                     {"echo", true}};
     const std::string body = request.dump();
-    const int fd = connect_loopback(server.port());
-    ASSERT_GE(fd, 0);
-    ASSERT_TRUE(send_all(fd, "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                             "Connection: close\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body));
-    std::string buffer;
-    const std::optional<RawResponse> response = read_response(fd, buffer, 60);
-    ::close(fd);
+    const std::optional<RawResponse> response = post_json(server.port(), "/v1/completions", body, 60);
     ASSERT_TRUE(response.has_value()) << server.log();
     ASSERT_EQ(response->status, 200) << response->body << "\n" << server.log();
     const nlohmann::json reply = nlohmann::json::parse(response->body);

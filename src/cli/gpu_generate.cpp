@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -15,7 +16,9 @@
 #include "comm/in_process_communicator.hpp"
 #include "eplb/error.hpp"
 #include "eplb/atomic_file.hpp"
+#include "engine/rank_eplb.hpp"
 #include "gpu/gpu_generate.hpp"
+#include "gpu/gpu_rank_eplb.hpp"
 
 namespace fulcrum::cli {
 namespace {
@@ -145,6 +148,9 @@ void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeCo
   std::vector<std::string> lines(static_cast<size_t>(w));
   std::vector<int64_t> counts;
   std::mutex counts_mutex;
+  // Live EPLB (--enable-eplb): rank 0's rebalance reports (the same on every rank) and every rank's slots moved.
+  std::vector<eplb_runtime::RebalanceReport> rebalances;
+  std::vector<int64_t> slots_moved(static_cast<size_t>(w), 0);
   comm::run_in_process(w, [&](int r, comm::Communicator& comm) {
     const auto ur = static_cast<size_t>(r);
     comm::HostStagedExchange exchange(comm, options[ur].device);
@@ -153,9 +159,27 @@ void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeCo
     engine.load_weights(model_dir, "", [&](int done, int total) {
       if (run.on_layer_loaded && r == 0) run.on_layer_loaded(0, done, total);
     });
+    std::optional<gpu::GpuRankEplb> eplb;
+    if (run.eplb.enabled) {
+      eplb_runtime::ManagerOptions manager = engine::manager_options_of(run.eplb);
+      manager.log = [r, log = run.eplb.log](const std::string& line) {
+        if (r != 0) return;
+        if (log) {
+          log(line);
+        } else {
+          fmt::print(stderr, "[eplb] {}\n", line);
+        }
+      };
+      eplb.emplace(engine, exchange, std::move(manager));
+      ranks[ur].after_step = [&eplb] { eplb->after_step(); };
+    }
     gpu::GpuGenerateStats stats;
     results[ur] = gpu::gpu_generate(engine, mine[ur], run.decode, !dump_logits_file.empty(), &stats, &ranks[ur]);
     lines[ur] = engine_line(engine, stats);
+    if (eplb) {
+      slots_moved[ur] = eplb->slots_moved();
+      if (r == 0) rebalances = eplb->rebalances();
+    }
     if (run.dump_file.empty()) return;
     const std::vector<int64_t> own = engine.expert_counts();  // this rank's tokens
     const std::lock_guard<std::mutex> lock(counts_mutex);
@@ -177,6 +201,11 @@ void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeCo
   report(config, layout, run, prompts, result, seconds,
          fmt::format("{} GPU engine ranks (threads on {} GPU(s), rows staged through host memory)", w, std::min(w, devices)),
          lines, counts, dump_logits_file);
+  if (run.eplb.enabled) {
+    const auto changed = std::count_if(rebalances.begin(), rebalances.end(), [](const auto& r) { return !r.skipped; });
+    fmt::print("# eplb: {} rebalances ({} changed the placement), slots that received another expert per rank: {}\n",
+               rebalances.size(), changed, fmt::join(slots_moved, " "));
+  }
 }
 
 }  // namespace fulcrum::cli

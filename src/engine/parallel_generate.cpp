@@ -67,7 +67,6 @@ std::string why_gpu_engine_ranks_cannot_run(const InProcessRun& run) {
   if (!run.weight_cache_dir.empty()) {
     return "--weight-cache: not with the GPU engine's expert-parallel ranks yet (each rank holds part of the slots)";
   }
-  if (run.eplb.enabled) return "--enable-eplb: not with the GPU engine's expert-parallel ranks yet";
   return {};
 }
 

@@ -69,7 +69,7 @@ eplb::Placement prepare_in_process_run(const model::Qwen3MoeConfig& config, cons
 // W > 1 ranks that are each one attention data-parallel group and one EP rank in one stage (--tp W --dp W
 // --enable-dp-attention --ep W). `generate` and `serve` both ask this.
 bool runs_gpu_engine_ranks(const ParallelFlags& flags, const InProcessRun& run);
-// Why those ranks cannot run `run` (empty: they can): a weight cache, live EPLB.
+// Why those ranks cannot run `run` (empty: they can): a weight cache.
 std::string why_gpu_engine_ranks_cannot_run(const InProcessRun& run);
 
 // Whether the ranks count routing (run.record, EPLB or a dump asks for it, and the model has MoE layers).

@@ -22,6 +22,14 @@ void validate_eplb_settings(const EplbSettings& settings) {
                 settings.rebalance_layers_per_chunk);
 }
 
+eplb_runtime::ManagerOptions manager_options_of(const EplbSettings& settings) {
+  eplb_runtime::ManagerOptions options;
+  options.rebalance_num_iterations = settings.rebalance_num_iterations;
+  options.rebalance_layers_per_chunk = settings.rebalance_layers_per_chunk;
+  options.skip_balancedness = settings.skip_balancedness;
+  return options;
+}
+
 std::string why_eplb_cannot_run(const ParallelLayout& layout, const model::Qwen3MoeConfig& config) {
   if (config.moe_layer_indices().empty()) return "the model has no MoE layer";
   if (layout.ep() == 1) return "a single EP rank (--ep 1) has nothing to balance across";
@@ -66,10 +74,7 @@ RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend
 
   FULCRUM_CHECK(why_eplb_cannot_run(layout, config).empty(), "EPLB cannot run: {}", why_eplb_cannot_run(layout, config));
   ep_comm_ = world.split(coords.pp_rank * layout.moe_tp_size() + coords.moe_tp_rank, coords.ep_rank);
-  eplb_runtime::ManagerOptions manager_options;
-  manager_options.rebalance_num_iterations = settings.rebalance_num_iterations;
-  manager_options.rebalance_layers_per_chunk = settings.rebalance_layers_per_chunk;
-  manager_options.skip_balancedness = settings.skip_balancedness;
+  eplb_runtime::ManagerOptions manager_options = manager_options_of(settings);
   // Reports count whole slots (every slice), fp32 as the CPU backend holds them.
   manager_options.bytes_per_slot = int64_t{3} * config.moe_intermediate_size * config.hidden_size * int64_t{sizeof(float)};
   if (world.rank() == 0) {

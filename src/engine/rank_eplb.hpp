@@ -37,6 +37,10 @@ struct EplbSettings {
 // Throws fulcrum::Error (one line) on a bad value; what the CLI checks before starting ranks.
 void validate_eplb_settings(const EplbSettings& settings);
 
+// The manager's options of these settings (cadence, chunk size, skip threshold); bytes_per_slot and log are left
+// to the caller.
+eplb_runtime::ManagerOptions manager_options_of(const EplbSettings& settings);
+
 // Why EPLB cannot run with this layout and model ("" when it can): a single EP rank, no MoE layer.
 std::string why_eplb_cannot_run(const ParallelLayout& layout, const model::Qwen3MoeConfig& config);
 

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "backend/cuda/cuda_check.hpp"
+#include "comm/device_exchange.hpp"
 #include "gpu/moe/moe_kernels.hpp"
 #include "eplb/error.hpp"
 #include "model/checkpoint_writer.hpp"
@@ -494,12 +495,16 @@ std::span<const int32_t> DeviceWeights::local_row(int moe_layer) const {
   return placement_.layer(moe_layer).subspan(static_cast<size_t>(ep_rank_) * per_rank, static_cast<size_t>(per_rank));
 }
 
-int DeviceWeights::migrate_layer(int moe_layer, std::span<const int32_t> new_row) {
+int DeviceWeights::migrate_layer(int moe_layer, std::span<const int32_t> new_row, comm::DeviceExchange* exchange) {
   FULCRUM_CHECK(slots_ != nullptr && moe_layer >= 0 && moe_layer < placement_.num_layers,
                 "GPU weights: no MoE layer {} to migrate ({} MoE layers)", moe_layer, placement_.num_layers);
-  FULCRUM_CHECK(placement_.topology.num_gpus == 1, "GPU weights: a local migration on EP rank {} of {} (slots move "
-                "between GPUs there)", ep_rank_, placement_.topology.num_gpus);
-  const int moved = slots_->migrate_layer_locally(moe_layer, placement_.layer(moe_layer), new_row);
+  const int ranks = exchange != nullptr ? exchange->size() : 1;
+  FULCRUM_CHECK(placement_.topology.num_gpus == ranks && (exchange == nullptr || exchange->rank() == ep_rank_),
+                "GPU weights: a migration over {} rank(s) (this one {}) of a placement on {} GPUs held by EP rank {}",
+                ranks, exchange != nullptr ? exchange->rank() : 0, placement_.topology.num_gpus, ep_rank_);
+  const int moved = exchange != nullptr
+                        ? slots_->migrate_layer_over(*exchange, moe_layer, placement_.layer(moe_layer), new_row)
+                        : slots_->migrate_layer_locally(moe_layer, placement_.layer(moe_layer), new_row);
   std::copy(new_row.begin(), new_row.end(), placement_.layer(moe_layer).begin());
   return moved;
 }

@@ -40,6 +40,10 @@
 #include "model/qwen3_config.hpp"
 #include "model/safetensors.hpp"
 
+namespace fulcrum::comm {
+class DeviceExchange;
+}  // namespace fulcrum::comm
+
 namespace fulcrum::gpu {
 
 struct LayerWeights {
@@ -116,11 +120,12 @@ class DeviceWeights {
   int ep_rank() const { return ep_rank_; }
   // The logical experts of MoE layer `moe_layer`'s slots on this GPU (the placement's row, this rank's part).
   std::span<const int32_t> local_row(int moe_layer) const;
-  // Live EPLB on this GPU: MoE layer `moe_layer`'s slots take new_row (its physical -> logical row, the
-  // placement's slot count) by the slot pool's local migration (GpuSlotPool::migrate_layer_locally: weights and
-  // FP8 scales together); placement() and later cache writes follow. Returns the slots that moved. The caller
-  // makes sure no queued work reads the layer's old buffers, and points the layer at the new ones.
-  int migrate_layer(int moe_layer, std::span<const int32_t> new_row);
+  // Live EPLB: MoE layer `moe_layer`'s slots take new_row (its physical -> logical row, the placement's slot
+  // count) by the slot pool's migration, weights and FP8 scales together: on one GPU a local one
+  // (GpuSlotPool::migrate_layer_locally); on an EP rank one over `exchange`, the EP ranks' transport, collective
+  // (GpuSlotPool::migrate_layer_over). placement() and later cache writes follow. Returns the slots of this GPU that
+  // moved. The caller makes sure no queued work reads the layer's old buffers, and points the layer at the new ones.
+  int migrate_layer(int moe_layer, std::span<const int32_t> new_row, comm::DeviceExchange* exchange = nullptr);
   const LayerWeights& layer(int layer_idx) const { return layers_[static_cast<size_t>(layer_idx)]; }
   const uint16_t* embedding() const { return embed_; }   // [V, H]
   const uint16_t* final_norm() const { return norm_; }   // [H]

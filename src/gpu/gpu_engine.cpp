@@ -329,15 +329,13 @@ void GpuEngine::point_moe_layer_at_slots(int m) {
 
 int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
   const eplb::Placement& now = weights_->placement();
-  FULCRUM_CHECK(options_.ep == nullptr, "GPU engine: a live placement on an expert-parallel rank (its slots would "
-                "move between GPUs: not supported yet)");
-  FULCRUM_CHECK(!moe_.empty(), "GPU engine: a placement for a model without MoE layers");
+  FULCRUM_CHECK(!moe_.empty() || !ep_moe_.empty(), "GPU engine: a placement for a model without MoE layers");
   FULCRUM_CHECK(next.num_layers == now.num_layers && next.num_logical_experts == now.num_logical_experts &&
-                    next.num_physical_experts() == now.num_physical_experts() && next.topology.num_gpus == 1,
+                    next.num_physical_experts() == now.num_physical_experts() && next.topology.num_gpus == ep_size(),
                 "GPU engine: a placement of {} layers x {} slots for {} experts on {} GPUs; this engine runs {} x {} "
-                "for {} on one",
+                "for {} on {}",
                 next.num_layers, next.num_physical_experts(), next.num_logical_experts, next.topology.num_gpus,
-                now.num_layers, now.num_physical_experts(), now.num_logical_experts);
+                now.num_layers, now.num_physical_experts(), now.num_logical_experts, ep_size());
   next.validate();
   FULCRUM_CHECK(broken_placement_.empty(), "GPU engine: {}", broken_placement_);
   FULCRUM_CUDA_CHECK(cudaSetDevice(options_.device));
@@ -346,7 +344,9 @@ int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
   for (int m = 0; m < next.num_layers; ++m) {
     const std::span<const int32_t> row = next.layer(m);
     if (std::equal(row.begin(), row.end(), now.layer(m).begin())) continue;
-    moved += weights_->migrate_layer(m, row);  // on an error nothing of layer m moved; else now's row m is next's
+    // On an error nothing of layer m moved; else now's row m is next's. EP ranks: collective over the exchange
+    // (every rank skips the same layers: they hold the same placement).
+    moved += weights_->migrate_layer(m, row, options_.ep);
     try {
       point_moe_layer_at_slots(m);
     } catch (const std::exception& e) {

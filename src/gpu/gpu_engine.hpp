@@ -116,9 +116,11 @@ class GpuEngine final : public model::StepModel {
   void fill_kv_random(uint64_t seed);
   void assume_prefilled(model::SequenceId id, int64_t num_tokens);
 
-  // Live EPLB on this GPU: the MoE layers take `next` (the same layers, experts and slot count, one GPU). Per
-  // layer whose row changes, each slot whose expert changes receives it (weights and FP8 scales, one blob each)
-  // by a device copy from a slot that holds it now, into a spare buffer of the slot pool, and is remapped to it;
+  // Live EPLB: the MoE layers take `next` (the same layers, experts and slot count, on this engine's GPU count: one,
+  // or the EP ranks). Per layer whose row changes, each slot whose expert changes receives it (weights and FP8
+  // scales, one blob each) into a spare buffer of the slot pool, by a device copy from a slot of this GPU that holds
+  // it now or, on EP ranks, through the exchange from the rank that does, and is remapped to it; on EP ranks it is
+  // collective (every rank calls it with the same placement, between the same steps);
   // the layer's slot pointers and dispatch tables are rewritten in place, so decode graphs captured before keep
   // replaying (the dispatch algorithm and its sources stay those of the options, so the tables keep their sizes).
   // Between steps (it waits for the engine's stream). Returns the slots that moved. A placement of another shape

@@ -89,6 +89,10 @@ model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vec
     }
   };
 
+  const auto after_step = [rank] {
+    if (rank != nullptr && rank->after_step) rank->after_step();
+  };
+
   // Prefill: chunks of at most the step's token budget; a prompt's last chunk samples its first new token.
   const auto t0 = clock::now();
   const int64_t budget = engine.options().max_batch_tokens;
@@ -107,9 +111,11 @@ model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vec
     }
     if (!prompt_logits) {
       take(engine.step(batch), members, batch);
+      after_step();
       continue;
     }
     const std::vector<model::HostTensor> logits = engine.forward_logits(batch);
+    after_step();
     for (size_t k = 0; k < batch.size(); ++k) {
       model::HostTensor& all = result.prompt_logits[members[k]];
       all.shape[0] += logits[k].shape[0];
@@ -133,6 +139,7 @@ model::GenerateResult gpu_generate(GpuEngine& engine, const std::vector<std::vec
       members.push_back(i);
     }
     take(engine.step(batch), members, batch);
+    after_step();
     ++steps;
   }
   if (stats != nullptr) {

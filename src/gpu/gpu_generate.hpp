@@ -4,6 +4,7 @@
 // (CUDA-graph replays). Sequence i draws from Rng(seed, "sequence i"), one uniform per sampled token when
 // temperature > 0, as model::generate, so a seed gives the CPU engine's tokens up to the numerics.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "gpu/gpu_engine.hpp"
@@ -21,9 +22,12 @@ struct GpuGenerateStats {
 // others, so a rank past its own prefill takes empty steps up to `prefill_steps` (the most any rank's prompts take:
 // gpu_prefill_steps), and a rank without prompts takes empty decode steps too. `sequence_index`: each prompt's
 // index in the whole run, whose Rng stream ("sequence i") it draws from, so the ranks sample what one engine would.
+// after_step, when set, runs after each step (prefill and decode, the empty ones too): the ranks' live EPLB
+// (GpuRankEplb::after_step), at the same step on every rank.
 struct GpuGenerateRank {
   std::vector<size_t> sequence_index;
   int64_t prefill_steps = 0;
+  std::function<void()> after_step;
 };
 
 // With `prompt_logits`, the prefill returns every prompt position's logits (result.prompt_logits) and the

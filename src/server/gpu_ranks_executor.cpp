@@ -3,20 +3,26 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "comm/host_staged_exchange.hpp"
 #include "comm/in_process_communicator.hpp"
+#include "engine/rank_eplb.hpp"
 #include "eplb/error.hpp"
+#include "eplb/metrics.hpp"
 #include "gpu/gpu_engine.hpp"
+#include "gpu/gpu_rank_eplb.hpp"
+#include "server/metrics.hpp"
 
 namespace fulcrum::server {
 
 // A rank's thread waits on `cv` for a task and signals it done on the same variable.
 struct GpuRanksExecutor::Rank {
   int device = 0;
+  gpu::GpuRankEplb* eplb = nullptr;  // --enable-eplb: the rank's EPLB loop (owned by rank_main)
   std::mutex m;
   std::condition_variable cv;
   Task task;
@@ -25,7 +31,8 @@ struct GpuRanksExecutor::Rank {
 };
 
 GpuRanksExecutor::GpuRanksExecutor(const GpuExecutorOptions& options)
-    : config_(model::load_qwen3_moe_config(options.model_dir)), world_size_(options.parallel.tp) {
+    : config_(model::load_qwen3_moe_config(options.model_dir)), world_size_(options.parallel.tp),
+      metrics_(options.metrics) {
   FULCRUM_CHECK(engine::runs_gpu_engine_ranks(options.parallel, options.run), "serve: the GPU engine's ranks take "
                 "--device cuda --tp W --dp W --enable-dp-attention --ep W (one pipeline stage)");
   const std::string why = engine::why_gpu_engine_ranks_cannot_run(options.run);
@@ -104,6 +111,7 @@ void GpuRanksExecutor::rank_main(int r, comm::Communicator& comm, const GpuExecu
   Rank& me = *ranks_[static_cast<size_t>(r)];
   std::unique_ptr<comm::HostStagedExchange> exchange;
   std::unique_ptr<gpu::GpuEngine> engine;
+  std::unique_ptr<gpu::GpuRankEplb> eplb;
   try {
     exchange = std::make_unique<comm::HostStagedExchange>(comm, me.device);
     gpu::GpuEngineOptions eo = base;
@@ -111,6 +119,19 @@ void GpuRanksExecutor::rank_main(int r, comm::Communicator& comm, const GpuExecu
     eo.ep = exchange.get();
     engine = std::make_unique<gpu::GpuEngine>(config_, eo);
     fill_gpu_engine(*engine, options, /*report_progress=*/r == 0);
+    if (options.run.eplb.enabled) {
+      eplb_runtime::ManagerOptions manager = engine::manager_options_of(options.run.eplb);
+      manager.log = [r, log = options.run.eplb.log](const std::string& line) {
+        if (r != 0) return;
+        if (log) {
+          log(line);
+        } else {
+          fmt::print(stderr, "[eplb] {}\n", line);
+        }
+      };
+      eplb = std::make_unique<gpu::GpuRankEplb>(*engine, *exchange, std::move(manager));
+      me.eplb = eplb.get();
+    }
   } catch (const std::exception& e) {
     {
       const std::lock_guard lock(state_mutex_);
@@ -237,6 +258,16 @@ void GpuRanksExecutor::release(SequenceId id) {
   run_one(group, [&](gpu::GpuEngine& e) { e.release(id); });
 }
 
+void GpuRanksExecutor::after_step(int r) {
+  gpu::GpuRankEplb* eplb = ranks_[static_cast<size_t>(r)]->eplb;
+  if (eplb == nullptr) return;
+  const std::optional<eplb_runtime::RebalanceReport> report = eplb->after_step();  // collective when due
+  if (r != 0 || metrics_ == nullptr || !report) return;
+  if (!report->skipped) metrics_->add_eplb_rebalance(report->num_bytes_moved);
+  const eplb::PlacementReport placement = eplb::evaluate_placement(eplb->placement(), eplb->last_window());
+  metrics_->set_eplb_balancedness(placement.balancedness_per_layer, placement.balancedness_mean);
+}
+
 model::StepOutput GpuRanksExecutor::step(std::span<const model::StepSequence> batch) {
   const std::lock_guard lock(mutex_);
   {
@@ -255,7 +286,10 @@ model::StepOutput GpuRanksExecutor::step(std::span<const model::StepSequence> ba
   // Every rank steps, those without entries with an empty batch (they join the MoE layers' exchanges).
   std::vector<model::StepOutput> outs(w);
   const std::string error = run_on_all(
-      [&outs, &parts](int r, gpu::GpuEngine& e) { outs[static_cast<size_t>(r)] = e.step(parts[static_cast<size_t>(r)]); },
+      [&](int r, gpu::GpuEngine& e) {
+        outs[static_cast<size_t>(r)] = e.step(parts[static_cast<size_t>(r)]);
+        after_step(r);
+      },
       /*collective=*/true);
   if (!error.empty()) throw ExecutorFailure(fmt::format("the GPU engine ranks stopped: {}", error));
   model::StepOutput out = model::make_step_output(batch.size());

@@ -4,7 +4,9 @@
 // holds P / W expert slots of every MoE layer and attention-DP group r's sequences and KV pool (num_kv_groups() = W;
 // the scheduler picks each sequence's group). A step splits the batch by group and runs every rank's part in lockstep
 // (a rank without entries joins each MoE layer's exchange with an empty batch); the MoE rows move between ranks
-// through host memory (comm::HostStagedExchange). Steps run eagerly. A step that fails on a rank ends the ranks
+// through host memory (comm::HostStagedExchange). Steps run eagerly. With --enable-eplb each rank runs
+// gpu::GpuRankEplb after every step (rebalances every --eplb-rebalance-num-iterations steps, slots moving rank to rank
+// through the same exchange between two steps; rank 0 reports to the server's metrics). A step that fails on a rank ends the ranks
 // (its exchanges could not complete): that step and every later call throw ExecutorFailure.
 // Built with CUDA only (src/cuda/CMakeLists.txt adds it).
 #include <condition_variable>
@@ -54,6 +56,9 @@ class GpuRanksExecutor final : public StepExecutor {
   void rank_main(int rank, comm::Communicator& comm, const GpuExecutorOptions& options, const gpu::GpuEngineOptions& base);
   void stop_ranks();
   bool stopping();
+  // On rank r's thread after its step: the rank's live EPLB (collective when a rebalance is due); rank 0 reports
+  // rebalances and balancedness to metrics_.
+  void after_step(int r);
 
   model::Qwen3MoeConfig config_;
   int world_size_ = 0;
@@ -69,6 +74,7 @@ class GpuRanksExecutor final : public StepExecutor {
   std::string description_;
   int64_t max_sequence_length_ = 0;
   std::unique_ptr<GpuCountsRecorder> recorder_;
+  ServerMetrics* metrics_ = nullptr;
 };
 
 }  // namespace fulcrum::server

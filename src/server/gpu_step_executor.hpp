@@ -20,6 +20,8 @@ struct GpuEngineOptions;
 
 namespace fulcrum::server {
 
+class ServerMetrics;
+
 struct GpuExecutorOptions {
   std::string model_dir;
   engine::ParallelFlags parallel;  // must be one rank
@@ -27,6 +29,7 @@ struct GpuExecutorOptions {
   SchedulerOptions scheduler;      // KV pages and page size, step capacity
   std::function<void(int done, int total)> on_layers_loaded;
   bool random_weights = false;  // --load-format dummy: device-generated weights, no checkpoint read
+  ServerMetrics* metrics = nullptr;  // the EP ranks' live EPLB reports its rebalances and balancedness here
 };
 
 // The expert-distribution endpoints over GPU engines' device recorders: `counts` gives [MoE layers * E] routed tokens

@@ -196,7 +196,7 @@ void serve(const ServeOptions& options) {
 #ifdef FULCRUM_WITH_GPU_SERVE
   if (on_gpu || on_gpu_ranks) {
     const GpuExecutorOptions gpu_options{options.model_dir, options.parallel, options.run, options.scheduler,
-                                         on_layers_loaded, options.load_format == "dummy"};
+                                         on_layers_loaded, options.load_format == "dummy", &metrics};
     const auto take = [&](auto gpu) {  // one GPU, or the GPU engine's EP ranks
       config = &gpu->config();
       recorder = gpu->recorder();
@@ -207,6 +207,7 @@ void serve(const ServeOptions& options) {
       take(std::make_unique<GpuStepExecutor>(gpu_options));
     } else {
       take(std::make_unique<GpuRanksExecutor>(gpu_options));
+      eplb_on = options.run.eplb.enabled;
     }
   }
 #endif

@@ -288,4 +288,77 @@ int GpuSlotPool::migrate_layer_locally(int layer_idx, std::span<const int32_t> o
   return static_cast<int>(transfers.size());
 }
 
+int GpuSlotPool::migrate_layer_over(comm::DeviceExchange& exchange, int layer_idx, std::span<const int32_t> old_row,
+                                    std::span<const int32_t> new_row) {
+  check_layer(layer_idx);
+  const int w = exchange.size(), me = exchange.rank(), s = shape_.slots_per_layer;
+  const eplb::Topology topo{s * w, w, 1};
+  const std::vector<eplb::SlotTransfer> transfers = plan_layer_transfers(topo, layer_idx, old_row, new_row);
+  if (transfers.empty()) return 0;  // the same on every rank
+  // This rank's receives (reserved[j] for mine[j]), and the slot counts between each pair of ranks.
+  std::vector<const eplb::SlotTransfer*> mine;
+  std::vector<int64_t> send_counts(static_cast<size_t>(w), 0), recv_counts(static_cast<size_t>(w), 0);
+  int64_t crossing = 0;  // over every rank: all skip the exchange together when no slot crosses
+  for (const eplb::SlotTransfer& t : transfers) {
+    const int src = t.src_slot / s, dst = t.dst_slot / s;
+    if (dst == me) mine.push_back(&t);
+    if (src == dst) continue;
+    ++crossing;
+    if (src == me) send_counts[static_cast<size_t>(dst)] += slot_bytes();
+    if (dst == me) recv_counts[static_cast<size_t>(src)] += slot_bytes();
+  }
+  const std::vector<int32_t> reserved = map_.reserve(layer_idx, static_cast<int>(mine.size()));
+  const auto reserved_for = [&](const eplb::SlotTransfer& t) {
+    return reserved[static_cast<size_t>(std::find(mine.begin(), mine.end(), &t) - mine.begin())];
+  };
+  // Packs (or unpacks) the blobs of the transfers from src_rank to dst_rank, in transfer order, at `bytes`.
+  const auto copy_pair = [&](int src_rank, int dst_rank, std::byte* bytes, bool pack) {
+    for (const eplb::SlotTransfer& t : transfers) {
+      if (t.src_slot / s != src_rank || t.dst_slot / s != dst_rank) continue;
+      const int32_t buffer = pack ? map_.buffer_of(layer_idx, t.src_slot - me * s) : reserved_for(t);
+      const std::pair<std::byte*, int64_t> blobs[] = {{gate_up_blob(buffer), gate_up_blob_bytes()},
+                                                      {down_blob(buffer), down_blob_bytes()}};
+      for (const auto& [blob, size] : blobs) {
+        FULCRUM_CUDA_CHECK(cudaMemcpyAsync(pack ? bytes : blob, pack ? blob : bytes, static_cast<size_t>(size),
+                                           cudaMemcpyDeviceToDevice, stream_));
+        bytes += size;
+      }
+    }
+  };
+  try {
+    for (const eplb::SlotTransfer* t : mine) {
+      if (t->src_slot / s == me) copy_buffer_async(reserved_for(*t), map_.buffer_of(layer_idx, t->src_slot - me * s), stream_);
+    }
+    if (crossing > 0) {
+      int64_t send_total = 0, recv_total = 0;
+      for (int r = 0; r < w; ++r) {
+        send_total += send_counts[static_cast<size_t>(r)];
+        recv_total += recv_counts[static_cast<size_t>(r)];
+      }
+      DeviceBuffer send(static_cast<size_t>(std::max<int64_t>(send_total, 16)));
+      DeviceBuffer recv(static_cast<size_t>(std::max<int64_t>(recv_total, 16)));
+      std::byte* at = send.as<std::byte>();
+      for (int r = 0; r < w; ++r) {
+        if (r != me) copy_pair(me, r, at, /*pack=*/true);
+        at += send_counts[static_cast<size_t>(r)];
+      }
+      FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the exchange reads send after its caller's writes
+      exchange.all_to_all_v_device(send.as<std::byte>(), send_counts, recv.as<std::byte>(), recv_counts);
+      at = recv.as<std::byte>();
+      for (int r = 0; r < w; ++r) {
+        if (r != me) copy_pair(r, me, at, /*pack=*/false);
+        at += recv_counts[static_cast<size_t>(r)];
+      }
+    }
+    FULCRUM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the staging buffers go away at scope end
+  } catch (...) {
+    cudaStreamSynchronize(stream_);  // no copy still writes a buffer that goes back to the free list
+    map_.release_reserved(layer_idx);
+    throw;
+  }
+  for (const eplb::SlotTransfer* t : mine) map_.remap(layer_idx, t->dst_slot - me * s, reserved_for(*t));
+  map_.release_reserved(layer_idx);
+  return static_cast<int>(mine.size());
+}
+
 }  // namespace fulcrum::backend

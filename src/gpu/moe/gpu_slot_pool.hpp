@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/device_exchange.hpp"
 #include "gpu/moe/moe_layer.hpp"
 #include "eplb/migration_plan.hpp"
 #include "eplb/topology.hpp"
@@ -109,6 +110,13 @@ class GpuSlotPool {
   // once the copies are done and the map committed, with the number of slots that moved; the caller makes sure
   // no queued work still reads the old buffers. On an error nothing is remapped.
   int migrate_layer_locally(int layer_idx, std::span<const int32_t> old_row, std::span<const int32_t> new_row);
+  // The same for a pool that is one EP rank's part of the layer, collective over `exchange` (its ranks are the EP
+  // ranks, rank r holding slots [r S, (r + 1) S) of the rows' P = S x size() slots): every rank plans the same
+  // transfers (plan_layer_transfers); a slot whose new expert this rank holds now is filled by a device copy, the
+  // others by one all_to_all_v_device of the senders' blobs (weights and FP8 scales together, packed in transfer
+  // order), then remapped. Returns the slots this rank received. Every rank calls it with the same rows.
+  int migrate_layer_over(comm::DeviceExchange& exchange, int layer_idx, std::span<const int32_t> old_row,
+                         std::span<const int32_t> new_row);
 
   // Host bf16 weights of all the layer's local slots: gate_up [S, 2I, H], down [S, H, I].
   void upload_layer(int layer_idx, std::span<const uint16_t> gate_up, std::span<const uint16_t> down);
