@@ -12,8 +12,7 @@
 //              at K = 4096); every element is checked, unwritten ones (NaN poison) fail
 //   exact      rows outside every group (still the poison), a row's output under another placement of the
 //              groups (same config), replayed graphs vs the eager run
-//   exact      the pair's one setup launch then each GEMM vs two run_grouped_gemm calls, with and without the
-//              setup's row gather
+//   exact      the pair's one setup launch then each GEMM vs two run_grouped_gemm calls
 //   host rules config choice by total rows, the shape rule, argument checks (no GPU needed)
 #include <cmath>
 #include <cstring>
@@ -319,40 +318,6 @@ TEST_F(GroupedGemmTest, PairSetupThenEachGemmEqualsTwoRuns) {
     EXPECT_EQ(up_paired, up_alone);
     EXPECT_EQ(down_paired, down_alone);
     EXPECT_TRUE(matches_reference(down_paired, reference_of(down)));
-  }
-}
-
-// The pair's setup launch gathering the first GEMM's A (the MoE decode permutation): x holds A's rows in
-// reverse order, A starts as poison, row_of points each A row at its x row; the first GEMM's output is bitwise
-// that of run_grouped_gemm on the ungathered A, at every config.
-TEST_F(GroupedGemmTest, PairSetupGathersTheFirstGemmsRows) {
-  const std::vector<int32_t> counts = {0, 1, 7, 300, 0, 13};
-  const HostProblem up = make_problem(1536, 2048, counts, 6, 3, 31);
-  const HostProblem down = make_problem(2048, 768, counts, 6, 3, 32);
-  const DeviceProblem d_up = upload(up), d_down = upload(down);
-  const int64_t rows = up.rows, k = up.k;
-  std::vector<float> reversed(up.a.size());
-  std::vector<int32_t> row_of(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    row_of[r] = static_cast<int32_t>(rows - 1 - r);
-    std::copy(up.a.begin() + r * k, up.a.begin() + (r + 1) * k, reversed.begin() + (rows - 1 - r) * k);
-  }
-  const DeviceBuffer x = to_device(to_bits(reversed)), d_row_of = to_device(row_of);
-  for (const GroupedGemmConfig config : kConfigs) {
-    SCOPED_TRACE(config_name(config));
-    const std::vector<uint16_t> up_alone = run(up, d_up, config);
-    ASSERT_EQ(cudaMemsetAsync(d_up.d.as<void>(), 0xff, d_up.d.bytes(), stream_), cudaSuccess);
-    ASSERT_EQ(cudaMemsetAsync(d_up.a.as<void>(), 0xff, d_up.a.bytes(), stream_), cudaSuccess);
-    const gpu::GroupedGemmArgs first = args_of(up, d_up), second = args_of(down, d_down);
-    const gpu::GroupedGemmGather gather{x.as<uint16_t>(), d_row_of.as<int32_t>(), rows};
-    void* ws = workspace_.as<void>();
-    gpu::GroupedGemmStatus status = gpu::setup_grouped_gemm_pair(first, second, config, limits_, ws, stream_, &gather);
-    ASSERT_TRUE(status.ok()) << status.failed;
-    status = gpu::launch_grouped_gemm(first, 0, config, limits_, ws, stream_);
-    ASSERT_TRUE(status.ok()) << status.failed;
-    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-    EXPECT_EQ(to_host(d_up.a.as<uint16_t>(), rows * k), to_bits(up.a));
-    EXPECT_EQ(to_host(d_up.d.as<uint16_t>(), rows * up.n), up_alone);
   }
 }
 

@@ -16,9 +16,11 @@
 // problem-shape pointer null (device-side problem sizes, as CUTLASS example 57 allows). The workspace holds
 // per-SM TMA descriptors and those arrays: calls that share one must be ordered (one stream). The MoE expert pair
 // (gate_up, SwiGLU, down) can instead write both GEMMs' arrays in one setup launch (setup_grouped_gemm_pair, into
-// the workspace's two array regions) and then launch each GEMM alone (launch_grouped_gemm). The GEMM kernels are
-// programmatic dependent launches (they wait for the kernel before them first; dependent_launch.cuh), so their
-// launch and prologue overlap the kernel before.
+// the workspace's two array regions) and then launch each GEMM alone (launch_grouped_gemm): one kernel less between
+// the GEMMs (0.5-0.9% faster decode steps at batch 8-64 on an H100, docs/benchmarks.md, session 42). The GEMMs
+// are ordinary launches: CUTLASS's sm90 ptr-array kernels issue no griddepcontrol.wait (a wrapper that waited
+// first and launched them as programmatic dependents measured no faster, nor did gathering the decode rows inside
+// the setup launch; both removed).
 //
 // Placement invariance (NOTES): a row's output depends only on its own A row, its group's B and the config:
 // no split-K / stream-K (CUTLASS's grouped scheduler gives each output tile its whole k-loop, k-tiles in
@@ -128,17 +130,9 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
 // second's into region 1), then launch_grouped_gemm(args, region) runs each GEMM on them, with any kernels of the
 // caller's between (the second GEMM's A may be written after the setup: the setup reads only its address). Same
 // checks and capture safety as run_grouped_gemm; the arrays stay valid until the workspace's next setup.
-// With `gather`, the setup launch also writes first's A: rows [0, gather->rows) of first.a are the rows
-// gather->row_of names of gather->x ([*, first.k] bf16, 16-byte aligned; row_of is device memory an earlier kernel
-// may write), the MoE decode permutation, one kernel less before the first GEMM.
-struct GroupedGemmGather {
-  const uint16_t* x = nullptr;
-  const int32_t* row_of = nullptr;
-  int64_t rows = 0;
-};
 GroupedGemmStatus setup_grouped_gemm_pair(const GroupedGemmArgs& first, const GroupedGemmArgs& second,
                                           GroupedGemmConfig config, const GroupedGemmLimits& limits, void* workspace,
-                                          CUstream_st* stream, const GroupedGemmGather* gather = nullptr);
+                                          CUstream_st* stream);
 GroupedGemmStatus launch_grouped_gemm(const GroupedGemmArgs& args, int region, GroupedGemmConfig config,
                                       const GroupedGemmLimits& limits, void* workspace, CUstream_st* stream);
 

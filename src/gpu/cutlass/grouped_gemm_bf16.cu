@@ -103,20 +103,14 @@ GroupedGemmStatus run_grouped_gemm(const GroupedGemmArgs& args, GroupedGemmConfi
 
 GroupedGemmStatus setup_grouped_gemm_pair(const GroupedGemmArgs& first, const GroupedGemmArgs& second,
                                           GroupedGemmConfig config, const GroupedGemmLimits& limits, void* workspace,
-                                          CUstream_st* stream, const GroupedGemmGather* gather) {
+                                          CUstream_st* stream) {
   for (const GroupedGemmArgs* args : {&first, &second}) {
     if (const char* problem = args_problem(*args, limits, workspace)) {
       return {problem, static_cast<int>(cudaErrorInvalidValue)};
     }
   }
-  if (gather != nullptr && (gather->rows < 0 || (gather->rows > 0 && (gather->x == nullptr || gather->row_of == nullptr ||
-                                                                      !grouped_gemm_aligned(gather->x))))) {
-    return {"grouped GEMM: a gather with negative rows, a null pointer or x not 16-byte aligned",
-            static_cast<int>(cudaErrorInvalidValue)};
-  }
   if (first.num_groups == 0 && second.num_groups == 0) return {};
   GroupedGemmStage stage;
-  stage.gather = gather;
   stage.setup[0] = &first;
   stage.setup[1] = &second;
   stage.setup_count = 2;

@@ -26,28 +26,8 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "gpu/cutlass/grouped_gemm_detail.hpp"
 #include "gpu/kernels/dependent_launch.cuh"
-#include "gpu/kernels/row_copy.cuh"
 
 namespace fulcrum::gpu::grouped_gemm_detail {
-
-// CUTLASS's sm90 ptr-array kernels issue no griddepcontrol.wait, so launched as programmatic dependents they could
-// read the group arrays before the setup kernel has written them. This one waits first and then lets the next kernel
-// be scheduled (the dependent_launch.cuh contract), then runs CUTLASS's kernel unchanged. Without a dependent launch
-// the wait returns at once.
-template <class Kernel>
-struct WaitingKernel : Kernel {
-  CUTLASS_DEVICE void operator()(typename Kernel::Params const& params, char* smem) {
-    fulcrum::gpu::wait_then_release();
-    Kernel::operator()(params, smem);
-  }
-};
-
-// Whether the GEMMs are programmatic dependent launches: FULCRUM_PDL and FULCRUM_CUTLASS_PDL (both on unless "0"; the
-// latter for measurement against ordinary launches). Read once.
-inline bool grouped_gemm_dependent_launch() {
-  static const bool on = fulcrum::gpu::dependent_launch_enabled() && fulcrum::gpu::env_switch_on("FULCRUM_CUTLASS_PDL");
-  return on;
-}
 
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule, bool SwapAB = false>
 struct Bf16GroupedGemm {
@@ -75,8 +55,7 @@ struct Bf16GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using GemmKernel =
-      WaitingKernel<cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;
@@ -152,26 +131,12 @@ struct SetupJob {
   typename G::GroupArrays arrays;
 };
 
-// Warps per block of the setup launch's row gather (one row a warp).
-constexpr int kGatherWarps = 8;
-
-// Offsets -> CUTLASS's per-group problem shapes, pointers and strides: block j < jobs for job j (one or two GEMMs:
-// the MoE pair's both GEMMs in one launch), one thread per group; the blocks after them gather the first GEMM's A
-// rows (GroupedGemmGather: first.a[r] = x[row_of[r]], first.k columns), a warp a row. A programmatic dependent
-// launch (dependent_launch.cuh): the offsets and row_of come from the kernel before it.
+// Offsets -> CUTLASS's per-group problem shapes, pointers and strides: block j for job j (one or two GEMMs: the
+// MoE pair's both GEMMs in one launch), one thread per group. A programmatic dependent launch
+// (dependent_launch.cuh): the offsets come from the kernel before it.
 template <class G>
-__global__ void grouped_gemm_setup_kernel(SetupJob<G> first, SetupJob<G> second, int jobs, GroupedGemmGather gather) {
+__global__ void grouped_gemm_setup_kernel(SetupJob<G> first, SetupJob<G> second) {
   fulcrum::gpu::wait_then_release();
-  if (static_cast<int>(blockIdx.x) >= jobs) {
-    const int lane = threadIdx.x % 32;
-    const int64_t row = static_cast<int64_t>(blockIdx.x - jobs) * kGatherWarps + threadIdx.x / 32;
-    if (row >= gather.rows) return;
-    const int64_t from = fulcrum::gpu::load_produced(gather.row_of + row);
-    fulcrum::gpu::copy_row16(reinterpret_cast<const uint4*>(gather.x + from * first.k),
-                             reinterpret_cast<uint4*>(const_cast<uint16_t*>(first.a) + row * first.k), first.k / 8,
-                             lane);
-    return;
-  }
   using ElementA = typename G::ElementA;
   using ElementB = typename G::ElementB;
   using ElementD = typename G::ElementD;
@@ -238,11 +203,8 @@ GroupedGemmStatus run_config(const GroupedGemmStage& stage, int config_idx, cons
                  args.a,       args.d,          args.n,    args.k,
                  arrays_of_region<G>(limits, workspace, j)};
     }
-    const GroupedGemmGather gather = stage.gather != nullptr ? *stage.gather : GroupedGemmGather{};
-    const auto gather_blocks = static_cast<unsigned>((gather.rows + kGatherWarps - 1) / kGatherWarps);
-    const cudaError_t status = fulcrum::gpu::launch_dependent(
-        grouped_gemm_setup_kernel<G>, dim3(static_cast<unsigned>(stage.setup_count) + gather_blocks),
-        dim3(32 * kGatherWarps), 0, stream, jobs[0], jobs[1], stage.setup_count, gather);
+    const cudaError_t status = fulcrum::gpu::launch_dependent(grouped_gemm_setup_kernel<G>, dim3(stage.setup_count),
+                                                              dim3(256), 0, stream, jobs[0], jobs[1]);
     if (status != cudaSuccess) return {"grouped GEMM setup kernel launch", static_cast<int>(status)};
   }
   if (stage.launch_region < 0) return {};
@@ -250,7 +212,7 @@ GroupedGemmStatus run_config(const GroupedGemmStage& stage, int config_idx, cons
   // Params hold only the arrays' addresses, the group count and the device facts (host work, no launch).
   typename G::GemmKernel::Params params = G::GemmKernel::to_underlying_arguments(
       G::arguments(arrays_of_region<G>(limits, workspace, stage.launch_region), stage.launch_groups, hw), workspace);
-  if (G::Gemm::run(params, stream, nullptr, grouped_gemm_dependent_launch()) != cutlass::Status::kSuccess) {
+  if (G::Gemm::run(params, stream) != cutlass::Status::kSuccess) {
     return {"CUTLASS grouped GEMM launch", static_cast<int>(cudaErrorLaunchFailure)};
   }
   return {};

@@ -20,12 +20,10 @@ constexpr size_t kWorkspaceAlignment = 256;
 constexpr size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
 
 // One call into a config: setup_count (0-2) GEMMs' group arrays written by one setup launch (setup[j]'s into region
-// j; with `gather`, the same launch also gathers setup[0]'s A rows), then, when launch_region >= 0, the GEMM over
-// that region's arrays with launch_groups groups.
+// j), then, when launch_region >= 0, the GEMM over that region's arrays with launch_groups groups.
 struct GroupedGemmStage {
   const GroupedGemmArgs* setup[kGroupedGemmRegions] = {};
   int setup_count = 0;
-  const GroupedGemmGather* gather = nullptr;
   int launch_region = -1;
   int launch_groups = 0;
 };

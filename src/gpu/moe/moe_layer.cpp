@@ -787,10 +787,8 @@ static std::pair<gpu::GroupedGemmConfig, gpu::GroupedGemmConfig> bf16_gemm_confi
 }
 
 void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local,
-                                  int num_weights, int64_t max_rows, int64_t total_rows, uint16_t* out,
-                                  const gpu::GroupedGemmGather* gather) {
+                                  int num_weights, int64_t max_rows, int64_t total_rows, uint16_t* out) {
   if (num_groups == 0 || max_rows == 0) return;
-  FULCRUM_CHECK(gather == nullptr || !shape_.fp8_experts, "cutlass_experts: a row gather on an FP8 layer");
   if (shape_.fp8_experts) {
     cutlass_experts_fp8(in, offsets, num_groups, first_local, num_weights, max_rows, total_rows, out);
     return;
@@ -820,17 +818,9 @@ void GpuMoeLayer::cutlass_experts(const uint16_t* in, const int32_t* offsets, in
   // One setup launch for both GEMMs when they share a config (FULCRUM_GEMM_PAIR_SETUP=0: a setup before each, for
   // measurement): a kernel less between the GEMMs.
   static const bool pair_setup_on = gpu::env_switch_on("FULCRUM_GEMM_PAIR_SETUP");
-  // The gather in that launch too (FULCRUM_GATHER_IN_SETUP=0: its own launch before, for measurement).
-  static const bool gather_in_setup_on = gpu::env_switch_on("FULCRUM_GATHER_IN_SETUP");
   const bool paired = pair_setup_on && up_config == down_config;
-  if (gather != nullptr && !(paired && gather_in_setup_on && gpu::grouped_gemm_aligned(gather->x))) {
-    FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(gather->x, gather->row_of, gather->rows, h,
-                                                     const_cast<uint16_t*>(in), stream_));
-    gather = nullptr;
-  }
   if (paired) {
-    check_grouped_gemm(gpu::setup_grouped_gemm_pair(up, down, up_config, limits, workspace, stream_, gather),
-                       "expert setup");
+    check_grouped_gemm(gpu::setup_grouped_gemm_pair(up, down, up_config, limits, workspace, stream_), "expert setup");
     check_grouped_gemm(gpu::launch_grouped_gemm(up, 0, up_config, limits, workspace, stream_), "gate_up");
   } else {
     check_grouped_gemm(gpu::run_grouped_gemm(up, up_config, limits, workspace, stream_), "gate_up");
@@ -1027,21 +1017,15 @@ void GpuMoeLayer::experts_from_logits(const uint16_t* x, const float* logits, in
     // gather of x by the plan's rows, in place of router + count + scan + cursor copy + scatter (five launches and
     // a memset / memcpy node that break the dependent-launch chain).
     MoeWorkspace& w = ws();
-    const bool routed = !gpu::ablated(gpu::AblatePart::kRoute);
-    if (routed) route_permute_small(logits, num_tokens);
-    fp8_rows_quantized_ = false;
-    own_problems_built_ = false;
-    // The gather of x by the plan's rows rides in the expert GEMMs' setup launch (cutlass_experts).
-    const gpu::GroupedGemmGather gather{x, w.row_token.as<int32_t>(), num_tokens * shape_.num_experts_per_tok};
-    if (!gpu::ablated(gpu::AblatePart::kGateUp)) {
-      FULCRUM_CHECK(has_expert_weights_, "MoE layer: no expert weights (external_weights: set_slot_weights first)");
-      const int64_t total_rows = num_tokens * shape_.num_experts_per_tok;
-      cutlass_experts(w.permuted.as<uint16_t>(), w.offsets.as<int32_t>(), shape_.num_slots, 0, shape_.num_slots,
-                      total_rows, total_rows, w.expert_out.as<uint16_t>(), routed ? &gather : nullptr);
-    } else if (routed) {
-      FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, gather.row_of, gather.rows, shape_.hidden_size,
+    if (!gpu::ablated(gpu::AblatePart::kRoute)) {
+      route_permute_small(logits, num_tokens);
+      FULCRUM_CUDA_CHECK(cuda::moe::launch_gather_rows(x, w.row_token.as<int32_t>(),
+                                                       num_tokens * shape_.num_experts_per_tok, shape_.hidden_size,
                                                        w.permuted.as<uint16_t>(), stream_));
     }
+    fp8_rows_quantized_ = false;
+    own_problems_built_ = false;
+    if (!gpu::ablated(gpu::AblatePart::kGateUp)) run_experts(0, shape_.num_slots);
     return;
   }
   route(logits, num_tokens);

@@ -352,12 +352,9 @@ class GpuMoeLayer {
   void expert_gemm(const GemmProblems& problems, int gemm_idx, int first, int count, double flops);
   // Both CUTLASS grouped GEMMs and the activation over groups [offsets[0], offsets[num_groups]) of rows
   // `in` -> `out`, group g using local slot (first_local + g) % num_weights's weights. FP8: in == nullptr when
-  // the rows are already quantized in the workspace's fp8_x / fp8_x_scales (permute_quantize_fp8). With `gather`
-  // (bf16 only), `in` is first written from it (in[r] = gather->x[gather->row_of[r]]), inside the GEMMs' setup
-  // launch when they share one.
+  // the rows are already quantized in the workspace's fp8_x / fp8_x_scales (permute_quantize_fp8).
   void cutlass_experts(const uint16_t* in, const int32_t* offsets, int num_groups, int first_local, int num_weights,
-                       int64_t max_rows, int64_t total_rows, uint16_t* out,
-                       const gpu::GroupedGemmGather* gather = nullptr);
+                       int64_t max_rows, int64_t total_rows, uint16_t* out);
   // route, then the skinny path or permute + run_experts: expert_out rows for combine.
   void experts_from_logits(const uint16_t* x, const float* logits, int64_t num_tokens);
   // The skinny path after route: permutation, then skinny_gemms: both expert GEMMs (SwiGLU fused) -> expert_out
