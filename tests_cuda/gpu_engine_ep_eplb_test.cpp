@@ -12,9 +12,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_check.hpp"
@@ -23,9 +20,7 @@
 #include "eplb/error.hpp"
 #include "gpu/moe/gpu_slot_pool.hpp"
 #include "gpu_engine_ep_util.hpp"
-#include "http_raw_client.hpp"
 #include "moe_cuda_test_util.hpp"
-#include "server_process.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -168,42 +163,11 @@ TEST(GpuEngineEpEplb, GenerateOnRankThreadsWithEplbPrintsTheOneGpuTokens) {
 // `serve` on 2 GPU engine rank threads with live EPLB answers 4 concurrent greedy requests with the one-GPU server's
 // tokens, and /metrics reports the balancedness the rebalances measured.
 TEST(GpuEngineEpEplb, ServeOnRankThreadsWithEplbAnswersAsOneGpu) {
-  const std::string model = golden_model_dir("qwen3moe-tiny-128e");
-  constexpr int kClients = 4, kMaxTokens = 6;
-  const auto answers = [&](const std::vector<std::string>& layout, const std::string& name,
-                           std::string* metrics) -> std::vector<std::vector<int32_t>> {
-    const TempDir tmp(name);
-    std::vector<std::string> flags = {"--device", "cuda", "--kv-pages", "64", "--max-running-requests", "4"};
-    flags.insert(flags.end(), layout.begin(), layout.end());
-    ServerProcess server(model, flags, tmp.path() + "/serve.log");
-    std::vector<std::vector<int32_t>> tokens(kClients);
-    std::vector<std::thread> clients;
-    for (int c = 0; c < kClients; ++c) {
-      clients.emplace_back([&, c] {
-        std::vector<int32_t> prompt;
-        for (int i = 0; i < 5 + 9 * c; ++i) prompt.push_back((31 * c + 101 * i + 3) % 256);
-        const std::string body = nlohmann::json{{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0},
-                                                {"ignore_eos", true}}.dump();
-        const std::optional<RawResponse> response = post_json(server.port(), "/v1/completions", body);
-        ASSERT_TRUE(response.has_value()) << server.log();
-        ASSERT_EQ(response->status, 200) << response->body << "\n" << server.log();
-        tokens[static_cast<size_t>(c)] =
-            nlohmann::json::parse(response->body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
-      });
-    }
-    for (std::thread& t : clients) t.join();
-    if (metrics != nullptr) {
-      const std::optional<RawResponse> m = get_path(server.port(), "/metrics");
-      EXPECT_TRUE(m.has_value());
-      if (m.has_value()) *metrics = m->body;
-    }
-    return tokens;
-  };
-  const auto one = answers({}, "gpu_serve_eplb_one", nullptr);
+  const auto one = serve_greedy_answers({}, "gpu_serve_eplb_one");
   std::string metrics;
-  const auto ranks = answers({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep", "2", "--enable-eplb",
-                              "--ep-num-redundant-experts", "2", "--eplb-rebalance-num-iterations", "2"},
-                             "gpu_serve_eplb_ranks", &metrics);
+  const auto ranks = serve_greedy_answers({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep", "2", "--enable-eplb",
+                                           "--ep-num-redundant-experts", "2", "--eplb-rebalance-num-iterations", "2"},
+                                          "gpu_serve_eplb_ranks", &metrics);
   EXPECT_EQ(ranks, one);
   // A number once a rebalance has measured the window (NaN before).
   const std::string key = "\nfulcrum_eplb_balancedness_mean ";

@@ -7,9 +7,6 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_check.hpp"
 #include "comm/host_staged_exchange.hpp"
@@ -17,10 +14,8 @@
 #include "eplb/error.hpp"
 #include "gpu_engine_ep_util.hpp"
 #include "gpu_engine_test_util.hpp"
-#include "http_raw_client.hpp"
 #include "model_test_util.hpp"
 #include "moe_cuda_test_util.hpp"
-#include "server_process.hpp"
 
 namespace fulcrum::test {
 namespace {
@@ -168,35 +163,9 @@ TEST(GpuEngineEp, GenerateOnRankThreadsPrintsTheOneGpuTokens) {
 // (server::GpuRanksExecutor, one attention-DP group per rank) answer 4 concurrent greedy requests with the tokens a
 // one-GPU `serve --device cuda` gives them.
 TEST(GpuEngineEp, ServeOnRankThreadsAnswersAsOneGpu) {
-  const std::string model = golden_model_dir("qwen3moe-tiny-128e");
-  constexpr int kClients = 4, kMaxTokens = 6;
-  const auto answers = [&](const std::vector<std::string>& layout, const std::string& name) {
-    const TempDir tmp(name);
-    std::vector<std::string> flags = {"--device", "cuda", "--kv-pages", "64", "--max-running-requests", "4"};
-    flags.insert(flags.end(), layout.begin(), layout.end());
-    ServerProcess server(model, flags, tmp.path() + "/serve.log");
-    std::vector<std::vector<int32_t>> tokens(kClients);
-    std::vector<std::thread> clients;
-    for (int c = 0; c < kClients; ++c) {
-      clients.emplace_back([&, c] {
-        std::vector<int32_t> prompt;
-        for (int i = 0; i < 5 + 9 * c; ++i) prompt.push_back((31 * c + 101 * i + 3) % 256);
-        const std::string body = nlohmann::json{{"prompt", prompt}, {"max_tokens", kMaxTokens}, {"temperature", 0},
-                                                {"ignore_eos", true}}.dump();
-        const std::optional<RawResponse> response = post_json(server.port(), "/v1/completions", body);
-        ASSERT_TRUE(response.has_value()) << server.log();
-        ASSERT_EQ(response->status, 200) << response->body << "\n" << server.log();
-        tokens[static_cast<size_t>(c)] =
-            nlohmann::json::parse(response->body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
-      });
-    }
-    for (std::thread& t : clients) t.join();
-    if (!layout.empty()) EXPECT_NE(server.log().find("GPU engine ranks"), std::string::npos) << server.log();
-    return tokens;
-  };
-  const auto one = answers({}, "gpu_serve_one");
-  const auto ranks = answers({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep", "2"}, "gpu_serve_ep");
-  for (const auto& t : one) EXPECT_EQ(t.size(), static_cast<size_t>(kMaxTokens));
+  const auto one = serve_greedy_answers({}, "gpu_serve_one");
+  const auto ranks = serve_greedy_answers({"--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep", "2"}, "gpu_serve_ep");
+  for (const auto& t : one) EXPECT_EQ(t.size(), static_cast<size_t>(kServeMaxTokens));
   EXPECT_EQ(ranks, one);
 }
 

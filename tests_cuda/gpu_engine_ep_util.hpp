@@ -5,12 +5,20 @@
 // (source rank, slot) instead of per slot, so the GEMMs may sum in another order and round the expert rows to bf16
 // elsewhere: the batching argument of gpu_engine_test.cpp, kEpRelTolerance = 0.01 on logits.
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <thread>
 #include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "eplb/placement.hpp"
 #include "gpu/gpu_engine.hpp"
 #include "gpu_engine_test_util.hpp"
+#include "http_raw_client.hpp"
 #include "model_test_util.hpp"
+#include "server_process.hpp"
 
 namespace fulcrum::test {
 
@@ -54,6 +62,41 @@ inline eplb::Placement moved_placement(const model::Qwen3MoeConfig& config, int 
 // Prompts of awkward lengths: rank 0 runs the first two, rank 1 the last two (a one-token prompt among them).
 inline std::vector<std::vector<int32_t>> ep_prompts(int vocab) {
   return {random_tokens(300, vocab, 1), random_tokens(17, vocab, 2), random_tokens(1, vocab, 3), random_tokens(45, vocab, 4)};
+}
+
+constexpr int kServeClients = 4, kServeMaxTokens = 6;
+
+// `serve --device cuda` on the golden tiny model with `layout`'s extra flags: kServeClients concurrent greedy requests
+// (prompts of 5, 14, 23, 32 tokens, kServeMaxTokens each), each one's tokens; with `metrics`, /metrics after them.
+inline std::vector<std::vector<int32_t>> serve_greedy_answers(const std::vector<std::string>& layout,
+                                                              const std::string& name, std::string* metrics = nullptr) {
+  const TempDir tmp(name);
+  std::vector<std::string> flags = {"--device", "cuda", "--kv-pages", "64", "--max-running-requests", "4"};
+  flags.insert(flags.end(), layout.begin(), layout.end());
+  ServerProcess server(golden_model_dir("qwen3moe-tiny-128e"), flags, tmp.path() + "/serve.log");
+  std::vector<std::vector<int32_t>> tokens(kServeClients);
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kServeClients; ++c) {
+    clients.emplace_back([&, c] {
+      std::vector<int32_t> prompt;
+      for (int i = 0; i < 5 + 9 * c; ++i) prompt.push_back((31 * c + 101 * i + 3) % 256);
+      const std::string body = nlohmann::json{{"prompt", prompt}, {"max_tokens", kServeMaxTokens}, {"temperature", 0},
+                                              {"ignore_eos", true}}.dump();
+      const std::optional<RawResponse> response = post_json(server.port(), "/v1/completions", body);
+      ASSERT_TRUE(response.has_value()) << server.log();
+      ASSERT_EQ(response->status, 200) << response->body << "\n" << server.log();
+      tokens[static_cast<size_t>(c)] =
+          nlohmann::json::parse(response->body)["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  if (!layout.empty()) EXPECT_NE(server.log().find("GPU engine ranks"), std::string::npos) << server.log();
+  if (metrics != nullptr) {
+    const std::optional<RawResponse> m = get_path(server.port(), "/metrics");
+    EXPECT_TRUE(m.has_value());
+    if (m.has_value()) *metrics = m->body;
+  }
+  return tokens;
 }
 
 }  // namespace fulcrum::test
