@@ -87,33 +87,6 @@ eplb::Placement second_placement(const model::Qwen3MoeConfig& config, int slots,
   return p;
 }
 
-// Each prompt's last logits on 2 EP ranks built at `start`, after apply_placement(`live`) when given (collective).
-std::vector<std::vector<float>> ep_logits_after(const model::Qwen3MoeConfig& config, const eplb::Placement& start,
-                                                const eplb::Placement* live, std::array<int64_t, kRanks>* moved) {
-  const std::vector<std::vector<int32_t>> prompts = ep_prompts(config.vocab_size);
-  std::array<std::vector<std::vector<float>>, kRanks> per_rank;
-  comm::run_in_process(kRanks, [&](int rank, comm::Communicator& comm) {
-    FULCRUM_CUDA_CHECK(cudaSetDevice(0));
-    comm::HostStagedExchange exchange(comm, 0);
-    gpu::GpuEngineOptions o = ep_options();
-    o.ep = &exchange;
-    o.placement = start;
-    gpu::GpuEngine engine(config, o);
-    engine.fill_random(21);
-    const std::vector<std::vector<int32_t>> mine = {prompts[2 * rank], prompts[2 * rank + 1]};
-    if (live != nullptr) {
-      (void)last_logits_together(engine, mine, 10 * rank);  // a step at the start placement first
-      const int64_t n = engine.apply_placement(*live);
-      if (moved != nullptr) (*moved)[static_cast<size_t>(rank)] = n;
-      EXPECT_EQ(engine.placement().physical_to_logical_map, live->physical_to_logical_map);
-    }
-    per_rank[static_cast<size_t>(rank)] = last_logits_together(engine, mine, 20 + 10 * rank);
-  });
-  std::vector<std::vector<float>> all;
-  for (const auto& r : per_rank) all.insert(all.end(), r.begin(), r.end());
-  return all;
-}
-
 // EP ranks started at one placement and moved live to another give the logits, bit for bit, of EP ranks built at the
 // second, and both stay within kEpRelTolerance of one GPU; each rank received slots.
 TEST(GpuEngineEpEplb, LivePlacementOnRanksEqualsRanksBuiltAtIt) {
@@ -122,8 +95,9 @@ TEST(GpuEngineEpEplb, LivePlacementOnRanksEqualsRanksBuiltAtIt) {
   const int slots = config.num_experts + 8;
   const eplb::Placement first = moved_placement(config, slots, kRanks), second = second_placement(config, slots, kRanks);
   std::array<int64_t, kRanks> moved{};
-  const std::vector<std::vector<float>> live = ep_logits_after(config, first, &second, &moved);
-  const std::vector<std::vector<float>> built = ep_logits_after(config, second, nullptr, nullptr);
+  const auto kStatic = eplb::DispatchAlgorithm::kStatic;
+  const std::vector<std::vector<float>> live = ep_logits(config, first, kStatic, false, &second, &moved);
+  const std::vector<std::vector<float>> built = ep_logits(config, second, kStatic, false);
   EXPECT_EQ(live, built);
   EXPECT_GT(moved[0], 0);
   EXPECT_GT(moved[1], 0);

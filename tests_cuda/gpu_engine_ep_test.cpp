@@ -20,34 +20,6 @@
 namespace fulcrum::test {
 namespace {
 
-// Every prompt's last logits on 2 EP ranks (rank r runs prompts 2r, 2r + 1; with rank_one_idle, rank 1 runs none and
-// joins with an empty batch), in prompt order; the idle rank's entries stay empty.
-std::vector<std::vector<float>> ep_logits(const model::Qwen3MoeConfig& config, const eplb::Placement& placement,
-                                          eplb::DispatchAlgorithm dispatch, bool rank_one_idle) {
-  const std::vector<std::vector<int32_t>> prompts = ep_prompts(config.vocab_size);
-  std::array<std::vector<std::vector<float>>, kRanks> per_rank;
-  comm::run_in_process(kRanks, [&](int rank, comm::Communicator& comm) {
-    FULCRUM_CUDA_CHECK(cudaSetDevice(0));
-    comm::HostStagedExchange exchange(comm, 0);
-    gpu::GpuEngineOptions o = ep_options();
-    o.ep = &exchange;
-    o.placement = placement;
-    o.dispatch = dispatch;
-    gpu::GpuEngine engine(config, o);
-    engine.fill_random(21);
-    std::vector<std::vector<int32_t>> mine;
-    if (!(rank == 1 && rank_one_idle)) mine = {prompts[2 * rank], prompts[2 * rank + 1]};
-    per_rank[static_cast<size_t>(rank)] = mine.empty() ? std::vector<std::vector<float>>{}
-                                                       : last_logits_together(engine, mine, 10 * rank);
-    if (mine.empty()) EXPECT_TRUE(engine.forward_logits({}).empty());  // joined the layers' exchanges
-  });
-  std::vector<std::vector<float>> all(prompts.size());
-  for (int r = 0; r < kRanks; ++r) {
-    for (size_t i = 0; i < per_rank[static_cast<size_t>(r)].size(); ++i) all[2 * r + i] = per_rank[static_cast<size_t>(r)][i];
-  }
-  return all;
-}
-
 // Two EP ranks give each sequence the one-GPU engine's logits within kEpRelTolerance: the trivial placement, and
 // experts permuted with replicas under static and dynamic replica choice; and with rank 1 idle (empty batches).
 TEST(GpuEngineEp, RanksMatchTheOneGpuEngine) {

@@ -4,6 +4,7 @@
 // Tolerance: against the one-GPU engine on the same sequences, an EP rank's expert GEMMs group its rows per
 // (source rank, slot) instead of per slot, so the GEMMs may sum in another order and round the expert rows to bf16
 // elsewhere: the batching argument of gpu_engine_test.cpp, kEpRelTolerance = 0.01 on logits.
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -13,6 +14,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/cuda/cuda_check.hpp"
+#include "comm/host_staged_exchange.hpp"
+#include "comm/in_process_communicator.hpp"
 #include "eplb/placement.hpp"
 #include "gpu/gpu_engine.hpp"
 #include "gpu_engine_test_util.hpp"
@@ -62,6 +66,44 @@ inline eplb::Placement moved_placement(const model::Qwen3MoeConfig& config, int 
 // Prompts of awkward lengths: rank 0 runs the first two, rank 1 the last two (a one-token prompt among them).
 inline std::vector<std::vector<int32_t>> ep_prompts(int vocab) {
   return {random_tokens(300, vocab, 1), random_tokens(17, vocab, 2), random_tokens(1, vocab, 3), random_tokens(45, vocab, 4)};
+}
+
+// Every prompt's last logits on 2 EP ranks (rank r runs prompts 2r, 2r + 1; with rank_one_idle, rank 1 runs none and
+// joins with an empty batch), in prompt order; the idle rank's entries stay empty. With `live`, the ranks first take
+// one forward at `placement`, then apply_placement(*live) (collective; each rank's moved slots into *moved).
+inline std::vector<std::vector<float>> ep_logits(const model::Qwen3MoeConfig& config, const eplb::Placement& placement,
+                                                 eplb::DispatchAlgorithm dispatch, bool rank_one_idle,
+                                                 const eplb::Placement* live = nullptr,
+                                                 std::array<int64_t, kRanks>* moved = nullptr) {
+  const std::vector<std::vector<int32_t>> prompts = ep_prompts(config.vocab_size);
+  std::array<std::vector<std::vector<float>>, kRanks> per_rank;
+  comm::run_in_process(kRanks, [&](int rank, comm::Communicator& comm) {
+    FULCRUM_CUDA_CHECK(cudaSetDevice(0));
+    comm::HostStagedExchange exchange(comm, 0);
+    gpu::GpuEngineOptions o = ep_options();
+    o.ep = &exchange;
+    o.placement = placement;
+    o.dispatch = dispatch;
+    gpu::GpuEngine engine(config, o);
+    engine.fill_random(21);
+    std::vector<std::vector<int32_t>> mine;
+    if (!(rank == 1 && rank_one_idle)) mine = {prompts[2 * rank], prompts[2 * rank + 1]};
+    if (live != nullptr) {
+      if (!mine.empty()) (void)last_logits_together(engine, mine, 100 + 10 * rank);
+      if (mine.empty()) (void)engine.forward_logits({});
+      const int64_t n = engine.apply_placement(*live);
+      if (moved != nullptr) (*moved)[static_cast<size_t>(rank)] = n;
+      EXPECT_EQ(engine.placement().physical_to_logical_map, live->physical_to_logical_map);
+    }
+    per_rank[static_cast<size_t>(rank)] = mine.empty() ? std::vector<std::vector<float>>{}
+                                                       : last_logits_together(engine, mine, 10 * rank);
+    if (mine.empty()) EXPECT_TRUE(engine.forward_logits({}).empty());  // joined the layers' exchanges
+  });
+  std::vector<std::vector<float>> all(prompts.size());
+  for (int r = 0; r < kRanks; ++r) {
+    for (size_t i = 0; i < per_rank[static_cast<size_t>(r)].size(); ++i) all[2 * r + i] = per_rank[static_cast<size_t>(r)][i];
+  }
+  return all;
 }
 
 constexpr int kServeClients = 4, kServeMaxTokens = 6;
