@@ -34,9 +34,10 @@ GpuRankEplb::GpuRankEplb(GpuEngine& engine, comm::DeviceExchange& exchange, eplb
 }
 
 eplb::LoadMatrix GpuRankEplb::merged_window_loads() {
-  std::vector<int64_t> window = engine_.expert_counts();  // the one host read of the window
-  for (size_t i = 0; i < window.size(); ++i) window[i] -= baseline_[i];
-  baseline_ = engine_.expert_counts();
+  const std::vector<int64_t> now = engine_.expert_counts();  // the one host read of the window
+  std::vector<int64_t> window(now.size());
+  for (size_t i = 0; i < now.size(); ++i) window[i] = now[i] - baseline_[i];
+  baseline_ = now;
   const std::vector<int64_t> all = gather_all(exchange_, window);
   const eplb::Placement& placement = engine_.placement();
   eplb::LoadMatrix loads(placement.num_layers, placement.num_logical_experts);
