@@ -1,8 +1,11 @@
 #include "gpu/gpu_rank_eplb.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <span>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "eplb/error.hpp"
 
@@ -63,7 +66,16 @@ std::optional<eplb_runtime::RebalanceReport> GpuRankEplb::after_step() {
   last_window_ = merged_window_loads();
   eplb_runtime::RebalanceReport report = manager_.rebalance(last_window_);
   check_same_placement(manager_.placement());
-  if (!report.skipped) slots_moved_ += engine_.apply_placement(manager_.placement());
+  if (report.skipped) return report;
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t received = engine_.apply_placement(manager_.placement());
+  slots_moved_ += received;
+  const double ms = 1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // The pause the migration puts between two steps (every rank waits for the slowest in the exchange).
+  if (manager_.options().log) {
+    manager_.options().log(fmt::format("rebalance {}: slots migrated between two steps in {:.1f} ms ({} received by rank {})",
+                                       report.rebalance_idx, ms, received, exchange_.rank()));
+  }
   return report;
 }
 
