@@ -162,14 +162,7 @@ void generate_on_gpu_ranks(const std::string& model_dir, const model::Qwen3MoeCo
     std::optional<gpu::GpuRankEplb> eplb;
     if (run.eplb.enabled) {
       eplb_runtime::ManagerOptions manager = engine::manager_options_of(run.eplb);
-      manager.log = [r, log = run.eplb.log](const std::string& line) {
-        if (r != 0) return;
-        if (log) {
-          log(line);
-        } else {
-          fmt::print(stderr, "[eplb] {}\n", line);
-        }
-      };
+      manager.log = engine::eplb_log_of(run.eplb, /*this_rank_logs=*/r == 0);
       eplb.emplace(engine, exchange, std::move(manager));
       ranks[ur].after_step = [&eplb] { eplb->after_step(); };
     }

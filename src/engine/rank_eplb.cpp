@@ -30,6 +30,12 @@ eplb_runtime::ManagerOptions manager_options_of(const EplbSettings& settings) {
   return options;
 }
 
+std::function<void(const std::string&)> eplb_log_of(const EplbSettings& settings, bool this_rank_logs) {
+  if (!this_rank_logs) return [](const std::string&) {};
+  if (settings.log) return settings.log;
+  return [](const std::string& line) { std::fprintf(stderr, "[eplb] %s\n", line.c_str()); };
+}
+
 std::string why_eplb_cannot_run(const ParallelLayout& layout, const model::Qwen3MoeConfig& config) {
   if (config.moe_layer_indices().empty()) return "the model has no MoE layer";
   if (layout.ep() == 1) return "a single EP rank (--ep 1) has nothing to balance across";
@@ -78,7 +84,7 @@ RankEplb::RankEplb(RankEngine& engine, comm::Communicator& world, model::Backend
   // Reports count whole slots (every slice), fp32 as the CPU backend holds them.
   manager_options.bytes_per_slot = int64_t{3} * config.moe_intermediate_size * config.hidden_size * int64_t{sizeof(float)};
   if (world.rank() == 0) {
-    log_ = settings.log ? settings.log : [](const std::string& line) { std::fprintf(stderr, "[eplb] %s\n", line.c_str()); };
+    log_ = eplb_log_of(settings, /*this_rank_logs=*/true);
   }
   // The manager's lines wait for the end of the pass, so the rebalance line can carry the step's time.
   manager_options.log = [this](const std::string& line) { manager_lines_.push_back(line); };

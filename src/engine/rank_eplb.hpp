@@ -40,6 +40,9 @@ void validate_eplb_settings(const EplbSettings& settings);
 // The manager's options of these settings (cadence, chunk size, skip threshold); bytes_per_slot and log are left
 // to the caller.
 eplb_runtime::ManagerOptions manager_options_of(const EplbSettings& settings);
+// Where a rank's EPLB lines go: settings.log, or stderr as "[eplb] LINE" when it is empty; nowhere on a rank that
+// does not log (only world rank 0 does).
+std::function<void(const std::string&)> eplb_log_of(const EplbSettings& settings, bool this_rank_logs);
 
 // Why EPLB cannot run with this layout and model ("" when it can): a single EP rank, no MoE layer.
 std::string why_eplb_cannot_run(const ParallelLayout& layout, const model::Qwen3MoeConfig& config);

@@ -329,7 +329,7 @@ void GpuEngine::point_moe_layer_at_slots(int m) {
 
 int64_t GpuEngine::apply_placement(const eplb::Placement& next) {
   const eplb::Placement& now = weights_->placement();
-  FULCRUM_CHECK(!moe_.empty() || !ep_moe_.empty(), "GPU engine: a placement for a model without MoE layers");
+  FULCRUM_CHECK(num_moe_layers() > 0, "GPU engine: a placement for a model without MoE layers");
   FULCRUM_CHECK(next.num_layers == now.num_layers && next.num_logical_experts == now.num_logical_experts &&
                     next.num_physical_experts() == now.num_physical_experts() && next.topology.num_gpus == ep_size(),
                 "GPU engine: a placement of {} layers x {} slots for {} experts on {} GPUs; this engine runs {} x {} "

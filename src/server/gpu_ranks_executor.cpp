@@ -121,14 +121,7 @@ void GpuRanksExecutor::rank_main(int r, comm::Communicator& comm, const GpuExecu
     fill_gpu_engine(*engine, options, /*report_progress=*/r == 0);
     if (options.run.eplb.enabled) {
       eplb_runtime::ManagerOptions manager = engine::manager_options_of(options.run.eplb);
-      manager.log = [r, log = options.run.eplb.log](const std::string& line) {
-        if (r != 0) return;
-        if (log) {
-          log(line);
-        } else {
-          fmt::print(stderr, "[eplb] {}\n", line);
-        }
-      };
+      manager.log = engine::eplb_log_of(options.run.eplb, /*this_rank_logs=*/r == 0);
       eplb = std::make_unique<gpu::GpuRankEplb>(*engine, *exchange, std::move(manager));
       me.eplb = eplb.get();
     }

@@ -17,7 +17,8 @@
 // per-SM TMA descriptors and those arrays: calls that share one must be ordered (one stream). The MoE expert pair
 // (gate_up, SwiGLU, down) can instead write both GEMMs' arrays in one setup launch (setup_grouped_gemm_pair, into
 // the workspace's two array regions) and then launch each GEMM alone (launch_grouped_gemm): one kernel less between
-// the GEMMs (0.5-0.9% faster decode steps at batch 8-64 on an H100, docs/benchmarks.md, session 42). The GEMMs
+// the GEMMs (decode steps 0.5-0.9% faster at batch 8-16 and 0.2-0.5% at 64 on an H100, docs/benchmarks.md, session
+// 42). The GEMMs
 // are ordinary launches: CUTLASS's sm90 ptr-array kernels issue no griddepcontrol.wait (a wrapper that waited
 // first and launched them as programmatic dependents measured no faster, nor did gathering the decode rows inside
 // the setup launch; both removed).
